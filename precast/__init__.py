@@ -1,0 +1,13 @@
+"""precast: compile-once / execute-many CuTe DSL kernels for generative-recommender and
+linear-attention models."""
+__version__ = "0.1.0"
+
+from .lifecycle.tensor_desc import TensorDesc  # noqa: E402
+from .lifecycle.op import OP_REGISTRY, Op  # noqa: E402
+from .lifecycle.cache import ArtifactCache, ArtifactMissing, default_cache  # noqa: E402
+from .lifecycle.lmsd import HstuLmsdBwdSm90, HstuLmsdFwdSm90  # noqa: E402
+from .hstu_lmsd import hstu_lmsd, hstu_lmsd_backward, hstu_lmsd_forward  # noqa: E402
+
+__all__ = ["TensorDesc", "Op", "OP_REGISTRY", "ArtifactCache", "ArtifactMissing", "default_cache",
+           "HstuLmsdFwdSm90", "HstuLmsdBwdSm90", "hstu_lmsd_forward", "hstu_lmsd_backward",
+           "hstu_lmsd"]

@@ -1,0 +1,1 @@
+"""CuTe DSL kernels (no torch here): imported only where nvidia-cutlass-dsl is installed."""

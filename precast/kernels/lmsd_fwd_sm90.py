@@ -1,0 +1,167 @@
+"""HSTU LayerNorm-Multiply-SiLU-Dropout forward for SM90 (memory bound, one pass).
+
+Per row: mean/rstd of x, ln = LN(x) * w + b, a = SiLU(u) or u, then up to three
+dropped-out segments written to y = [a?, x?, ln * a] and one int8 mask byte per
+element (bit 0 main, bit 1 x segment, bit 2 a segment).
+"""
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Int8, Uint32, Uint64, const_expr
+
+from .philox import philox4x32_10
+from .rowwise import VEC, RowTiling, row_sum, vector_copy_atom
+
+MAIN_BIT, X_BIT, A_BIT = 0, 1, 2
+
+
+class LmsdForwardSm90:
+    def __init__(self, dtype, dim: int, apply_u_silu: bool, concat_u: bool, concat_x: bool,
+                 use_dropout: bool):
+        self.dtype = dtype
+        self.dim = dim
+        self.apply_u_silu = apply_u_silu
+        self.concat_u = concat_u
+        self.concat_x = concat_x
+        self.use_dropout = use_dropout
+        self.tiling = RowTiling(dim, vecs_per_thread_target=2)
+        # Segment slots in y, in output order.
+        self.a_seg = 0 if concat_u else None
+        self.x_seg = (1 if concat_u else 0) if concat_x else None
+        self.main_seg = int(concat_u) + int(concat_x)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mU: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor,
+                 mY: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor, mMask: cute.Tensor,
+                 eps: Float32, keep_threshold: Int64, keep_scale: Float32, seed: Int64,
+                 stream: cuda.CUstream):
+        t = self.tiling
+        num_rows = mX.shape[0]
+        grid_x = (num_rows + t.rows_per_cta - 1) // t.rows_per_cta
+        self.kernel(mX, mU, mW, mB, mY, mMean, mRstd, mMask, eps, keep_threshold, keep_scale,
+                    seed).launch(grid=[grid_x, 1, 1], block=[t.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mU: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor,
+               mY: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor, mMask: cute.Tensor,
+               eps: Float32, keep_threshold: Int64, keep_scale: Float32, seed: Int64):
+        t = self.tiling
+        tpr = const_expr(t.threads_per_row)
+        vpt = const_expr(t.vecs_per_thread)
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % tpr
+        row = bidx * t.rows_per_cta + tidx // tpr
+        row_ok = row < mX.shape[0]
+        row_c = row if row_ok else Int32(0)  # keeps address arithmetic in bounds
+
+        sbuf = None
+        if const_expr(t.warps_per_row > 1):
+            smem = cutlass.utils.SmemAllocator()
+            sbuf = smem.allocate_tensor(
+                Float32, cute.make_layout((t.rows_per_cta, t.warps_per_row, 2)), byte_alignment=16)
+
+        atom = vector_copy_atom(self.dtype, VEC)
+        frag = cute.make_layout((VEC, vpt))
+        rX = cute.make_rmem_tensor(frag, self.dtype)
+        rU = cute.make_rmem_tensor(frag, self.dtype)
+        rW = cute.make_rmem_tensor(frag, self.dtype)
+        rB = cute.make_rmem_tensor(frag, self.dtype)
+        rX.fill(0.0)
+        rU.fill(0.0)
+        rW.fill(0.0)
+        rB.fill(0.0)
+        gX = mX[row_c, None]
+        gU = mU[row_c, None]
+        gY = mY[row_c, None]
+        for v in cutlass.range_constexpr(vpt):
+            j = lane + v * tpr
+            if row_ok and (const_expr(t.even) or j < t.num_vecs):
+                cute.copy(atom, cute.local_tile(gX, (VEC,), (j,)), rX[None, v])
+                cute.copy(atom, cute.local_tile(gU, (VEC,), (j,)), rU[None, v])
+        for v in cutlass.range_constexpr(vpt):
+            j = lane + v * tpr
+            if const_expr(t.even) or j < t.num_vecs:
+                cute.copy(atom, cute.local_tile(mW, (VEC,), (j,)), rW[None, v])
+                cute.copy(atom, cute.local_tile(mB, (VEC,), (j,)), rB[None, v])
+
+        x = cute.make_rmem_tensor(frag, Float32)
+        x.store(rX.load().to(Float32))
+        partial = Float32(0.0)
+        for i in cutlass.range_constexpr(VEC * vpt):
+            partial = partial + x[i]
+        mean = row_sum(partial, t, sbuf, 0) * Float32(1.0 / self.dim)
+        partial = Float32(0.0)
+        for v in cutlass.range_constexpr(vpt):
+            sq = Float32(0.0)
+            for e in cutlass.range_constexpr(VEC):
+                d = x[e, v] - mean
+                sq = sq + d * d
+            if const_expr(t.even):
+                partial = partial + sq
+            else:
+                # Unloaded vectors hold zeros; they must not add mean^2 to the variance.
+                if lane + v * tpr < t.num_vecs:
+                    partial = partial + sq
+        var = row_sum(partial, t, sbuf, 1) * Float32(1.0 / self.dim)
+        rstd = cute.math.rsqrt(var + eps)
+        if row_ok and lane == 0:
+            mMean[row] = mean
+            mRstd[row] = rstd
+
+        k0 = Uint32(0)
+        k1 = Uint32(0)
+        threshold = Uint32(0)
+        if const_expr(self.use_dropout):
+            k0 = Uint32(seed)
+            k1 = Uint32(seed >> Int64(32))
+            threshold = Uint32(keep_threshold)
+
+        rY = cute.make_rmem_tensor(frag, self.dtype)
+        rM = cute.make_rmem_tensor(frag, Int8)
+        mask_atom = vector_copy_atom(Int8, VEC)
+        gM = mMask[row_c, None] if const_expr(self.use_dropout) else None
+        for v in cutlass.range_constexpr(vpt):
+            j = lane + v * tpr
+            a = cute.make_rmem_tensor((VEC,), Float32)
+            main = cute.make_rmem_tensor((VEC,), Float32)
+            for e in cutlass.range_constexpr(VEC):
+                u = rU[e, v].to(Float32)
+                if const_expr(self.apply_u_silu):
+                    u = u * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-u, fastmath=True))
+                a[e] = u
+                ln = (x[e, v] - mean) * rstd * rW[e, v].to(Float32) + rB[e, v].to(Float32)
+                main[e] = ln * u
+            bits = cute.make_rmem_tensor((VEC,), Int32)
+            for e in cutlass.range_constexpr(VEC):
+                bits[e] = Int32(0)
+            segments = [(self.main_seg, MAIN_BIT, main)]
+            if const_expr(self.concat_x):
+                segments.append((self.x_seg, X_BIT, None))
+            if const_expr(self.concat_u):
+                segments.append((self.a_seg, A_BIT, a))
+            for seg, plane, vals in segments:
+                keep = cute.make_rmem_tensor((VEC,), Float32)
+                if const_expr(self.use_dropout):
+                    # Counter (row, column // 4, plane, 0); word column % 4.
+                    for half in cutlass.range_constexpr(2):
+                        w = philox4x32_10(Uint32(row_c), Uint32(j * 2 + half), Uint32(plane),
+                                          Uint32(0), k0, k1)
+                        for q in cutlass.range_constexpr(4):
+                            kept = w[q] >= threshold
+                            keep[half * 4 + q] = keep_scale if kept else Float32(0.0)
+                            bits[half * 4 + q] = bits[half * 4 + q] | (
+                                Int32(1 << plane) if kept else Int32(0))
+                for e in cutlass.range_constexpr(VEC):
+                    val = vals[e] if const_expr(vals is not None) else x[e, v]
+                    if const_expr(self.use_dropout):
+                        val = val * keep[e]
+                    rY[e, v] = val.to(self.dtype)
+                if row_ok and (const_expr(t.even) or j < t.num_vecs):
+                    cute.copy(atom, rY[None, v], cute.local_tile(gY, (VEC,), (seg * t.num_vecs + j,)))
+            if const_expr(self.use_dropout):
+                for e in cutlass.range_constexpr(VEC):
+                    rM[e, v] = Int8(bits[e])
+                if row_ok and (const_expr(t.even) or j < t.num_vecs):
+                    cute.copy(mask_atom, rM[None, v], cute.local_tile(gM, (VEC,), (j,)))

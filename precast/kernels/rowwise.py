@@ -1,0 +1,87 @@
+"""Shared pieces of the row-wise (one row = one LayerNorm) memory-bound kernels.
+
+A row of D elements is cut into 16-byte vectors of VEC elements. A group of
+``threads_per_row`` threads owns a row; thread ``t`` of the group owns vectors
+t, t + threads_per_row, t + 2 * threads_per_row, ... so that each warp-wide load
+is contiguous. Row sums use warp shuffles and, when a row spans several warps, a
+small shared-memory exchange.
+"""
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+VEC = 8  # elements of a 16-bit dtype in one 16-byte access
+WARP = 32
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class RowTiling:
+    """How threads cover rows for a given D (a multiple of VEC)."""
+
+    dim: int
+    vecs_per_thread_target: int
+    min_threads: int = 128
+
+    @property
+    def num_vecs(self) -> int:
+        return self.dim // VEC
+
+    @property
+    def threads_per_row(self) -> int:
+        return _next_pow2(-(-self.num_vecs // self.vecs_per_thread_target))
+
+    @property
+    def vecs_per_thread(self) -> int:
+        return -(-self.num_vecs // self.threads_per_row)
+
+    @property
+    def num_threads(self) -> int:
+        return max(self.min_threads, self.threads_per_row)
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.num_threads // self.threads_per_row
+
+    @property
+    def warps_per_row(self) -> int:
+        return max(1, self.threads_per_row // WARP)
+
+    @property
+    def even(self) -> bool:
+        """Every thread's vectors are all inside the row (no column predicate)."""
+        return self.num_vecs % self.threads_per_row == 0
+
+
+@cute.jit
+def row_sum(val: Float32, tiling: cutlass.Constexpr, sbuf: cute.Tensor, slot: cutlass.Constexpr):
+    """Sum of ``val`` over the threads of one row group; every thread gets the total.
+
+    ``sbuf`` is a (rows_per_cta, warps_per_row, slots) fp32 shared tensor, used only
+    when a row spans several warps; each slot is written once between barriers.
+    """
+    lanes = cutlass.const_expr(min(tiling.threads_per_row, WARP))
+    val = cute.arch.warp_reduction(val, lambda a, b: a + b, threads_in_group=lanes)
+    if cutlass.const_expr(tiling.warps_per_row > 1):
+        tidx, _, _ = cute.arch.thread_idx()
+        row_in_cta = tidx // tiling.threads_per_row
+        warp_in_row = (tidx % tiling.threads_per_row) // WARP
+        if cute.arch.lane_idx() == 0:
+            sbuf[row_in_cta, warp_in_row, slot] = val
+        cute.arch.barrier()
+        val = Float32(0.0)
+        for w in cutlass.range_constexpr(tiling.warps_per_row):
+            val = val + sbuf[row_in_cta, w, slot]
+    return val
+
+
+def vector_copy_atom(dtype, num_elems: int):
+    """A copy atom moving ``num_elems`` contiguous elements as one access."""
+    return cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=num_elems * dtype.width
+    )

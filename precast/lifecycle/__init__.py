@@ -1,0 +1,1 @@
+"""Descriptors, the op base class, the artifact cache, launching, and the op classes."""

@@ -1,0 +1,95 @@
+"""Loading exported kernels and turning user streams into raw CUDA stream handles."""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+_RUNTIME_LIB = "libcute_dsl_runtime.so"
+_runtime_loaded = False
+
+
+def _runtime_candidates():
+    if os.environ.get("PRECAST_CUTE_RUNTIME"):
+        yield Path(os.environ["PRECAST_CUTE_RUNTIME"])
+    try:  # the compiler's own copy, where the DSL is installed
+        import importlib.util
+        spec = importlib.util.find_spec("cutlass")
+        if spec and spec.origin:
+            root = Path(spec.origin).resolve().parents[2]
+            for sub in ("cu13", "cu12"):
+                yield root / sub / "lib" / _RUNTIME_LIB
+    except (ImportError, ValueError):
+        pass
+    for entry in os.environ.get("LD_LIBRARY_PATH", "").split(":"):
+        if entry:
+            yield Path(entry) / _RUNTIME_LIB
+
+
+def ensure_runtime_loaded() -> None:
+    """Exported kernels link against the CuTe DSL runtime library; make it resolvable.
+
+    Loaded RTLD_GLOBAL so that dlopen of each kernel library finds it whatever the rpath.
+    """
+    global _runtime_loaded
+    if _runtime_loaded:
+        return
+    import tvm_ffi  # noqa: F401  (loads libtvm_ffi globally)
+    errors = []
+    for path in _runtime_candidates():
+        if path.is_file():
+            try:
+                ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+                _runtime_loaded = True
+                return
+            except OSError as exc:
+                errors.append(f"{path}: {exc}")
+    try:
+        ctypes.CDLL(_RUNTIME_LIB, mode=ctypes.RTLD_GLOBAL)
+        _runtime_loaded = True
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot load {_RUNTIME_LIB}, which precompiled kernels need: install "
+            "nvidia-cutlass-dsl[cu13], or put the library on LD_LIBRARY_PATH or name it in "
+            f"PRECAST_CUTE_RUNTIME ({'; '.join(errors) or exc})") from exc
+
+
+def load_kernel(path: Path, symbol: str):
+    """Returns the callable exported as ``symbol`` by the shared library at ``path``."""
+    ensure_runtime_loaded()
+    import tvm_ffi
+    module = tvm_ffi.load_module(str(path))
+    return module[symbol]
+
+
+def stream_handle(stream: Any = None) -> int:
+    """A raw ``CUstream`` handle (int) from None (the current torch stream), a
+    ``torch.cuda.Stream``, a cuda-python ``CUstream``, a ``cuda.core`` stream or an int."""
+    if stream is None:
+        import torch
+        return torch.cuda.current_stream().cuda_stream
+    if isinstance(stream, int):
+        return stream
+    cuda_stream = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream / ExternalStream
+    if isinstance(cuda_stream, int):
+        return cuda_stream
+    protocol = getattr(stream, "__cuda_stream__", None)  # cuda.core and other libraries
+    if protocol is not None:
+        value = protocol() if callable(protocol) else protocol
+        return int(value[1])
+    handle = getattr(stream, "handle", None)
+    if handle is not None and handle is not stream:
+        return stream_handle(handle)
+    try:  # cuda.bindings.driver.CUstream and other int-convertible handles
+        return int(stream)
+    except (TypeError, ValueError):
+        pass
+    raise TypeError(
+        f"unsupported stream {type(stream).__name__}: pass None (current torch stream), a "
+        "torch.cuda.Stream, a cuda.bindings.driver.CUstream, a cuda.core Stream or an int handle")
+
+
+def current_device_index(default: Optional[int] = None) -> int:
+    import torch
+    return torch.cuda.current_device() if default is None else default

@@ -1,0 +1,394 @@
+"""HSTU LayerNorm-Multiply-SiLU-Dropout (LMSD) ops for SM90: HstuLmsdFwdSm90, HstuLmsdBwdSm90."""
+from __future__ import annotations
+
+import functools
+from typing import Dict, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..reference.philox import keep_threshold
+from .cache import KernelBuilder
+from .launch import stream_handle
+from .op import Op
+from .tensor_desc import TensorDesc, dtype_name, parse_dtype
+from .validation import (check_finite, check_int64, check_no_overlap, check_same_device,
+                         check_tensor, check_value)
+
+LMSD_DTYPES = (torch.bfloat16, torch.float16)
+LMSD_MIN_DIM, LMSD_MAX_DIM, LMSD_DIM_MULTIPLE = 8, 4096, 8
+ROW_MULTIPLE = 8  # elements of a 16-bit dtype per 16-byte row alignment
+BWD_CTAS_PER_SM = 2  # persistent backward grid (fits the kernel's register use)
+_SM90_SOURCES = ("precast.kernels.rowwise", "precast.kernels.philox")
+
+
+def segment_count(concat_u: bool, concat_x: bool) -> int:
+    return 1 + int(bool(concat_u)) + int(bool(concat_x))
+
+
+def check_dropout_ratio(dropout_ratio) -> float:
+    p = check_finite("dropout_ratio", dropout_ratio, lo=0.0)
+    check_value(np.float32(p) < 1.0, ValueError,
+                f"dropout_ratio must be < 1 after float32 conversion, got {dropout_ratio}")
+    return p
+
+
+@functools.lru_cache(maxsize=64)
+def dropout_scalars(p: float) -> Tuple[int, float]:
+    """(keep threshold on the uint32 Philox word, scale of kept values)."""
+    return keep_threshold(p), 1.0 / (1.0 - p)
+
+
+def check_dim(dim: int) -> None:
+    if dim % LMSD_DIM_MULTIPLE:
+        raise ValueError(f"D = {dim} must be a multiple of {LMSD_DIM_MULTIPLE}")
+    if dim < LMSD_MIN_DIM:
+        raise ValueError(f"D = {dim} must be at least {LMSD_MIN_DIM}")
+    if dim > LMSD_MAX_DIM:
+        raise NotImplementedError(f"D = {dim} is above the supported maximum {LMSD_MAX_DIM}")
+
+
+def _desc(t) -> Optional[TensorDesc]:
+    return None if t is None else TensorDesc.from_tensor(t)
+
+
+def _bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+class _LmsdBase(Op):
+    supported_archs = ("sm_90a",)
+
+    def _init_common(self, dtype, dim, dropout_ratio, apply_u_silu, concat_u, concat_x):
+        self.dtype = dtype
+        self.dim = dim
+        self.dropout_ratio = dropout_ratio
+        self.apply_u_silu = apply_u_silu
+        self.concat_u = concat_u
+        self.concat_x = concat_x
+
+    @property
+    def segments(self) -> int:
+        return segment_count(self.concat_u, self.concat_x)
+
+    @property
+    def use_dropout(self) -> bool:
+        return float(self.dropout_ratio) != 0.0
+
+    def _check_common(self) -> float:
+        for name in ("apply_u_silu", "concat_u", "concat_x"):
+            _bool(name, getattr(self, name))
+        if self.dtype not in LMSD_DTYPES:
+            raise TypeError(f"x: dtype {dtype_name(self.dtype)} is not supported; expected "
+                            "bfloat16 or float16")
+        check_dim(self.dim)
+        return check_dropout_ratio(self.dropout_ratio)
+
+    def _rows(self, name, t, cols, *, contiguous=False, dtypes=None):
+        return check_tensor(name, t, dtypes=dtypes or (self.dtype,), shape=(None, cols),
+                            row_multiple=ROW_MULTIPLE, contiguous=contiguous)
+
+    def _vector(self, name, t, length, dtype=None, align=16):
+        return check_tensor(name, t, dtypes=(dtype or self.dtype,), shape=(length,),
+                            align=align, contiguous=True)
+
+    def _mask(self, mask, num_rows: int):
+        if self.use_dropout:
+            check_value(mask is not None, ValueError,
+                        "mask_tensor is required when dropout_ratio > 0")
+            shape = check_tensor("mask", mask, dtypes=(torch.int8,), shape=(None, self.dim),
+                                 contiguous=True)
+            self._same_rows("mask", shape, num_rows)
+        else:
+            check_value(mask is None, ValueError,
+                        "mask must be None when dropout_ratio == 0 (no dropout, no mask)")
+
+    @staticmethod
+    def _same_rows(name: str, shape, num_rows: int):
+        if shape[0] != num_rows:
+            raise ValueError(f"{name}: has {shape[0]} rows but x has {num_rows}")
+
+
+class HstuLmsdFwdSm90(_LmsdBase):
+    """y = [dropout(a)?, dropout(x)?, dropout(LN(x) * w + b) * a)], a = SiLU(u) or u.
+
+    Construct from sample tensors or TensorDescs (row counts and padded row strides are
+    runtime values: one compile serves every N), then check_support(), compile(),
+    execute(). ``dropout_ratio`` only selects dropout on/off at compile time; its value,
+    ``eps`` and ``seed`` may change per execute.
+    """
+
+    kernel_sources = ("precast.kernels.lmsd_fwd_sm90",) + _SM90_SOURCES
+
+    def __init__(self, sample_x, sample_u, sample_weight, sample_bias, sample_y=None,
+                 sample_mean=None, sample_rstd=None, sample_mask=None, *, eps: float = 1e-5,
+                 dropout_ratio: float = 0.0, apply_u_silu: bool = True, concat_u: bool = False,
+                 concat_x: bool = False):
+        super().__init__()
+        self.x, self.u = _desc(sample_x), _desc(sample_u)
+        self.weight, self.bias = _desc(sample_weight), _desc(sample_bias)
+        self._init_common(self.x.dtype, self.x.shape[-1] if self.x.ndim else 0, dropout_ratio,
+                          apply_u_silu, concat_u, concat_x)
+        n = self.x.shape[0] if self.x.ndim else 0
+        seg = self.segments
+        self.y = _desc(sample_y) or TensorDesc(self.dtype, (n, seg * self.dim))
+        self.mean = _desc(sample_mean) or TensorDesc(torch.float32, (n,))
+        self.rstd = _desc(sample_rstd) or TensorDesc(torch.float32, (n,))
+        self.mask = _desc(sample_mask)
+        if self.mask is None and self.use_dropout and sample_mask is None:
+            self.mask = TensorDesc(torch.int8, (n, self.dim))
+        self.eps = eps
+        self._samples = dict(x=sample_x, u=sample_u, weight=sample_weight, bias=sample_bias,
+                             y=sample_y, mean=sample_mean, rstd=sample_rstd, mask=sample_mask)
+
+    def static_config(self) -> Dict[str, object]:
+        return {"dtype": dtype_name(self.dtype), "dim": self.dim, "apply_u_silu": self.apply_u_silu,
+                "concat_u": self.concat_u, "concat_x": self.concat_x,
+                "dropout": self.use_dropout}
+
+    @classmethod
+    def from_config(cls, dtype="bfloat16", dim=512, apply_u_silu=True, concat_u=False,
+                    concat_x=False, dropout=True):
+        dt = parse_dtype(dtype)
+        rows = TensorDesc(dt, (1024, dim))
+        vec = TensorDesc(dt, (dim,))
+        return cls(rows, rows, vec, vec, dropout_ratio=0.5 if dropout else 0.0,
+                   apply_u_silu=apply_u_silu, concat_u=concat_u, concat_x=concat_x)
+
+    def _check(self) -> None:
+        self._check_common()
+        check_finite("eps", self.eps, positive=True)
+        self._validate(self.x, self.u, self.weight, self.bias, self.y, self.mean, self.rstd,
+                       self.mask)
+        named = list(self._samples.items())
+        check_same_device(named)
+        check_no_overlap([(k, self._samples[k]) for k in ("y", "mean", "rstd", "mask")],
+                         [(k, self._samples[k]) for k in ("x", "u", "weight", "bias")])
+
+    def _validate(self, x, u, weight, bias, y, mean, rstd, mask) -> int:
+        """Every per-tensor rule; shared by check_support() and execute(). Returns N."""
+        (n, _) = self._rows("x", x, self.dim)
+        self._same_rows("u", self._rows("u", u, self.dim), n)
+        self._vector("weight", weight, self.dim)
+        self._vector("bias", bias, self.dim)
+        self._same_rows("y", self._rows("y", y, self.segments * self.dim), n)
+        self._same_rows("mean", self._vector("mean", mean, None, torch.float32, 4), n)
+        self._same_rows("rstd", self._vector("rstd", rstd, None, torch.float32, 4), n)
+        self._mask(mask, n)
+        return n
+
+    def _kernel_builders(self) -> Mapping[str, KernelBuilder]:
+        def build():
+            from ..kernels.fake import (cute_dtype, fake_rows, fake_stream, fake_vector,
+                                        rows_symbol, scalar)
+            from ..kernels.lmsd_fwd_sm90 import LmsdForwardSm90
+            import cutlass
+            dt = cute_dtype(dtype_name(self.dtype))
+            n = rows_symbol()
+            kernel = LmsdForwardSm90(dt, self.dim, self.apply_u_silu, self.concat_u,
+                                     self.concat_x, self.use_dropout)
+            mask = fake_rows(cutlass.Int8, n, self.dim, packed=True) if self.use_dropout else None
+            args = (fake_rows(dt, n, self.dim), fake_rows(dt, n, self.dim),
+                    fake_vector(dt, self.dim), fake_vector(dt, self.dim),
+                    fake_rows(dt, n, self.segments * self.dim),
+                    fake_vector(cutlass.Float32, n, align=4), fake_vector(cutlass.Float32, n, align=4), mask,
+                    scalar(cutlass.Float32, 1e-5), scalar(cutlass.Int64, 0),
+                    scalar(cutlass.Float32, 1.0), scalar(cutlass.Int64, 0), fake_stream())
+            return kernel, args
+        return {"fwd": build}
+
+    def execute(self, x, u, weight, bias, y, mean, rstd, mask=None, *, seed: int = 0,
+                eps: Optional[float] = None, dropout_ratio: Optional[float] = None, stream=None):
+        """Writes y, mean, rstd (and mask) for these inputs. Allocates nothing."""
+        if not self._checked:
+            self.check_support()
+        n = self._validate(x, u, weight, bias, y, mean, rstd, mask)
+        check_same_device([("x", x), ("u", u), ("weight", weight), ("bias", bias), ("y", y),
+                           ("mean", mean), ("rstd", rstd), ("mask", mask)])
+        check_no_overlap([("y", y), ("mean", mean), ("rstd", rstd), ("mask", mask)],
+                         [("x", x), ("u", u), ("weight", weight), ("bias", bias)])
+        eps = self.eps if eps is None else eps
+        check_finite("eps", eps, positive=True)
+        threshold, scale = 0, 1.0
+        if self.use_dropout:
+            p = check_dropout_ratio(self.dropout_ratio if dropout_ratio is None else dropout_ratio)
+            check_value(p > 0.0, ValueError, "this op was compiled with dropout: dropout_ratio "
+                        "must stay > 0 (build another op for dropout_ratio = 0)")
+            threshold, scale = dropout_scalars(p)
+        elif dropout_ratio not in (None, 0, 0.0):
+            raise ValueError("this op was compiled without dropout: dropout_ratio must be 0")
+        seed = check_int64("seed", seed)
+        kernels = self._ready(x.device.index)
+        if n == 0:
+            return
+        kernels["fwd"](x, u, weight, bias, y, mean, rstd, mask, float(eps), threshold, scale,
+                       seed, stream_handle(stream))
+
+
+class HstuLmsdBwdSm90(_LmsdBase):
+    """Gradients of HstuLmsdFwdSm90 given dy and the forward's mean, rstd and mask.
+
+    dweight/dbias are reduced deterministically through an fp32 workspace whose shape
+    ``workspace_shape(device)`` gives; pass one to execute() (the allocating function
+    does), so execute allocates nothing and is safe in CUDA graph capture.
+    """
+
+    kernel_sources = ("precast.kernels.lmsd_bwd_sm90",) + _SM90_SOURCES
+
+    def __init__(self, sample_dy, sample_x, sample_u, sample_weight, sample_bias, sample_mean,
+                 sample_rstd, sample_mask=None, sample_dx=None, sample_du=None,
+                 sample_dweight=None, sample_dbias=None, *, dropout_ratio: float = 0.0,
+                 apply_u_silu: bool = True, concat_u: bool = False, concat_x: bool = False,
+                 compute_dweight: bool = True):
+        super().__init__()
+        self.dy, self.x, self.u = _desc(sample_dy), _desc(sample_x), _desc(sample_u)
+        self.weight, self.bias = _desc(sample_weight), _desc(sample_bias)
+        self.mean, self.rstd, self.mask = _desc(sample_mean), _desc(sample_rstd), _desc(sample_mask)
+        self._init_common(self.x.dtype, self.x.shape[-1] if self.x.ndim else 0, dropout_ratio,
+                          apply_u_silu, concat_u, concat_x)
+        self.compute_dweight = compute_dweight
+        n = self.x.shape[0] if self.x.ndim else 0
+        self.dx = _desc(sample_dx) or TensorDesc(self.dtype, (n, self.dim))
+        self.du = _desc(sample_du) or TensorDesc(self.dtype, (n, self.dim))
+        self.dweight = _desc(sample_dweight)
+        if self.dweight is None and compute_dweight and sample_dweight is None:
+            self.dweight = TensorDesc(self.dtype, (self.dim,))
+        self.dbias = _desc(sample_dbias) or TensorDesc(self.dtype, (self.dim,))
+        self._samples = dict(dy=sample_dy, x=sample_x, u=sample_u, weight=sample_weight,
+                             bias=sample_bias, mean=sample_mean, rstd=sample_rstd,
+                             mask=sample_mask, dx=sample_dx, du=sample_du,
+                             dweight=sample_dweight, dbias=sample_dbias)
+
+    def static_config(self) -> Dict[str, object]:
+        return {"dtype": dtype_name(self.dtype), "dim": self.dim, "apply_u_silu": self.apply_u_silu,
+                "concat_u": self.concat_u, "concat_x": self.concat_x,
+                "dropout": self.use_dropout, "compute_dweight": self.compute_dweight}
+
+    @classmethod
+    def from_config(cls, dtype="bfloat16", dim=512, apply_u_silu=True, concat_u=False,
+                    concat_x=False, dropout=True, compute_dweight=True):
+        dt = parse_dtype(dtype)
+        n = 1024
+        rows = TensorDesc(dt, (n, dim))
+        vec = TensorDesc(dt, (dim,))
+        stat = TensorDesc(torch.float32, (n,))
+        dy = TensorDesc(dt, (n, segment_count(concat_u, concat_x) * dim))
+        mask = TensorDesc(torch.int8, (n, dim)) if dropout else None
+        return cls(dy, rows, rows, vec, vec, stat, stat, mask,
+                   dropout_ratio=0.5 if dropout else 0.0, apply_u_silu=apply_u_silu,
+                   concat_u=concat_u, concat_x=concat_x, compute_dweight=compute_dweight)
+
+    @property
+    def _tiling(self):
+        from ..kernels.rowwise import RowTiling
+        return RowTiling(self.dim, vecs_per_thread_target=2)
+
+    def workspace_shape(self, device=None) -> Tuple[int, int, int]:
+        """fp32 (rows, slots, D): one row per row group of the persistent grid."""
+        idx = device.index if isinstance(device, torch.device) else device
+        sms = torch.cuda.get_device_properties(idx if idx is not None else
+                                               torch.cuda.current_device()).multi_processor_count
+        return (sms * BWD_CTAS_PER_SM * self._tiling.rows_per_cta,
+                2 if self.compute_dweight else 1, self.dim)
+
+    def make_workspace(self, device=None) -> torch.Tensor:
+        return torch.empty(self.workspace_shape(device), dtype=torch.float32,
+                           device=device if device is not None else "cuda")
+
+    def _check(self) -> None:
+        self._check_common()
+        _bool("compute_dweight", self.compute_dweight)
+        self._validate(self.dy, self.x, self.u, self.weight, self.bias, self.mean, self.rstd,
+                       self.mask, self.dx, self.du, self.dweight, self.dbias)
+        s = self._samples
+        check_same_device(list(s.items()))
+        check_no_overlap([(k, s[k]) for k in ("dx", "du", "dweight", "dbias")],
+                         [(k, s[k]) for k in ("dy", "x", "u", "weight", "bias", "mean", "rstd",
+                                              "mask")])
+
+    def _validate(self, dy, x, u, weight, bias, mean, rstd, mask, dx, du, dweight, dbias) -> int:
+        (n, _) = self._rows("x", x, self.dim)
+        self._same_rows("dy", self._rows("dy", dy, self.segments * self.dim), n)
+        self._same_rows("u", self._rows("u", u, self.dim), n)
+        self._vector("weight", weight, self.dim)
+        self._vector("bias", bias, self.dim)
+        self._same_rows("mean", self._vector("mean", mean, None, torch.float32, 4), n)
+        self._same_rows("rstd", self._vector("rstd", rstd, None, torch.float32, 4), n)
+        self._mask(mask, n)
+        self._same_rows("dx", self._rows("dx", dx, self.dim), n)
+        self._same_rows("du", self._rows("du", du, self.dim), n)
+        if self.compute_dweight:
+            check_value(dweight is not None, ValueError,
+                        "dweight is required when compute_dweight=True")
+            self._vector("dweight", dweight, self.dim, align=2)
+        else:
+            check_value(dweight is None, ValueError,
+                        "dweight must be None when compute_dweight=False")
+        self._vector("dbias", dbias, self.dim, align=2)
+        return n
+
+    def _kernel_builders(self) -> Mapping[str, KernelBuilder]:
+        def build_rows():
+            from ..kernels.fake import (cute_dtype, fake_rows, fake_stream, fake_vector,
+                                        fake_workspace, rows_symbol, scalar)
+            from ..kernels.lmsd_bwd_sm90 import LmsdBackwardSm90
+            import cutlass
+            dt = cute_dtype(dtype_name(self.dtype))
+            n = rows_symbol()
+            kernel = LmsdBackwardSm90(dt, self.dim, self.apply_u_silu, self.concat_u,
+                                      self.concat_x, self.use_dropout, self.compute_dweight)
+            mask = fake_rows(cutlass.Int8, n, self.dim, packed=True) if self.use_dropout else None
+            args = (fake_rows(dt, n, self.segments * self.dim), fake_rows(dt, n, self.dim),
+                    fake_rows(dt, n, self.dim), fake_vector(dt, self.dim), fake_vector(dt, self.dim),
+                    fake_vector(cutlass.Float32, n, align=4), fake_vector(cutlass.Float32, n, align=4), mask,
+                    fake_rows(dt, n, self.dim), fake_rows(dt, n, self.dim),
+                    fake_workspace(kernel.num_slots, self.dim), scalar(cutlass.Float32, 1.0),
+                    scalar(cutlass.Int32, 1), fake_stream())
+            return kernel, args
+
+        def build_reduce():
+            from ..kernels.fake import cute_dtype, fake_stream, fake_vector, fake_workspace, scalar
+            from ..kernels.lmsd_bwd_sm90 import LmsdParamGradReduceSm90
+            import cutlass
+            dt = cute_dtype(dtype_name(self.dtype))
+            kernel = LmsdParamGradReduceSm90(dt, self.dim, self.compute_dweight)
+            dweight = fake_vector(dt, self.dim, align=2) if self.compute_dweight else None
+            args = (fake_workspace(2 if self.compute_dweight else 1, self.dim),
+                    fake_vector(dt, self.dim, align=2), dweight, scalar(cutlass.Int32, 1),
+                    fake_stream())
+            return kernel, args
+        return {"rows": build_rows, "reduce": build_reduce}
+
+    def execute(self, dy, x, u, weight, bias, mean, rstd, mask, dx, du, dweight, dbias,
+                workspace, *, dropout_ratio: Optional[float] = None, stream=None):
+        """Writes dx, du, dbias (and dweight). ``workspace``: fp32 of workspace_shape()."""
+        if not self._checked:
+            self.check_support()
+        n = self._validate(dy, x, u, weight, bias, mean, rstd, mask, dx, du, dweight, dbias)
+        check_tensor("workspace", workspace, dtypes=(torch.float32,),
+                     shape=(None, 2 if self.compute_dweight else 1, self.dim), contiguous=True)
+        tensors = [("dy", dy), ("x", x), ("u", u), ("weight", weight), ("bias", bias),
+                   ("mean", mean), ("rstd", rstd), ("mask", mask), ("dx", dx), ("du", du),
+                   ("dweight", dweight), ("dbias", dbias), ("workspace", workspace)]
+        check_same_device(tensors)
+        check_no_overlap(tensors[8:], tensors[:8])
+        scale = 1.0
+        if self.use_dropout:
+            p = check_dropout_ratio(self.dropout_ratio if dropout_ratio is None else dropout_ratio)
+            check_value(p > 0.0, ValueError, "this op was compiled with dropout: dropout_ratio "
+                        "must stay > 0")
+            scale = dropout_scalars(p)[1]
+        elif dropout_ratio not in (None, 0, 0.0):
+            raise ValueError("this op was compiled without dropout: dropout_ratio must be 0")
+        rows_per_cta = self._tiling.rows_per_cta
+        capacity = workspace.shape[0] // rows_per_cta
+        check_value(capacity >= 1, ValueError,
+                    f"workspace: needs at least {rows_per_cta} rows; see workspace_shape()")
+        num_ctas = max(1, min(capacity, -(-n // rows_per_cta)))
+        kernels = self._ready(x.device.index)
+        handle = stream_handle(stream)
+        kernels["rows"](dy, x, u, weight, bias, mean, rstd, mask, dx, du, workspace, scale,
+                        num_ctas, handle)
+        kernels["reduce"](workspace, dbias, dweight, num_ctas * rows_per_cta, handle)

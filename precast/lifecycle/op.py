@@ -1,0 +1,97 @@
+"""The base class of every op: construct -> check_support() -> compile() -> execute()."""
+from __future__ import annotations
+
+import json
+from typing import Callable, ClassVar, Dict, Mapping, Optional, Tuple, Type
+
+from .arch import device_arch, target_arch
+from .cache import ArtifactCache, CacheKey, KernelBuilder, default_cache, source_fingerprint
+
+OP_REGISTRY: Dict[str, Type["Op"]] = {}
+
+_device_arch_cache: Dict[int, Optional[str]] = {}
+
+
+class Op:
+    """Subclasses define:
+
+    - ``supported_archs``: targets their kernels are written for;
+    - ``kernel_sources``: modules whose source is fingerprinted into the cache key;
+    - ``static_config()``: the JSON-able values that select the generated code;
+    - ``from_config(**static_config)``: an instance made of descriptors alone (for precompile);
+    - ``_check()``: every rule knowable before launch;
+    - ``_kernel_builders()``: name -> callable returning (cute.jit function, fake args);
+    - ``execute(...)``.
+    """
+
+    supported_archs: ClassVar[Tuple[str, ...]] = ()
+    kernel_sources: ClassVar[Tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not cls.__name__.startswith("_"):
+            OP_REGISTRY[cls.__name__] = cls
+
+    def __init__(self):
+        self._checked = False
+        self._kernels: Optional[Dict[str, Callable]] = None
+        self._arch: Optional[str] = None
+
+    # --- subclass interface ------------------------------------------------------------
+    def static_config(self) -> Dict[str, object]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, **config) -> "Op":
+        raise NotImplementedError
+
+    def _check(self) -> None:
+        raise NotImplementedError
+
+    def _kernel_builders(self) -> Mapping[str, KernelBuilder]:
+        raise NotImplementedError
+
+    # --- the lifecycle -----------------------------------------------------------------
+    def check_support(self) -> "Op":
+        self._check()
+        self._checked = True
+        return self
+
+    def cache_key(self, arch: Optional[str] = None) -> CacheKey:
+        return CacheKey.make(type(self).__name__, self.static_config(), target_arch(arch),
+                             source_fingerprint(self.kernel_sources))
+
+    def build_command(self, arch: str) -> str:
+        cfg = json.dumps(self.static_config(), sort_keys=True)
+        return f"python -m precast precompile --op {type(self).__name__} --config '{cfg}' --arch {arch}"
+
+    def compile(self, arch: Optional[str] = None, cache: Optional[ArtifactCache] = None) -> "Op":
+        """Loads the kernels from the cache, building them first where the compiler is present."""
+        if not self._checked:
+            self.check_support()
+        arch = target_arch(arch)
+        if arch not in self.supported_archs:
+            raise NotImplementedError(
+                f"{type(self).__name__} has kernels for {', '.join(self.supported_archs)}, "
+                f"not {arch}")
+        key = self.cache_key(arch)
+        self._kernels = (cache or default_cache()).get(key, self._kernel_builders(),
+                                                       self.build_command(arch))
+        self._arch = arch
+        return self
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._kernels is not None
+
+    def _ready(self, device_index: int) -> Dict[str, Callable]:
+        """Kernels for execute(): compiles (loads) on first use and checks the device."""
+        if self._kernels is None:
+            self.compile()
+        arch = _device_arch_cache.get(device_index)
+        if arch is None:
+            arch = _device_arch_cache[device_index] = device_arch(device_index)
+        if arch != self._arch:
+            raise RuntimeError(f"{type(self).__name__} was compiled for {self._arch} but "
+                               f"cuda:{device_index} is {arch}")
+        return self._kernels

@@ -1,0 +1,151 @@
+"""Validation rules shared by check_support() (on descriptors) and execute() (on tensors).
+
+Each rule names the tensor, the rule and what would be accepted. The functions take either
+a TensorDesc or a torch.Tensor and read only host-side metadata (never device memory).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Sequence, Tuple
+
+import torch
+
+from .tensor_desc import TensorDesc, dtype_name
+
+INT32_MAX = 2**31 - 1
+
+
+def _facts(t):
+    if isinstance(t, torch.Tensor):
+        ptr = t.data_ptr()
+        align = 256 if ptr == 0 else (ptr & -ptr)
+        return t.dtype, tuple(t.shape), t.stride(), t.device.type, min(align, 256)
+    if isinstance(t, TensorDesc):
+        return t.dtype, t.shape, t.stride, t.device, t.alignment
+    raise TypeError(f"expected a torch.Tensor or TensorDesc, got {type(t).__name__}")
+
+
+def _fmt_dtypes(dtypes) -> str:
+    return " or ".join(dtype_name(d) for d in dtypes)
+
+
+def check_value(cond: bool, exc: type, message: str) -> None:
+    if not cond:
+        raise exc(message)
+
+
+def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype], shape: Sequence[Optional[int]],
+                 row_multiple: int = 1, align: int = 16, contiguous: bool = False,
+                 device: str = "cuda") -> Tuple[int, ...]:
+    """Checks one tensor; ``None`` in ``shape`` is a free (runtime) extent. Returns its shape.
+
+    Rules: dtype, rank, extents, device type, innermost stride 1, each row start a multiple
+    of ``row_multiple`` elements (for 16-byte vector access), base address ``align`` bytes,
+    and (``contiguous``) the canonical packed layout.
+    """
+    dtype, tshape, stride, dev, alignment = _facts(t)
+    if dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {dtype_name(dtype)} is not supported; expected "
+                        f"{_fmt_dtypes(dtypes)}")
+    if len(tshape) != len(shape):
+        raise ValueError(f"{name}: expected a rank-{len(shape)} tensor of shape "
+                         f"{_fmt_shape(shape)}, got shape {list(tshape)}")
+    for axis, (got, want) in enumerate(zip(tshape, shape)):
+        if want is not None and got != want:
+            raise ValueError(f"{name}: extent {got} on axis {axis} does not match "
+                             f"{_fmt_shape(shape)} (expected {want})")
+    if dev not in (device, "meta"):
+        raise ValueError(f"{name}: tensor is on {dev}; expected a {device} tensor")
+    if tshape and tshape[-1] > 1 and stride[-1] != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got "
+                         f"strides {list(stride)}")
+    if contiguous:
+        expect, acc = [], 1
+        for e in reversed(tshape):
+            expect.append(acc)
+            acc *= max(e, 1)
+        if any(e > 1 and s != c for e, s, c in zip(tshape, stride, reversed(expect))):
+            raise ValueError(f"{name}: must be contiguous (strides {list(reversed(expect))}), "
+                             f"got strides {list(stride)}")
+    if len(tshape) >= 2 and tshape[-2] > 1:
+        row = stride[-2]
+        if row % row_multiple:
+            raise ValueError(f"{name}: row stride {row} must be a multiple of {row_multiple} "
+                             f"elements so that every row starts 16-byte aligned")
+        if row < tshape[-1]:
+            raise ValueError(f"{name}: row stride {row} is smaller than the row length "
+                             f"{tshape[-1]}: rows would overlap")
+    if alignment < align:
+        raise ValueError(f"{name}: base address is {alignment}-byte aligned; {align}-byte "
+                         f"alignment is required")
+    span = 1 + sum((e - 1) * s for e, s in zip(tshape, stride)) if all(tshape) else 0
+    if span > INT32_MAX:
+        raise ValueError(f"{name}: spans {span} elements; at most 2^31 - 1 are supported")
+    return tshape
+
+
+def _fmt_shape(shape) -> str:
+    return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+
+
+def byte_range(t) -> Optional[Tuple[int, int]]:
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return None
+    span = 1 + sum((e - 1) * s for e, s in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + span * t.element_size()
+
+
+def check_no_overlap(outputs: Iterable[Tuple[str, object]], others: Iterable[Tuple[str, object]]):
+    """Outputs must not share memory with each other or with any input (address ranges)."""
+    outs = [(n, byte_range(t)) for n, t in outputs if t is not None]
+    outs = [(n, r) for n, r in outs if r is not None]
+    ins = [(n, byte_range(t)) for n, t in others if t is not None]
+    ins = [(n, r) for n, r in ins if r is not None]
+    for i, (name, (a0, a1)) in enumerate(outs):
+        for other, (b0, b1) in outs[i + 1:] + ins:
+            if a0 < b1 and b0 < a1:
+                raise ValueError(f"{name} overlaps {other} in memory; outputs must not alias "
+                                 "each other or the inputs")
+
+
+def check_same_device(named: Iterable[Tuple[str, object]]) -> None:
+    first = None
+    for name, t in named:
+        if isinstance(t, torch.Tensor):
+            if first is None:
+                first = (name, t.device)
+            elif t.device != first[1]:
+                raise ValueError(f"{name} is on {t.device} but {first[0]} is on {first[1]}; "
+                                 "all tensors must be on one device")
+
+
+def check_finite(name: str, value: float, *, positive: bool = False, lo=None, hi_open=None):
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}") from None
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if positive and not v > 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    if lo is not None and v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi_open is not None and not v < hi_open:
+        raise ValueError(f"{name} must be < {hi_open}, got {value}")
+    return v
+
+
+def check_int64(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            import numpy as np
+            if isinstance(value, np.integer):
+                value = int(value)
+            else:
+                raise TypeError
+        except (ImportError, TypeError):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"{name} must fit in a signed 64-bit integer, got {value}")
+    return int(value)
