@@ -21,7 +21,8 @@ def rows_symbol():
 
 
 def fake_rows(dtype, rows, cols: int, packed: bool = False):
-    stride = cols if packed else cute.sym_int(divisibility=ROW_STRIDE_DIVISIBILITY)
+    # 64-bit row strides: y and dy (up to 3 * 2^31 elements) need 64-bit offsets.
+    stride = cols if packed else cute.sym_int(width=64, divisibility=ROW_STRIDE_DIVISIBILITY)
     return cute.runtime.make_fake_tensor(dtype, (rows, cols), (stride, 1), assumed_align=16)
 
 

@@ -12,6 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int8, const_expr
 
+from .activation import fast_sigmoid
 from .rowwise import VEC, RowTiling, row_sum, vector_copy_atom
 
 DBIAS_SLOT, DWEIGHT_SLOT = 0, 1
@@ -20,7 +21,8 @@ REDUCE_COLS, REDUCE_SLICES = 32, 32
 
 class LmsdBackwardSm90:
     def __init__(self, dtype, dim: int, apply_u_silu: bool, concat_u: bool, concat_x: bool,
-                 use_dropout: bool, compute_dweight: bool):
+                 use_dropout: bool, compute_dweight: bool, vecs_per_thread: int = 2,
+                 min_ctas_per_sm: int = 0):
         self.dtype = dtype
         self.dim = dim
         self.apply_u_silu = apply_u_silu
@@ -28,7 +30,10 @@ class LmsdBackwardSm90:
         self.concat_x = concat_x
         self.use_dropout = use_dropout
         self.compute_dweight = compute_dweight
-        self.tiling = RowTiling(dim, vecs_per_thread_target=2)
+        self.tiling = RowTiling(dim, vecs_per_thread_target=vecs_per_thread)
+        # Register cap through the launch bounds (0: let the compiler choose).
+        self.bounds = ({"min_blocks_per_mp": min_ctas_per_sm, "preferred_smem_carveout": -1}
+                       if min_ctas_per_sm else {})
         self.a_seg = 0 if concat_u else None
         self.x_seg = (1 if concat_u else 0) if concat_x else None
         self.main_seg = int(concat_u) + int(concat_x)
@@ -42,7 +47,7 @@ class LmsdBackwardSm90:
         t = self.tiling
         self.rows_kernel(mDY, mX, mU, mW, mB, mMean, mRstd, mMask, mDX, mDU, mWork,
                          keep_scale).launch(grid=[num_ctas, 1, 1], block=[t.num_threads, 1, 1],
-                                            stream=stream)
+                                            stream=stream, **self.bounds)
 
     @cute.kernel
     def rows_kernel(self, mDY: cute.Tensor, mX: cute.Tensor, mU: cute.Tensor, mW: cute.Tensor,
@@ -142,7 +147,7 @@ class LmsdBackwardSm90:
                     a = u
                     dsilu = Float32(1.0)
                     if const_expr(self.apply_u_silu):
-                        sig = cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-u, fastmath=True))
+                        sig = fast_sigmoid(u)
                         a = u * sig
                         dsilu = sig * (Float32(1.0) + u * (Float32(1.0) - sig))
                     xh = (rX[e, v].to(Float32) - mean) * rstd

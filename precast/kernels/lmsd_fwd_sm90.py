@@ -10,6 +10,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Int8, Uint32, Uint64, const_expr
 
+from .activation import fast_sigmoid
 from .philox import philox4x32_10
 from .rowwise import VEC, RowTiling, row_sum, vector_copy_atom
 
@@ -18,18 +19,23 @@ MAIN_BIT, X_BIT, A_BIT = 0, 1, 2
 
 class LmsdForwardSm90:
     def __init__(self, dtype, dim: int, apply_u_silu: bool, concat_u: bool, concat_x: bool,
-                 use_dropout: bool):
+                 use_dropout: bool, vecs_per_thread: int = 2,
+                 min_ctas_per_sm: int = 0):
         self.dtype = dtype
         self.dim = dim
         self.apply_u_silu = apply_u_silu
         self.concat_u = concat_u
         self.concat_x = concat_x
         self.use_dropout = use_dropout
-        self.tiling = RowTiling(dim, vecs_per_thread_target=2)
+        self.tiling = RowTiling(dim, vecs_per_thread_target=vecs_per_thread)
+        # Register cap through the launch bounds (0: let the compiler choose).
+        self.bounds = ({"min_blocks_per_mp": min_ctas_per_sm, "preferred_smem_carveout": -1}
+                       if min_ctas_per_sm else {})
         # Segment slots in y, in output order.
         self.a_seg = 0 if concat_u else None
         self.x_seg = (1 if concat_u else 0) if concat_x else None
         self.main_seg = int(concat_u) + int(concat_x)
+        self.planes = [MAIN_BIT] + [X_BIT] * concat_x + [A_BIT] * concat_u
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mU: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor,
@@ -40,7 +46,8 @@ class LmsdForwardSm90:
         num_rows = mX.shape[0]
         grid_x = (num_rows + t.rows_per_cta - 1) // t.rows_per_cta
         self.kernel(mX, mU, mW, mB, mY, mMean, mRstd, mMask, eps, keep_threshold, keep_scale,
-                    seed).launch(grid=[grid_x, 1, 1], block=[t.num_threads, 1, 1], stream=stream)
+                    seed).launch(grid=[grid_x, 1, 1], block=[t.num_threads, 1, 1], stream=stream,
+                                    **self.bounds)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mU: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor,
@@ -86,6 +93,25 @@ class LmsdForwardSm90:
                 cute.copy(atom, cute.local_tile(mW, (VEC,), (j,)), rW[None, v])
                 cute.copy(atom, cute.local_tile(mB, (VEC,), (j,)), rB[None, v])
 
+        # Dropout decisions depend only on (seed, row, column, plane): computing them while
+        # the loads above are in flight hides their latency behind the Philox arithmetic.
+        rWords = cute.make_rmem_tensor(cute.make_layout((2, vpt)), Uint32)
+        rWords.fill(0)
+        if const_expr(self.use_dropout):
+            k0 = Uint32(seed)
+            k1 = Uint32(seed >> Int64(32))
+            threshold = Uint32(keep_threshold)
+            for v in cutlass.range_constexpr(vpt):
+                j = lane + v * tpr
+                for plane in self.planes:
+                    # Counter (row, column // 4, plane, 0); word column % 4.
+                    for half in cutlass.range_constexpr(2):
+                        w = philox4x32_10(Uint32(row_c), Uint32(j * 2 + half), Uint32(plane),
+                                          Uint32(0), k0, k1)
+                        for q in cutlass.range_constexpr(4):
+                            if w[q] >= threshold:
+                                rWords[half, v] = rWords[half, v] | Uint32(1 << (8 * q + plane))
+
         x = cute.make_rmem_tensor(frag, Float32)
         x.store(rX.load().to(Float32))
         partial = Float32(0.0)
@@ -110,16 +136,7 @@ class LmsdForwardSm90:
             mMean[row] = mean
             mRstd[row] = rstd
 
-        k0 = Uint32(0)
-        k1 = Uint32(0)
-        threshold = Uint32(0)
-        if const_expr(self.use_dropout):
-            k0 = Uint32(seed)
-            k1 = Uint32(seed >> Int64(32))
-            threshold = Uint32(keep_threshold)
-
         rY = cute.make_rmem_tensor(frag, self.dtype)
-        rM = cute.make_rmem_tensor(frag, Int8)
         mask_atom = vector_copy_atom(Int8, VEC)
         gM = mMask[row_c, None] if const_expr(self.use_dropout) else None
         for v in cutlass.range_constexpr(vpt):
@@ -129,39 +146,31 @@ class LmsdForwardSm90:
             for e in cutlass.range_constexpr(VEC):
                 u = rU[e, v].to(Float32)
                 if const_expr(self.apply_u_silu):
-                    u = u * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-u, fastmath=True))
+                    u = u * fast_sigmoid(u)
+                if const_expr(self.use_dropout):
+                    u = u * keep_scale  # inverted dropout: fold 1 / (1 - p) in once
                 a[e] = u
                 ln = (x[e, v] - mean) * rstd * rW[e, v].to(Float32) + rB[e, v].to(Float32)
                 main[e] = ln * u
-            bits = cute.make_rmem_tensor((VEC,), Int32)
-            for e in cutlass.range_constexpr(VEC):
-                bits[e] = Int32(0)
             segments = [(self.main_seg, MAIN_BIT, main)]
             if const_expr(self.concat_x):
                 segments.append((self.x_seg, X_BIT, None))
             if const_expr(self.concat_u):
                 segments.append((self.a_seg, A_BIT, a))
             for seg, plane, vals in segments:
-                keep = cute.make_rmem_tensor((VEC,), Float32)
-                if const_expr(self.use_dropout):
-                    # Counter (row, column // 4, plane, 0); word column % 4.
-                    for half in cutlass.range_constexpr(2):
-                        w = philox4x32_10(Uint32(row_c), Uint32(j * 2 + half), Uint32(plane),
-                                          Uint32(0), k0, k1)
-                        for q in cutlass.range_constexpr(4):
-                            kept = w[q] >= threshold
-                            keep[half * 4 + q] = keep_scale if kept else Float32(0.0)
-                            bits[half * 4 + q] = bits[half * 4 + q] | (
-                                Int32(1 << plane) if kept else Int32(0))
                 for e in cutlass.range_constexpr(VEC):
-                    val = vals[e] if const_expr(vals is not None) else x[e, v]
+                    val = Float32(0.0)
+                    if const_expr(vals is not None):
+                        val = vals[e]
+                    else:
+                        val = x[e, v] * keep_scale if const_expr(self.use_dropout) else x[e, v]
                     if const_expr(self.use_dropout):
-                        val = val * keep[e]
+                        bit = Uint32(1 << (8 * (e % 4) + plane))
+                        val = val if (rWords[e // 4, v] & bit) != Uint32(0) else Float32(0.0)
                     rY[e, v] = val.to(self.dtype)
                 if row_ok and (const_expr(t.even) or j < t.num_vecs):
                     cute.copy(atom, rY[None, v], cute.local_tile(gY, (VEC,), (seg * t.num_vecs + j,)))
             if const_expr(self.use_dropout):
-                for e in cutlass.range_constexpr(VEC):
-                    rM[e, v] = Int8(bits[e])
                 if row_ok and (const_expr(t.even) or j < t.num_vecs):
-                    cute.copy(mask_atom, rM[None, v], cute.local_tile(gM, (VEC,), (j,)))
+                    cute.copy(mask_atom, cute.recast_tensor(rWords[None, v], Int8),
+                              cute.local_tile(gM, (VEC,), (j,)))

@@ -6,56 +6,11 @@ t, t + threads_per_row, t + 2 * threads_per_row, ... so that each warp-wide load
 is contiguous. Row sums use warp shuffles and, when a row spans several warps, a
 small shared-memory exchange.
 """
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 
-VEC = 8  # elements of a 16-bit dtype in one 16-byte access
-WARP = 32
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-@dataclass(frozen=True)
-class RowTiling:
-    """How threads cover rows for a given D (a multiple of VEC)."""
-
-    dim: int
-    vecs_per_thread_target: int
-    min_threads: int = 128
-
-    @property
-    def num_vecs(self) -> int:
-        return self.dim // VEC
-
-    @property
-    def threads_per_row(self) -> int:
-        return _next_pow2(-(-self.num_vecs // self.vecs_per_thread_target))
-
-    @property
-    def vecs_per_thread(self) -> int:
-        return -(-self.num_vecs // self.threads_per_row)
-
-    @property
-    def num_threads(self) -> int:
-        return max(self.min_threads, self.threads_per_row)
-
-    @property
-    def rows_per_cta(self) -> int:
-        return self.num_threads // self.threads_per_row
-
-    @property
-    def warps_per_row(self) -> int:
-        return max(1, self.threads_per_row // WARP)
-
-    @property
-    def even(self) -> bool:
-        """Every thread's vectors are all inside the row (no column predicate)."""
-        return self.num_vecs % self.threads_per_row == 0
+from .tiling import VEC, WARP, RowTiling  # noqa: F401  (re-exported for the kernels)
 
 
 @cute.jit

@@ -183,9 +183,11 @@ class ArtifactCache:
         from .compiler import export_shared_library
         with self._file_lock(key):
             entry = self.entry_dir(key)
-            if self._read_manifest(entry) is not None:
+            done = self._read_manifest(entry)
+            if done is not None and set(done["kernels"]) == set(builders):
                 return entry  # another process finished it while we waited
             tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.family_dir(key)))
+            os.chmod(tmp, 0o755)  # a shared cache is readable by every user of the machine
             try:
                 kernels = {}
                 for name, builder in builders.items():

@@ -18,8 +18,15 @@ from .validation import (check_finite, check_int64, check_no_overlap, check_same
 LMSD_DTYPES = (torch.bfloat16, torch.float16)
 LMSD_MIN_DIM, LMSD_MAX_DIM, LMSD_DIM_MULTIPLE = 8, 4096, 8
 ROW_MULTIPLE = 8  # elements of a 16-bit dtype per 16-byte row alignment
+ROW_SPAN_LIMIT = 2**62  # row tensors are compiled with 64-bit row strides
+MAX_ROW_ELEMENTS = 2**31  # N * D: the packed mask and per-row indices stay 32-bit
+VECS_PER_THREAD = (1, 2, 4)  # 16-byte vectors each thread owns per row (tuning knob)
+DEFAULT_VECS_PER_THREAD = {"fwd": 2, "bwd": 2}
+MAX_MIN_CTAS_PER_SM = 16
+DEFAULT_MIN_CTAS_PER_SM = {"fwd": 0, "bwd": 3}  # 0: no register cap (bench/RESULTS.md)
 BWD_CTAS_PER_SM = 2  # persistent backward grid (fits the kernel's register use)
-_SM90_SOURCES = ("precast.kernels.rowwise", "precast.kernels.philox")
+_SM90_SOURCES = ("precast.kernels.rowwise", "precast.kernels.tiling", "precast.kernels.philox",
+                 "precast.kernels.activation", "precast.kernels.fake")
 
 
 def segment_count(concat_u: bool, concat_x: bool) -> int:
@@ -61,7 +68,12 @@ def _bool(name: str, value) -> bool:
 class _LmsdBase(Op):
     supported_archs = ("sm_90a",)
 
-    def _init_common(self, dtype, dim, dropout_ratio, apply_u_silu, concat_u, concat_x):
+    def _init_common(self, dtype, dim, dropout_ratio, apply_u_silu, concat_u, concat_x,
+                     vecs_per_thread, min_ctas_per_sm, direction):
+        self.vecs_per_thread = (DEFAULT_VECS_PER_THREAD[direction] if vecs_per_thread is None
+                                else vecs_per_thread)
+        self.min_ctas_per_sm = (DEFAULT_MIN_CTAS_PER_SM[direction] if min_ctas_per_sm is None
+                                else min_ctas_per_sm)
         self.dtype = dtype
         self.dim = dim
         self.dropout_ratio = dropout_ratio
@@ -84,11 +96,27 @@ class _LmsdBase(Op):
             raise TypeError(f"x: dtype {dtype_name(self.dtype)} is not supported; expected "
                             "bfloat16 or float16")
         check_dim(self.dim)
+        if self.vecs_per_thread not in VECS_PER_THREAD:
+            raise ValueError(f"vecs_per_thread must be one of {VECS_PER_THREAD}, got "
+                             f"{self.vecs_per_thread}")
+        if (not isinstance(self.min_ctas_per_sm, int)
+                or not 0 <= self.min_ctas_per_sm <= MAX_MIN_CTAS_PER_SM):
+            raise ValueError(f"min_ctas_per_sm must be an int in [0, {MAX_MIN_CTAS_PER_SM}], got "
+                             f"{self.min_ctas_per_sm}")
         return check_dropout_ratio(self.dropout_ratio)
 
+    @property
+    def tiling(self):
+        from ..kernels.tiling import RowTiling
+        return RowTiling(self.dim, vecs_per_thread_target=self.vecs_per_thread)
+
     def _rows(self, name, t, cols, *, contiguous=False, dtypes=None):
-        return check_tensor(name, t, dtypes=dtypes or (self.dtype,), shape=(None, cols),
-                            row_multiple=ROW_MULTIPLE, contiguous=contiguous)
+        shape = check_tensor(name, t, dtypes=dtypes or (self.dtype,), shape=(None, cols),
+                             row_multiple=ROW_MULTIPLE, contiguous=contiguous,
+                             max_span=ROW_SPAN_LIMIT)
+        if name == "x" and shape[0] * self.dim > MAX_ROW_ELEMENTS:
+            raise ValueError(f"x: N * D = {shape[0]} * {self.dim} exceeds 2^31 elements")
+        return shape
 
     def _vector(self, name, t, length, dtype=None, align=16):
         return check_tensor(name, t, dtypes=(dtype or self.dtype,), shape=(length,),
@@ -125,12 +153,14 @@ class HstuLmsdFwdSm90(_LmsdBase):
     def __init__(self, sample_x, sample_u, sample_weight, sample_bias, sample_y=None,
                  sample_mean=None, sample_rstd=None, sample_mask=None, *, eps: float = 1e-5,
                  dropout_ratio: float = 0.0, apply_u_silu: bool = True, concat_u: bool = False,
-                 concat_x: bool = False):
+                 concat_x: bool = False, vecs_per_thread: Optional[int] = None,
+                 min_ctas_per_sm: Optional[int] = None):
         super().__init__()
         self.x, self.u = _desc(sample_x), _desc(sample_u)
         self.weight, self.bias = _desc(sample_weight), _desc(sample_bias)
         self._init_common(self.x.dtype, self.x.shape[-1] if self.x.ndim else 0, dropout_ratio,
-                          apply_u_silu, concat_u, concat_x)
+                          apply_u_silu, concat_u, concat_x, vecs_per_thread, min_ctas_per_sm,
+                          "fwd")
         n = self.x.shape[0] if self.x.ndim else 0
         seg = self.segments
         self.y = _desc(sample_y) or TensorDesc(self.dtype, (n, seg * self.dim))
@@ -146,16 +176,19 @@ class HstuLmsdFwdSm90(_LmsdBase):
     def static_config(self) -> Dict[str, object]:
         return {"dtype": dtype_name(self.dtype), "dim": self.dim, "apply_u_silu": self.apply_u_silu,
                 "concat_u": self.concat_u, "concat_x": self.concat_x,
-                "dropout": self.use_dropout}
+                "dropout": self.use_dropout, "vecs_per_thread": self.vecs_per_thread,
+                "min_ctas_per_sm": self.min_ctas_per_sm}
 
     @classmethod
     def from_config(cls, dtype="bfloat16", dim=512, apply_u_silu=True, concat_u=False,
-                    concat_x=False, dropout=True):
+                    concat_x=False, dropout=True, vecs_per_thread=None,
+                    min_ctas_per_sm=None):
         dt = parse_dtype(dtype)
         rows = TensorDesc(dt, (1024, dim))
         vec = TensorDesc(dt, (dim,))
         return cls(rows, rows, vec, vec, dropout_ratio=0.5 if dropout else 0.0,
-                   apply_u_silu=apply_u_silu, concat_u=concat_u, concat_x=concat_x)
+                   apply_u_silu=apply_u_silu, concat_u=concat_u, concat_x=concat_x,
+                   vecs_per_thread=vecs_per_thread, min_ctas_per_sm=min_ctas_per_sm)
 
     def _check(self) -> None:
         self._check_common()
@@ -188,7 +221,8 @@ class HstuLmsdFwdSm90(_LmsdBase):
             dt = cute_dtype(dtype_name(self.dtype))
             n = rows_symbol()
             kernel = LmsdForwardSm90(dt, self.dim, self.apply_u_silu, self.concat_u,
-                                     self.concat_x, self.use_dropout)
+                                     self.concat_x, self.use_dropout, self.vecs_per_thread,
+                                     self.min_ctas_per_sm)
             mask = fake_rows(cutlass.Int8, n, self.dim, packed=True) if self.use_dropout else None
             args = (fake_rows(dt, n, self.dim), fake_rows(dt, n, self.dim),
                     fake_vector(dt, self.dim), fake_vector(dt, self.dim),
@@ -241,13 +275,15 @@ class HstuLmsdBwdSm90(_LmsdBase):
                  sample_rstd, sample_mask=None, sample_dx=None, sample_du=None,
                  sample_dweight=None, sample_dbias=None, *, dropout_ratio: float = 0.0,
                  apply_u_silu: bool = True, concat_u: bool = False, concat_x: bool = False,
-                 compute_dweight: bool = True):
+                 compute_dweight: bool = True, vecs_per_thread: Optional[int] = None,
+                 min_ctas_per_sm: Optional[int] = None):
         super().__init__()
         self.dy, self.x, self.u = _desc(sample_dy), _desc(sample_x), _desc(sample_u)
         self.weight, self.bias = _desc(sample_weight), _desc(sample_bias)
         self.mean, self.rstd, self.mask = _desc(sample_mean), _desc(sample_rstd), _desc(sample_mask)
         self._init_common(self.x.dtype, self.x.shape[-1] if self.x.ndim else 0, dropout_ratio,
-                          apply_u_silu, concat_u, concat_x)
+                          apply_u_silu, concat_u, concat_x, vecs_per_thread, min_ctas_per_sm,
+                          "bwd")
         self.compute_dweight = compute_dweight
         n = self.x.shape[0] if self.x.ndim else 0
         self.dx = _desc(sample_dx) or TensorDesc(self.dtype, (n, self.dim))
@@ -264,11 +300,13 @@ class HstuLmsdBwdSm90(_LmsdBase):
     def static_config(self) -> Dict[str, object]:
         return {"dtype": dtype_name(self.dtype), "dim": self.dim, "apply_u_silu": self.apply_u_silu,
                 "concat_u": self.concat_u, "concat_x": self.concat_x,
-                "dropout": self.use_dropout, "compute_dweight": self.compute_dweight}
+                "dropout": self.use_dropout, "compute_dweight": self.compute_dweight,
+                "vecs_per_thread": self.vecs_per_thread, "min_ctas_per_sm": self.min_ctas_per_sm}
 
     @classmethod
     def from_config(cls, dtype="bfloat16", dim=512, apply_u_silu=True, concat_u=False,
-                    concat_x=False, dropout=True, compute_dweight=True):
+                    concat_x=False, dropout=True, compute_dweight=True, vecs_per_thread=None,
+                    min_ctas_per_sm=None):
         dt = parse_dtype(dtype)
         n = 1024
         rows = TensorDesc(dt, (n, dim))
@@ -278,19 +316,16 @@ class HstuLmsdBwdSm90(_LmsdBase):
         mask = TensorDesc(torch.int8, (n, dim)) if dropout else None
         return cls(dy, rows, rows, vec, vec, stat, stat, mask,
                    dropout_ratio=0.5 if dropout else 0.0, apply_u_silu=apply_u_silu,
-                   concat_u=concat_u, concat_x=concat_x, compute_dweight=compute_dweight)
-
-    @property
-    def _tiling(self):
-        from ..kernels.rowwise import RowTiling
-        return RowTiling(self.dim, vecs_per_thread_target=2)
+                   concat_u=concat_u, concat_x=concat_x, compute_dweight=compute_dweight,
+                   vecs_per_thread=vecs_per_thread, min_ctas_per_sm=min_ctas_per_sm)
 
     def workspace_shape(self, device=None) -> Tuple[int, int, int]:
         """fp32 (rows, slots, D): one row per row group of the persistent grid."""
         idx = device.index if isinstance(device, torch.device) else device
         sms = torch.cuda.get_device_properties(idx if idx is not None else
                                                torch.cuda.current_device()).multi_processor_count
-        return (sms * BWD_CTAS_PER_SM * self._tiling.rows_per_cta,
+        per_sm = max(BWD_CTAS_PER_SM, self.min_ctas_per_sm)
+        return (sms * per_sm * self.tiling.rows_per_cta,
                 2 if self.compute_dweight else 1, self.dim)
 
     def make_workspace(self, device=None) -> torch.Tensor:
@@ -338,7 +373,8 @@ class HstuLmsdBwdSm90(_LmsdBase):
             dt = cute_dtype(dtype_name(self.dtype))
             n = rows_symbol()
             kernel = LmsdBackwardSm90(dt, self.dim, self.apply_u_silu, self.concat_u,
-                                      self.concat_x, self.use_dropout, self.compute_dweight)
+                                      self.concat_x, self.use_dropout, self.compute_dweight,
+                                      self.vecs_per_thread, self.min_ctas_per_sm)
             mask = fake_rows(cutlass.Int8, n, self.dim, packed=True) if self.use_dropout else None
             args = (fake_rows(dt, n, self.segments * self.dim), fake_rows(dt, n, self.dim),
                     fake_rows(dt, n, self.dim), fake_vector(dt, self.dim), fake_vector(dt, self.dim),
@@ -382,7 +418,7 @@ class HstuLmsdBwdSm90(_LmsdBase):
             scale = dropout_scalars(p)[1]
         elif dropout_ratio not in (None, 0, 0.0):
             raise ValueError("this op was compiled without dropout: dropout_ratio must be 0")
-        rows_per_cta = self._tiling.rows_per_cta
+        rows_per_cta = self.tiling.rows_per_cta
         capacity = workspace.shape[0] // rows_per_cta
         check_value(capacity >= 1, ValueError,
                     f"workspace: needs at least {rows_per_cta} rows; see workspace_shape()")

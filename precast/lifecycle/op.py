@@ -58,8 +58,10 @@ class Op:
         return self
 
     def cache_key(self, arch: Optional[str] = None) -> CacheKey:
+        # The op's own module builds the fake arguments and argument order: fingerprint it too.
+        sources = self.kernel_sources + (type(self).__module__,)
         return CacheKey.make(type(self).__name__, self.static_config(), target_arch(arch),
-                             source_fingerprint(self.kernel_sources))
+                             source_fingerprint(sources))
 
     def build_command(self, arch: str) -> str:
         cfg = json.dumps(self.static_config(), sort_keys=True)

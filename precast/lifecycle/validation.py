@@ -36,12 +36,13 @@ def check_value(cond: bool, exc: type, message: str) -> None:
 
 def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype], shape: Sequence[Optional[int]],
                  row_multiple: int = 1, align: int = 16, contiguous: bool = False,
-                 device: str = "cuda") -> Tuple[int, ...]:
+                 device: str = "cuda", max_span: int = INT32_MAX) -> Tuple[int, ...]:
     """Checks one tensor; ``None`` in ``shape`` is a free (runtime) extent. Returns its shape.
 
     Rules: dtype, rank, extents, device type, innermost stride 1, each row start a multiple
     of ``row_multiple`` elements (for 16-byte vector access), base address ``align`` bytes,
-    and (``contiguous``) the canonical packed layout.
+    (``contiguous``) the canonical packed layout, and at most ``max_span`` addressed elements
+    (kernels index with 32-bit offsets unless they declare 64-bit strides).
     """
     dtype, tshape, stride, dev, alignment = _facts(t)
     if dtype not in dtypes:
@@ -79,8 +80,8 @@ def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype], shape: Sequence
         raise ValueError(f"{name}: base address is {alignment}-byte aligned; {align}-byte "
                          f"alignment is required")
     span = 1 + sum((e - 1) * s for e, s in zip(tshape, stride)) if all(tshape) else 0
-    if span > INT32_MAX:
-        raise ValueError(f"{name}: spans {span} elements; at most 2^31 - 1 are supported")
+    if span > max_span:
+        raise ValueError(f"{name}: spans {span} elements; at most {max_span} are supported")
     return tshape
 
 
@@ -89,8 +90,8 @@ def _fmt_shape(shape) -> str:
 
 
 def byte_range(t) -> Optional[Tuple[int, int]]:
-    if not isinstance(t, torch.Tensor) or t.numel() == 0:
-        return None
+    if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device.type == "meta":
+        return None  # meta tensors own no memory: they cannot alias anything
     span = 1 + sum((e - 1) * s for e, s in zip(t.shape, t.stride()))
     start = t.data_ptr()
     return start, start + span * t.element_size()
@@ -121,6 +122,8 @@ def check_same_device(named: Iterable[Tuple[str, object]]) -> None:
 
 
 def check_finite(name: str, value: float, *, positive: bool = False, lo=None, hi_open=None):
+    if isinstance(value, (str, bytes)):  # float("0.5") would otherwise accept text
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     try:
         v = float(value)
     except (TypeError, ValueError):

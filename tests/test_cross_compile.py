@@ -1,0 +1,40 @@
+"""Every kernel of the default plan and of the GPU test plan cross-compiles for sm_90a on a
+machine without a GPU (the slowest CPU test: about a hundred kernels)."""
+import io
+import time
+from pathlib import Path
+
+import pytest
+
+from precast.cli import DEFAULT_PLAN
+from precast.lifecycle.cache import ArtifactCache
+from precast.plan import load_plan, precompile
+
+GPU_PLAN = Path(__file__).parent / "gpu_plan.toml"
+
+
+@pytest.mark.compile
+def test_all_planned_kernels_cross_compile(tmp_path_factory):
+    entries = list(dict.fromkeys(load_plan(DEFAULT_PLAN) + load_plan(GPU_PLAN)))
+    assert len(entries) > 24  # the GPU plan adds to the default plan
+    root = tmp_path_factory.mktemp("cross-compile")
+    log = io.StringIO()
+    start = time.perf_counter()
+    results = precompile(entries, arch="sm_90a", cache_dir=str(root), jobs=2, stream=log)
+    elapsed = time.perf_counter() - start
+    print(f"\ncross-compiled {len(entries)} plan entries in {elapsed:.1f} s")
+    assert sorted(e.describe() for e, _ in results) == sorted(e.describe() for e in entries)
+    failures = [f"{e.describe()}: {type(r).__name__}: {r}" for e, r in results
+                if not isinstance(r, float)]
+    assert not failures, "\n".join(failures)
+    assert all(r > 0 for _, r in results)
+    assert f"precompiling {len(entries)} kernels for sm_90a with 2 processes" in log.getvalue()
+    # one valid artifact per entry, each with the kernels its op builds
+    listed = list(ArtifactCache(root).entries())
+    assert len(listed) == len(entries)
+    for _, manifest in listed:
+        kernels = set(manifest["kernels"])
+        assert kernels == ({"fwd"} if manifest["key"]["op"] == "HstuLmsdFwdSm90"
+                           else {"rows", "reduce"}), manifest["key"]
+        assert manifest["key"]["arch"] == "sm_90a"
+    assert not list(root.rglob(".tmp-*"))
