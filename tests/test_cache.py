@@ -366,7 +366,8 @@ def test_key_changes_with_op_arch_fingerprint_and_versions(monkeypatch):
     monkeypatch.setattr(op_mod, "source_fingerprint", lambda mods: seen.append(mods) or "cafe" * 6)
     patched = small_fwd().cache_key(ARCH)
     assert patched.fingerprint == "cafe" * 6 and patched.family != base.family
-    assert seen == [HstuLmsdFwdSm90.kernel_sources]
+    # the kernel sources and the op's own module (fake arguments, argument order)
+    assert seen == [HstuLmsdFwdSm90.kernel_sources + (HstuLmsdFwdSm90.__module__,)]
 
 
 def test_source_fingerprint_follows_file_contents(tmp_path, monkeypatch):

@@ -1,0 +1,77 @@
+"""``precast quickstart``: build the default plan; on a GPU also check and time the ops."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def _check_and_time() -> None:
+    import torch
+
+    from .benchmarking import copy_bandwidth, do_bench
+    from .hstu_lmsd import hstu_lmsd_backward, hstu_lmsd_forward
+    from .reference.lmsd import lmsd_backward_reference, lmsd_forward_reference
+
+    bw = copy_bandwidth(0.5)
+    print(f"\n{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{'op':<22}{'D':>6}{'rows':>9}{'ms':>9}{'TB/s':>7}{'x copy':>8}{'max rel err':>13}")
+    rows, p = 1 << 18, 0.1
+    for dim in (256, 512, 1024):
+        x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
+        u = torch.randn_like(x)
+        w = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn_like(w)
+        fwd = hstu_lmsd_forward(x, u, w, b, 1e-5, p, 7, True, True, True)
+        ref = lmsd_forward_reference(x, u, w, b, 1e-5, p, 7, True, True, True, mask=fwd.mask_tensor)
+        err_f = ((fwd.y_tensor.float() - ref[0]).norm() / ref[0].norm()).item()
+        ms_f = do_bench(lambda: hstu_lmsd_forward(x, u, w, b, 1e-5, p, 7, True, True, True,
+                                                  y_tensor=fwd[0], mean_tensor=fwd[1],
+                                                  rstd_tensor=fwd[2], mask_tensor=fwd[3]))
+        dy = torch.randn_like(fwd.y_tensor)
+        bwd = hstu_lmsd_backward(dy, x, u, w, b, fwd[1], fwd[2], fwd[3], p, True, True, True)
+        ref_b = lmsd_backward_reference(dy, x, u, w, b, fwd[1], fwd[2], fwd[3], p, True, True, True)
+        err_b = max(((g.float() - r).norm() / r.norm()).item() for g, r in zip(bwd, ref_b))
+        ms_b = do_bench(lambda: hstu_lmsd_backward(dy, x, u, w, b, fwd[1], fwd[2], fwd[3], p, True,
+                                                   True, True, dx_tensor=bwd[0], du_tensor=bwd[1],
+                                                   dweight_tensor=bwd[2], dbias_tensor=bwd[3]))
+        for name, ms, nbytes, err in (("hstu_lmsd_forward", ms_f, rows * dim * 11, err_f),
+                                      ("hstu_lmsd_backward", ms_b, rows * dim * 15, err_b)):
+            rate = nbytes / (ms * 1e-3)
+            print(f"{name:<22}{dim:>6}{rows:>9}{ms:>9.3f}{rate / 1e12:>7.2f}{rate / bw:>8.2f}"
+                  f"{err:>13.1e}")
+
+
+def run(plan: Path, arch=None, jobs=None) -> int:
+    from .lifecycle.arch import device_arch
+    from .lifecycle.cache import default_cache_dir, dsl_available
+    from .plan import load_plan, precompile
+
+    gpu = device_arch()
+    entries = load_plan(plan)
+    if dsl_available():
+        if gpu is None and arch is None:
+            arch = "sm_90a"
+        results = precompile(entries, arch=arch, jobs=jobs)
+        failed = [e for e, r in results if isinstance(r, Exception)]
+        print(f"built {len(results) - len(failed)} of {len(results)} kernels from {plan} for "
+              f"{arch or gpu} into {default_cache_dir()}")
+        for entry in failed:
+            print(f"  FAILED {entry.describe()}")
+        if failed:
+            return 1
+    else:
+        print("nvidia-cutlass-dsl is not installed: using precompiled artifacts from "
+              f"{default_cache_dir()}")
+    if gpu is None:
+        print("no GPU here: copy the cache folder to a GPU host (or set PRECAST_CACHE_DIR there) "
+              "and run `precast quickstart` on it to check and time the ops")
+        return 0
+    if gpu != "sm_90a":
+        print(f"this GPU is {gpu}; precast's kernels are built for sm_90a (Hopper)")
+        return 1
+    _check_and_time()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(Path(__file__).parent / "plans" / "default.toml"))
