@@ -12,3 +12,4 @@ if [ -z "${SKIP_SANITIZER:-}" ]; then
   compute-sanitizer --tool memcheck python3 tests/gpu_sanitize_lmsd.py 2>&1 | tee "$OUT/memcheck.log" | tail -6
 fi
 python3 bench/bench_lmsd.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+python3 -m precast quickstart 2>&1 | tee "$OUT/quickstart.log" | tail -12
