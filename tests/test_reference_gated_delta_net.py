@@ -18,6 +18,16 @@ TOL = dict(rtol=1e-10, atol=1e-10)
 REFS = [gdn_recurrent_reference, gdn_chunked_reference]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    # The references run many tiny ops; intra-op threads only add overhead
+    # (and make the runtime swing on a loaded machine).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def cu_of(lens, dtype=torch.int32):
     out = [0]
     for n in lens:

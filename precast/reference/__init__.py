@@ -1,4 +1,9 @@
-"""Pure-torch reference implementations used by tests and benchmarks."""
+"""Pure-torch reference implementations used by tests and benchmarks.
+
+Modules: ``lmsd`` and ``philox`` (HSTU LMSD), ``hstu_attention`` (HSTU attention forward and,
+through autograd, backward; FLOP counting), ``gated_delta_net`` (token-by-token and chunked
+Gated DeltaNet, summaries for context parallelism).
+"""
 
 from .lmsd import (
     lmsd_backward_reference,
