@@ -104,7 +104,7 @@ def _workspace(op: HstuLmsdBwdSm90, device: torch.device, stream) -> torch.Tenso
     share one.
     """
     shape = op.workspace_shape(device)
-    key = (device.index, shape, _stream_key(stream))
+    key = (device.index, shape, _stream_key(stream, device.index))
     ws = _workspaces.get(key)
     if ws is None:
         ws = torch.empty(shape, dtype=torch.float32, device=device)
@@ -112,9 +112,9 @@ def _workspace(op: HstuLmsdBwdSm90, device: torch.device, stream) -> torch.Tenso
     return ws
 
 
-def _stream_key(stream) -> int:
+def _stream_key(stream, device_index) -> int:
     from .lifecycle.launch import stream_handle
-    return stream_handle(stream)
+    return stream_handle(stream, device_index)
 
 
 # --- torch custom ops + autograd -------------------------------------------------------

@@ -63,12 +63,12 @@ def load_kernel(path: Path, symbol: str):
     return module[symbol]
 
 
-def stream_handle(stream: Any = None) -> int:
-    """A raw ``CUstream`` handle (int) from None (the current torch stream), a
+def stream_handle(stream: Any = None, device_index: Optional[int] = None) -> int:
+    """A raw ``CUstream`` handle (int) from None (the current torch stream of the device), a
     ``torch.cuda.Stream``, a cuda-python ``CUstream``, a ``cuda.core`` stream or an int."""
     if stream is None:
         import torch
-        return torch.cuda.current_stream().cuda_stream
+        return torch.cuda.current_stream(device_index).cuda_stream
     if isinstance(stream, int):
         return stream
     cuda_stream = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream / ExternalStream
@@ -90,6 +90,11 @@ def stream_handle(stream: Any = None) -> int:
         "torch.cuda.Stream, a cuda.bindings.driver.CUstream, a cuda.core Stream or an int handle")
 
 
-def current_device_index(default: Optional[int] = None) -> int:
+def device_guard(device_index: Optional[int]):
+    """Makes the tensors' device current for a launch (a no-op when it already is)."""
+    import contextlib
+
     import torch
-    return torch.cuda.current_device() if default is None else default
+    if device_index is None or device_index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device_index)

@@ -9,7 +9,7 @@ import torch
 
 from ..reference.philox import keep_threshold
 from .cache import KernelBuilder
-from .launch import stream_handle
+from .launch import device_guard, stream_handle
 from .op import Op
 from .tensor_desc import TensorDesc, dtype_name, parse_dtype
 from .validation import (check_finite, check_int64, check_no_overlap, check_same_device,
@@ -257,8 +257,10 @@ class HstuLmsdFwdSm90(_LmsdBase):
         kernels = self._ready(x.device.index)
         if n == 0:
             return
-        kernels["fwd"](x, u, weight, bias, y, mean, rstd, mask, float(eps), threshold, scale,
-                       seed, stream_handle(stream))
+        index = x.device.index
+        with device_guard(index):
+            kernels["fwd"](x, u, weight, bias, y, mean, rstd, mask, float(eps), threshold, scale,
+                           seed, stream_handle(stream, index))
 
 
 class HstuLmsdBwdSm90(_LmsdBase):
@@ -423,8 +425,10 @@ class HstuLmsdBwdSm90(_LmsdBase):
         check_value(capacity >= 1, ValueError,
                     f"workspace: needs at least {rows_per_cta} rows; see workspace_shape()")
         num_ctas = max(1, min(capacity, -(-n // rows_per_cta)))
-        kernels = self._ready(x.device.index)
-        handle = stream_handle(stream)
-        kernels["rows"](dy, x, u, weight, bias, mean, rstd, mask, dx, du, workspace, scale,
-                        num_ctas, handle)
-        kernels["reduce"](workspace, dbias, dweight, num_ctas * rows_per_cta, handle)
+        index = x.device.index
+        kernels = self._ready(index)
+        with device_guard(index):
+            handle = stream_handle(stream, index)
+            kernels["rows"](dy, x, u, weight, bias, mean, rstd, mask, dx, du, workspace, scale,
+                            num_ctas, handle)
+            kernels["reduce"](workspace, dbias, dweight, num_ctas * rows_per_cta, handle)
