@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from common import copy_bandwidth, do_bench, environment, write_json
 from precast import hstu_lmsd_backward, hstu_lmsd_forward
-from precast.reference.lmsd import lmsd_mask
 
 
 def torch_forward(x, u, w, b, eps, p, keep):

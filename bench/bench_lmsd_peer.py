@@ -48,7 +48,6 @@ def main(rows=1 << 20, dims=(256, 512, 1024), p=0.1):
                         "ours_bwd_ms": ours_bwd, "peer_bwd_ms": peer_bwd})
         print(f"{d:>5} | {ours_fwd:8.3f} {peer_fwd:8.3f} {peer_fwd / ours_fwd:6.2f}x | "
               f"{ours_bwd:8.3f} {peer_bwd:8.3f} {peer_bwd / ours_bwd:6.2f}x")
-        del x, u, dy, out, g, peer
         torch.cuda.empty_cache()
     write_json("bench_lmsd_peer.json", {"env": env, "rows": rows, "p": p, "results": results})
 

@@ -7,7 +7,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from precast.benchmarking import copy_bandwidth, do_bench, environment, matmul_rate  # noqa: E402,F401
+from precast.benchmarking import copy_bandwidth, do_bench, environment, matmul_rate  # noqa: E402
+
+__all__ = ["copy_bandwidth", "do_bench", "environment", "matmul_rate", "write_json"]
 
 
 def write_json(name: str, payload: dict) -> None:

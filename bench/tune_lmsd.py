@@ -2,8 +2,6 @@
 size, against the copy ceiling measured in the same run. Artifacts: bench/tune_plan.toml."""
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from common import copy_bandwidth, do_bench, environment, write_json

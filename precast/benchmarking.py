@@ -2,8 +2,6 @@
 `precast quickstart`)."""
 from __future__ import annotations
 
-import json
-import os
 import platform
 import time
 

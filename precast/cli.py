@@ -11,7 +11,7 @@ DEFAULT_PLAN = Path(__file__).parent / "plans" / "default.toml"
 
 
 def _cmd_precompile(args) -> int:
-    from .plan import PlanEntry, expand, load_plan, precompile
+    from .plan import expand, load_plan, precompile
     if args.op:
         config = json.loads(args.config or "{}")
         entries = expand({"name": args.op, **config})

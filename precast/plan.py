@@ -34,8 +34,9 @@ class PlanEntry:
 
 
 def _load_ops():
-    from . import lifecycle  # noqa: F401  (op classes register on import)
-    import precast  # noqa: F401
+    # Op classes register themselves in OP_REGISTRY when their module is imported.
+    import importlib
+    importlib.import_module("precast.lifecycle.lmsd")
 
 
 def expand(table: Dict[str, object]) -> List[PlanEntry]:

@@ -17,7 +17,7 @@ from precast import ArtifactCache, ArtifactMissing, HstuLmsdBwdSm90, HstuLmsdFwd
 from precast.lifecycle import cache as cache_mod
 from precast.lifecycle import compiler
 from precast.lifecycle import op as op_mod
-from precast.lifecycle.cache import MANIFEST, CacheKey, default_cache, source_fingerprint
+from precast.lifecycle.cache import MANIFEST, default_cache, source_fingerprint
 from precast.plan import PlanEntry, expand, load_plan
 
 ARCH = "sm_90a"

@@ -13,8 +13,6 @@ between replays changes the results; shapes and pointers are frozen at capture.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
-
 from ..lifecycle.launch import stream_handle
 
 

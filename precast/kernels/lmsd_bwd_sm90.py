@@ -13,7 +13,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int8, const_expr
 
 from .activation import fast_sigmoid
-from .rowwise import VEC, RowTiling, row_sum, vector_copy_atom
+from .rowwise import row_sum, vector_copy_atom
+from .tiling import VEC, RowTiling
 
 DBIAS_SLOT, DWEIGHT_SLOT = 0, 1
 REDUCE_COLS, REDUCE_SLICES = 32, 32

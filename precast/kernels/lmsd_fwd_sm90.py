@@ -8,12 +8,13 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Int8, Uint32, Uint64, const_expr
+from cutlass import Float32, Int32, Int64, Int8, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from .activation import fast_sigmoid
 from .philox import philox4x32_10
-from .rowwise import VEC, RowTiling, row_sum, vector_copy_atom
+from .rowwise import row_sum, vector_copy_atom
+from .tiling import VEC, RowTiling
 
 MAIN_BIT, X_BIT, A_BIT = 0, 1, 2
 

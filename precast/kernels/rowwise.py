@@ -10,7 +10,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .tiling import VEC, WARP, RowTiling  # noqa: F401  (re-exported for the kernels)
+from .tiling import WARP
 
 
 @cute.jit
