@@ -12,7 +12,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from common import copy_bandwidth, do_bench, environment, write_json
+from common import (copy_bandwidth, do_bench, environment, lmsd_inputs, lmsd_traffic_bytes,
+                    write_json)
 from precast import hstu_lmsd_backward, hstu_lmsd_forward
 
 
@@ -25,20 +26,16 @@ def torch_forward(x, u, w, b, eps, p, keep):
 
 
 def run(rows: int, dim: int, p: float, dtype=torch.bfloat16):
-    x = torch.randn(rows, dim, device="cuda", dtype=dtype)
-    u = torch.randn(rows, dim, device="cuda", dtype=dtype)
-    w = torch.randn(dim, device="cuda", dtype=dtype)
-    b = torch.randn(dim, device="cuda", dtype=dtype)
+    x, u, w, b = lmsd_inputs(rows, dim, dtype)
     out = hstu_lmsd_forward(x, u, w, b, 1e-5, p, 1, True, True, True)
     y, mean, rstd, mask = out
-    item = x.element_size()
-    fwd_bytes = rows * dim * (2 * item + 3 * item + 1) + 8 * rows
+    fwd_bytes = lmsd_traffic_bytes(rows, dim, "fwd", x.element_size())
     fwd_ms = do_bench(lambda: hstu_lmsd_forward(x, u, w, b, 1e-5, p, 1, True, True, True,
                                                 y_tensor=y, mean_tensor=mean, rstd_tensor=rstd,
                                                 mask_tensor=mask))
     dy = torch.randn_like(y)
     grads = hstu_lmsd_backward(dy, x, u, w, b, mean, rstd, mask, p, True, True, True)
-    bwd_bytes = rows * dim * (3 * item + 2 * item + 1 + 2 * item) + 8 * rows
+    bwd_bytes = lmsd_traffic_bytes(rows, dim, "bwd", x.element_size())
     bwd_ms = do_bench(lambda: hstu_lmsd_backward(
         dy, x, u, w, b, mean, rstd, mask, p, True, True, True, dx_tensor=grads[0],
         du_tensor=grads[1], dweight_tensor=grads[2], dbias_tensor=grads[3]))

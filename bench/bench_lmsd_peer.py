@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from common import do_bench, environment, write_json
+from common import do_bench, environment, lmsd_inputs, write_json
 from precast import hstu_lmsd_backward, hstu_lmsd_forward
 
 
@@ -23,10 +23,7 @@ def main(rows=1 << 20, dims=(256, 512, 1024), p=0.1):
     print(f"{'D':>5} | {'ours fwd':>8} {'peer fwd':>8} {'speedup':>7} | {'ours bwd':>8} {'peer bwd':>8} {'speedup':>7}")
     results = []
     for d in dims:
-        x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
-        u = torch.randn_like(x)
-        w = torch.randn(d, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn_like(w)
+        x, u, w, b = lmsd_inputs(rows, d)
         kw = dict(silu_u=True, concat_u=True, concat_x=True, mul_u_activation_type="silu")
         peer = triton_layer_norm_mul_dropout_fwd(x, u, w, b, 1e-5, p, True, seed=1, **kw)
         peer_fwd = do_bench(lambda: triton_layer_norm_mul_dropout_fwd(x, u, w, b, 1e-5, p, True,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from common import copy_bandwidth, do_bench, environment, write_json
+from common import copy_bandwidth, do_bench, environment, lmsd_inputs, lmsd_traffic_bytes, write_json
 from precast import HstuLmsdBwdSm90, HstuLmsdFwdSm90
 
 
@@ -14,10 +14,7 @@ def main(rows=1 << 20, dims=(512, 1024)):
     print(f"{env['gpu']} {env['date']} copy {bw / 1e12:.2f} TB/s")
     out = []
     for d in dims:
-        x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
-        u = torch.randn_like(x)
-        w = torch.randn(d, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn_like(w)
+        x, u, w, b = lmsd_inputs(rows, d)
         y = torch.empty(rows, 3 * d, device="cuda", dtype=torch.bfloat16)
         mean = torch.empty(rows, device="cuda")
         rstd = torch.empty_like(mean)
@@ -28,7 +25,7 @@ def main(rows=1 << 20, dims=(512, 1024)):
                 op = HstuLmsdFwdSm90(x, u, w, b, y, mean, rstd, mask, dropout_ratio=p, concat_u=True,
                                      concat_x=True, vecs_per_thread=vpt, min_ctas_per_sm=cap).compile()
                 ms = do_bench(lambda: op.execute(x, u, w, b, y, mean, rstd, mask, seed=1))
-                nbytes = rows * d * (4 + 6 + 1)
+                nbytes = lmsd_traffic_bytes(rows, d, "fwd")
                 r = nbytes / (ms * 1e-3) / bw
                 print(f"fwd D={d} p={p} vpt={vpt} min_ctas={cap}: {ms:.3f} ms  {r:.3f} x copy")
                 out.append(("fwd", d, p, vpt, cap, 0, ms, r))
@@ -46,7 +43,7 @@ def main(rows=1 << 20, dims=(512, 1024)):
             for per_sm in sorted({2, 4, max(cap, 2)}):
                 ws = torch.empty(sms * per_sm * rpc, 2, d, device="cuda")
                 ms = do_bench(lambda: op.execute(dy, x, u, w, b, mean, rstd, mask, dx, du, dw, db, ws))
-                nbytes = rows * d * (6 + 4 + 1 + 4)
+                nbytes = lmsd_traffic_bytes(rows, d, "bwd")
                 r = nbytes / (ms * 1e-3) / bw
                 print(f"bwd D={d} vpt={vpt} min_ctas={cap} grid/SM={per_sm}: {ms:.3f} ms  {r:.3f} x copy")
                 out.append(("bwd", d, 0.1, vpt, cap, per_sm, ms, r))

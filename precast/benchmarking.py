@@ -49,3 +49,26 @@ def environment() -> dict:
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": props.name,
             "sms": props.multi_processor_count, "torch": torch.__version__,
             "python": platform.python_version()}
+
+
+def lmsd_inputs(rows: int, dim: int, dtype=torch.bfloat16, device="cuda"):
+    """Random (x, u, weight, bias) for HSTU LMSD measurements (never zeros)."""
+    x = torch.randn(rows, dim, device=device, dtype=dtype)
+    u = torch.randn_like(x)
+    weight = torch.randn(dim, device=device, dtype=dtype)
+    bias = torch.randn_like(weight)
+    return x, u, weight, bias
+
+
+def lmsd_traffic_bytes(rows: int, dim: int, direction: str, itemsize: int = 2,
+                       segments: int = 3, dropout: bool = True) -> int:
+    """Fewest bytes an LMSD pass must move: forward reads x, u and writes y (+ mask);
+    backward reads dy, x, u (+ mask) and writes dx, du; mean/rstd are 8 bytes a row."""
+    mask = 1 if dropout else 0
+    if direction == "fwd":
+        per_element = 2 * itemsize + segments * itemsize + mask
+    elif direction == "bwd":
+        per_element = segments * itemsize + 2 * itemsize + mask + 2 * itemsize
+    else:
+        raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
+    return rows * dim * per_element + 8 * rows

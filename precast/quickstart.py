@@ -8,7 +8,7 @@ from pathlib import Path
 def _check_and_time() -> None:
     import torch
 
-    from .benchmarking import copy_bandwidth, do_bench
+    from .benchmarking import copy_bandwidth, do_bench, lmsd_inputs, lmsd_traffic_bytes
     from .hstu_lmsd import hstu_lmsd_backward, hstu_lmsd_forward
     from .reference.lmsd import lmsd_backward_reference, lmsd_forward_reference
 
@@ -17,10 +17,7 @@ def _check_and_time() -> None:
     print(f"{'op':<22}{'D':>6}{'rows':>9}{'ms':>9}{'TB/s':>7}{'x copy':>8}{'max rel err':>13}")
     rows, p = 1 << 18, 0.1
     for dim in (256, 512, 1024):
-        x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
-        u = torch.randn_like(x)
-        w = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn_like(w)
+        x, u, w, b = lmsd_inputs(rows, dim)
         fwd = hstu_lmsd_forward(x, u, w, b, 1e-5, p, 7, True, True, True)
         ref = lmsd_forward_reference(x, u, w, b, 1e-5, p, 7, True, True, True, mask=fwd.mask_tensor)
         err_f = ((fwd.y_tensor.float() - ref[0]).norm() / ref[0].norm()).item()
@@ -34,8 +31,9 @@ def _check_and_time() -> None:
         ms_b = do_bench(lambda: hstu_lmsd_backward(dy, x, u, w, b, fwd[1], fwd[2], fwd[3], p, True,
                                                    True, True, dx_tensor=bwd[0], du_tensor=bwd[1],
                                                    dweight_tensor=bwd[2], dbias_tensor=bwd[3]))
-        for name, ms, nbytes, err in (("hstu_lmsd_forward", ms_f, rows * dim * 11, err_f),
-                                      ("hstu_lmsd_backward", ms_b, rows * dim * 15, err_b)):
+        for name, ms, nbytes, err in (
+                ("hstu_lmsd_forward", ms_f, lmsd_traffic_bytes(rows, dim, "fwd"), err_f),
+                ("hstu_lmsd_backward", ms_b, lmsd_traffic_bytes(rows, dim, "bwd"), err_b)):
             rate = nbytes / (ms * 1e-3)
             print(f"{name:<22}{dim:>6}{rows:>9}{ms:>9.3f}{rate / 1e12:>7.2f}{rate / bw:>8.2f}"
                   f"{err:>13.1e}")

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
@@ -71,7 +71,7 @@ class CacheKey:
     fingerprint: str
     precast_version: str
     tvm_ffi_version: Optional[str]
-    dsl_version: Optional[str] = field(default=None, compare=True)
+    dsl_version: Optional[str] = None  # unknown where the compiler is not installed
 
     @classmethod
     def make(cls, op: str, config: Mapping[str, object], arch: str, fingerprint: str):

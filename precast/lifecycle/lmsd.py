@@ -7,6 +7,7 @@ from typing import Dict, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
+from ..reference.lmsd import segment_count
 from ..reference.philox import keep_threshold
 from .cache import KernelBuilder
 from .launch import device_guard, stream_handle
@@ -27,10 +28,6 @@ DEFAULT_MIN_CTAS_PER_SM = {"fwd": 0, "bwd": 3}  # 0: no register cap (bench/RESU
 BWD_CTAS_PER_SM = 2  # persistent backward grid (fits the kernel's register use)
 _SM90_SOURCES = ("precast.kernels.rowwise", "precast.kernels.tiling", "precast.kernels.philox",
                  "precast.kernels.activation", "precast.kernels.fake")
-
-
-def segment_count(concat_u: bool, concat_x: bool) -> int:
-    return 1 + int(bool(concat_u)) + int(bool(concat_x))
 
 
 def check_dropout_ratio(dropout_ratio) -> float:
@@ -105,7 +102,7 @@ class _LmsdBase(Op):
                              f"{self.min_ctas_per_sm}")
         return check_dropout_ratio(self.dropout_ratio)
 
-    @property
+    @functools.cached_property
     def tiling(self):
         from ..kernels.tiling import RowTiling
         return RowTiling(self.dim, vecs_per_thread_target=self.vecs_per_thread)
@@ -133,6 +130,23 @@ class _LmsdBase(Op):
             check_value(mask is None, ValueError,
                         "mask must be None when dropout_ratio == 0 (no dropout, no mask)")
 
+    def _check_relations(self, named: Mapping[str, object]) -> None:
+        """One device; outputs alias neither each other nor an input (host metadata only)."""
+        check_same_device(list(named.items()))
+        check_no_overlap([(k, named[k]) for k in self.OUTPUTS],
+                         [(k, named[k]) for k in named if k not in self.OUTPUTS])
+
+    def _runtime_dropout(self, dropout_ratio: Optional[float]) -> Tuple[int, float]:
+        """(keep threshold, keep scale) for this call; dropout on/off is fixed at compile."""
+        if not self.use_dropout:
+            check_value(dropout_ratio in (None, 0, 0.0), ValueError,
+                        "this op was compiled without dropout: dropout_ratio must be 0")
+            return 0, 1.0
+        p = check_dropout_ratio(self.dropout_ratio if dropout_ratio is None else dropout_ratio)
+        check_value(p > 0.0, ValueError, "this op was compiled with dropout: dropout_ratio "
+                    "must stay > 0 (build another op for dropout_ratio = 0)")
+        return dropout_scalars(p)
+
     @staticmethod
     def _same_rows(name: str, shape, num_rows: int):
         if shape[0] != num_rows:
@@ -149,6 +163,7 @@ class HstuLmsdFwdSm90(_LmsdBase):
     """
 
     kernel_sources = ("precast.kernels.lmsd_fwd_sm90",) + _SM90_SOURCES
+    OUTPUTS = ("y", "mean", "rstd", "mask")
 
     def __init__(self, sample_x, sample_u, sample_weight, sample_bias, sample_y=None,
                  sample_mean=None, sample_rstd=None, sample_mask=None, *, eps: float = 1e-5,
@@ -195,10 +210,7 @@ class HstuLmsdFwdSm90(_LmsdBase):
         check_finite("eps", self.eps, positive=True)
         self._validate(self.x, self.u, self.weight, self.bias, self.y, self.mean, self.rstd,
                        self.mask)
-        named = list(self._samples.items())
-        check_same_device(named)
-        check_no_overlap([(k, self._samples[k]) for k in ("y", "mean", "rstd", "mask")],
-                         [(k, self._samples[k]) for k in ("x", "u", "weight", "bias")])
+        self._check_relations(self._samples)
 
     def _validate(self, x, u, weight, bias, y, mean, rstd, mask) -> int:
         """Every per-tensor rule; shared by check_support() and execute(). Returns N."""
@@ -239,20 +251,11 @@ class HstuLmsdFwdSm90(_LmsdBase):
         if not self._checked:
             self.check_support()
         n = self._validate(x, u, weight, bias, y, mean, rstd, mask)
-        check_same_device([("x", x), ("u", u), ("weight", weight), ("bias", bias), ("y", y),
-                           ("mean", mean), ("rstd", rstd), ("mask", mask)])
-        check_no_overlap([("y", y), ("mean", mean), ("rstd", rstd), ("mask", mask)],
-                         [("x", x), ("u", u), ("weight", weight), ("bias", bias)])
+        self._check_relations(dict(x=x, u=u, weight=weight, bias=bias, y=y, mean=mean,
+                                   rstd=rstd, mask=mask))
         eps = self.eps if eps is None else eps
         check_finite("eps", eps, positive=True)
-        threshold, scale = 0, 1.0
-        if self.use_dropout:
-            p = check_dropout_ratio(self.dropout_ratio if dropout_ratio is None else dropout_ratio)
-            check_value(p > 0.0, ValueError, "this op was compiled with dropout: dropout_ratio "
-                        "must stay > 0 (build another op for dropout_ratio = 0)")
-            threshold, scale = dropout_scalars(p)
-        elif dropout_ratio not in (None, 0, 0.0):
-            raise ValueError("this op was compiled without dropout: dropout_ratio must be 0")
+        threshold, scale = self._runtime_dropout(dropout_ratio)
         seed = check_int64("seed", seed)
         kernels = self._ready(x.device.index)
         if n == 0:
@@ -272,6 +275,7 @@ class HstuLmsdBwdSm90(_LmsdBase):
     """
 
     kernel_sources = ("precast.kernels.lmsd_bwd_sm90",) + _SM90_SOURCES
+    OUTPUTS = ("dx", "du", "dweight", "dbias", "workspace")
 
     def __init__(self, sample_dy, sample_x, sample_u, sample_weight, sample_bias, sample_mean,
                  sample_rstd, sample_mask=None, sample_dx=None, sample_du=None,
@@ -327,8 +331,12 @@ class HstuLmsdBwdSm90(_LmsdBase):
         sms = torch.cuda.get_device_properties(idx if idx is not None else
                                                torch.cuda.current_device()).multi_processor_count
         per_sm = max(BWD_CTAS_PER_SM, self.min_ctas_per_sm)
-        return (sms * per_sm * self.tiling.rows_per_cta,
-                2 if self.compute_dweight else 1, self.dim)
+        return (sms * per_sm * self.tiling.rows_per_cta, self.workspace_slots, self.dim)
+
+    @property
+    def workspace_slots(self) -> int:
+        """dbias, plus dweight when it is computed."""
+        return 2 if self.compute_dweight else 1
 
     def make_workspace(self, device=None) -> torch.Tensor:
         return torch.empty(self.workspace_shape(device), dtype=torch.float32,
@@ -339,11 +347,7 @@ class HstuLmsdBwdSm90(_LmsdBase):
         _bool("compute_dweight", self.compute_dweight)
         self._validate(self.dy, self.x, self.u, self.weight, self.bias, self.mean, self.rstd,
                        self.mask, self.dx, self.du, self.dweight, self.dbias)
-        s = self._samples
-        check_same_device(list(s.items()))
-        check_no_overlap([(k, s[k]) for k in ("dx", "du", "dweight", "dbias")],
-                         [(k, s[k]) for k in ("dy", "x", "u", "weight", "bias", "mean", "rstd",
-                                              "mask")])
+        self._check_relations({**self._samples, "workspace": None})
 
     def _validate(self, dy, x, u, weight, bias, mean, rstd, mask, dx, du, dweight, dbias) -> int:
         (n, _) = self._rows("x", x, self.dim)
@@ -382,7 +386,7 @@ class HstuLmsdBwdSm90(_LmsdBase):
                     fake_rows(dt, n, self.dim), fake_vector(dt, self.dim), fake_vector(dt, self.dim),
                     fake_vector(cutlass.Float32, n, align=4), fake_vector(cutlass.Float32, n, align=4), mask,
                     fake_rows(dt, n, self.dim), fake_rows(dt, n, self.dim),
-                    fake_workspace(kernel.num_slots, self.dim), scalar(cutlass.Float32, 1.0),
+                    fake_workspace(self.workspace_slots, self.dim), scalar(cutlass.Float32, 1.0),
                     scalar(cutlass.Int32, 1), fake_stream())
             return kernel, args
 
@@ -393,7 +397,7 @@ class HstuLmsdBwdSm90(_LmsdBase):
             dt = cute_dtype(dtype_name(self.dtype))
             kernel = LmsdParamGradReduceSm90(dt, self.dim, self.compute_dweight)
             dweight = fake_vector(dt, self.dim, align=2) if self.compute_dweight else None
-            args = (fake_workspace(2 if self.compute_dweight else 1, self.dim),
+            args = (fake_workspace(self.workspace_slots, self.dim),
                     fake_vector(dt, self.dim, align=2), dweight, scalar(cutlass.Int32, 1),
                     fake_stream())
             return kernel, args
@@ -406,20 +410,11 @@ class HstuLmsdBwdSm90(_LmsdBase):
             self.check_support()
         n = self._validate(dy, x, u, weight, bias, mean, rstd, mask, dx, du, dweight, dbias)
         check_tensor("workspace", workspace, dtypes=(torch.float32,),
-                     shape=(None, 2 if self.compute_dweight else 1, self.dim), contiguous=True)
-        tensors = [("dy", dy), ("x", x), ("u", u), ("weight", weight), ("bias", bias),
-                   ("mean", mean), ("rstd", rstd), ("mask", mask), ("dx", dx), ("du", du),
-                   ("dweight", dweight), ("dbias", dbias), ("workspace", workspace)]
-        check_same_device(tensors)
-        check_no_overlap(tensors[8:], tensors[:8])
-        scale = 1.0
-        if self.use_dropout:
-            p = check_dropout_ratio(self.dropout_ratio if dropout_ratio is None else dropout_ratio)
-            check_value(p > 0.0, ValueError, "this op was compiled with dropout: dropout_ratio "
-                        "must stay > 0")
-            scale = dropout_scalars(p)[1]
-        elif dropout_ratio not in (None, 0, 0.0):
-            raise ValueError("this op was compiled without dropout: dropout_ratio must be 0")
+                     shape=(None, self.workspace_slots, self.dim), contiguous=True)
+        self._check_relations(dict(dy=dy, x=x, u=u, weight=weight, bias=bias, mean=mean,
+                                   rstd=rstd, mask=mask, dx=dx, du=du, dweight=dweight,
+                                   dbias=dbias, workspace=workspace))
+        _, scale = self._runtime_dropout(dropout_ratio)
         rows_per_cta = self.tiling.rows_per_cta
         capacity = workspace.shape[0] // rows_per_cta
         check_value(capacity >= 1, ValueError,
