@@ -21,7 +21,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass import Boolean, Float32, Int32, Uint32, Uint64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
@@ -33,6 +33,7 @@ PAGE_SIZE = 128
 TILE_N = {32: 128, 64: 128, 128: 128, 256: 64}
 STAGES = {32: 4, 64: 4, 128: 2, 256: 2}
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
+TURN_BARRIER = 1  # named barriers 1 and 2: "warpgroup 0 / 1 may issue" (0 is sync_threads)
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
@@ -56,10 +57,19 @@ def _acc_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
                                     (d[0][2] * 2, d[2])))
 
 
+@cute.jit
+def _advanced(state):
+    # A new state one stage on; assigning it (rather than mutating in place) carries the
+    # state out of dynamic branches.
+    nxt = state.clone()
+    nxt.advance()
+    return nxt
+
+
 class HstuAttentionForwardSm90:
     def __init__(self, dtype, head_dim: int, num_heads: int, num_kv_heads: int,
                  window_left_bounded: bool, window_right_bounded: bool, func_intervals: int,
-                 paged: bool):
+                 paged: bool, pingpong: bool = True):
         assert head_dim in TILE_N, head_dim
         assert num_heads % num_kv_heads == 0
         assert func_intervals == 0 or func_intervals % 2 == 1
@@ -72,6 +82,9 @@ class HstuAttentionForwardSm90:
         self.right_bounded = window_right_bounded
         self.func_intervals = func_intervals
         self.paged = paged
+        # The two consumer warpgroups take turns issuing their wgmmas, so one's SiLU runs
+        # while the other's matmuls keep the tensor cores busy.
+        self.pingpong = pingpong
         self.tile_n = TILE_N[head_dim]
         self.stages = STAGES[head_dim]
         self.num_threads = 3 * THREADS_PER_WG
@@ -81,8 +94,9 @@ class HstuAttentionForwardSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor,
                  mPagedKV: cute.Tensor, mPageIds: cute.Tensor, mPageIndptrs: cute.Tensor,
-                 max_seqlen_q: Int32, window_left: Int32, window_right: Int32,
-                 half_alpha: Float32, out_scale: Float32, stream: cuda.CUstream):
+                 mTileCounter: cute.Tensor, max_seqlen_q: Int32, window_left: Int32, window_right: Int32,
+                 half_alpha: Float32, out_scale: Float32, num_ctas: Int32,
+                 stream: cuda.CUstream):
         dt = self.dtype
         D, tn = self.head_dim, self.tile_n
         # (T, H, D) -> (T, D, H): rows and head dim first, as TMA tiles them.
@@ -120,6 +134,7 @@ class HstuAttentionForwardSm90:
         @cute.struct
         class SharedStorage:
             q_bars: cute.struct.MemRange[cutlass.Int64, 2]
+            work: cute.struct.MemRange[Int32, 4]  # (batch, m_block, head) beside the Q stage
             k_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             v_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
@@ -127,13 +142,15 @@ class HstuAttentionForwardSm90:
             sVt: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sVt_layout)], 1024]
 
         self.storage = SharedStorage
+        # Persistent CTAs; at most one per work tile (max_seqlen_q bounds the tile count).
         num_batches = mCuSeqlensQ.shape[0] - 1
-        m_blocks = cutlass.max((max_seqlen_q + TILE_M - 1) // TILE_M, 1)
-        self.kernel(mma_qk, mma_pv, mQ_tma, mK_tma, mVt_tma, mO, tma_q, tma_k, tma_v, sQ_layout, sK_layout,
-                    sVt_layout, mCuSeqlensQ, mCuSeqlensK, mFunc, mPageIds, mPageIndptrs,
-                    window_left, window_right, half_alpha, out_scale).launch(
-            grid=[self.num_heads, m_blocks, num_batches], block=[self.num_threads, 1, 1],
-            stream=stream)
+        tile_bound = self.num_heads * ((max_seqlen_q + TILE_M - 1) // TILE_M) * num_batches
+        grid = cutlass.max(cutlass.min(tile_bound, num_ctas), 1)
+        self.kernel(mma_qk, mma_pv, mQ_tma, mK_tma, mVt_tma, mO, tma_q, tma_k, tma_v, sQ_layout,
+                    sK_layout, sVt_layout, mCuSeqlensQ, mCuSeqlensK, mFunc, mPageIds,
+                    mPageIndptrs, mTileCounter, num_batches, window_left, window_right,
+                    half_alpha, out_scale).launch(grid=[grid, 1, 1], block=[self.num_threads, 1, 1],
+                                      stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -142,13 +159,9 @@ class HstuAttentionForwardSm90:
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sVt_layout: cute.ComposedLayout, mCuSeqlensQ: cute.Tensor,
                mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor, mPageIds: cute.Tensor,
-               mPageIndptrs: cute.Tensor, window_left: Int32, window_right: Int32,
-               half_alpha: Float32, out_scale: Float32):
-        tn = self.tile_n
+               mPageIndptrs: cute.Tensor, mTileCounter: cute.Tensor, num_batches: Int32,
+               window_left: Int32, window_right: Int32, half_alpha: Float32, out_scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        head, m_rev, batch = cute.arch.block_idx()
-        _, m_blocks, _ = cute.arch.grid_dim()
-        m_block = m_blocks - 1 - m_rev  # heaviest (causal) tiles start first
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v):
@@ -176,27 +189,73 @@ class HstuAttentionForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+        work = storage.work.get_tensor(cute.make_layout(4))
 
-        # The tile's sequence; everything below is uniform over the CTA.
+        if warp_idx == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self.produce(mQ, mK, mVt, tma_q, tma_k, tma_v, sQ, sK, sVt, work, pipe_q, pipe_k,
+                         pipe_v, mCuSeqlensQ, mCuSeqlensK, mTileCounter, num_batches,
+                         window_left, window_right, mPageIds, mPageIndptrs)
+        elif warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consume(mma_qk, mma_pv, mO, sQ, sK, sVt, work, pipe_q, pipe_k, pipe_v,
+                         tidx - THREADS_PER_WG, mCuSeqlensQ, mCuSeqlensK, num_batches, mFunc,
+                         window_left, window_right, half_alpha, out_scale)
+
+    @cute.jit
+    def tile_info(self, batch: Int32, m_block: Int32, mCuSeqlensQ, mCuSeqlensK,
+                  window_left: Int32, window_right: Int32):
+        """(m0, q_start, len_q, len_k, k_start, n_min, n_max) of a work tile."""
         q_start = mCuSeqlensQ[batch]
         len_q = mCuSeqlensQ[batch + 1] - q_start
         k_start = mCuSeqlensK[batch]
         len_k = mCuSeqlensK[batch + 1] - k_start
         m0 = m_block * TILE_M
-        if m0 < len_q:
-            n_min, n_max = self.key_tile_range(m0, len_q, len_k, window_left, window_right)
-            if warp_idx == 0:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-                self.produce(mQ, mK, mVt, tma_q, tma_k, tma_v, sQ, sK, sVt, pipe_q, pipe_k,
-                             pipe_v, head, batch, m_block, q_start, k_start, n_min, n_max,
-                             mPageIds, mPageIndptrs)
-            elif warp_idx < 4:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+        n_min, n_max = self.key_tile_range(m0, len_q, len_k, window_left, window_right)
+        return m0, q_start, len_q, k_start, len_k, n_min, n_max
+
+    @cute.jit
+    def find_tile(self, tile: Int32, group: Int32, base: Int32, mCuSeqlensQ,
+                  num_batches: Int32):
+        """Maps a work-tile number to (batch, m_block, head), scanning the sequences 32 at a
+        time from (group, base): the first sequence of the current group and the number of
+        tiles before it. Tiles count only query rows that exist: sequence b has
+        H * ceil(len_q / 128) of them, its heaviest (last) query tiles first. Returns
+        batch == num_batches past the last tile."""
+        lane = cute.arch.lane_idx()
+        heads = self.num_heads
+        batch = num_batches
+        m_block = Int32(0)
+        head = Int32(0)
+        searching = Boolean(True)
+        while searching:
+            b = group + lane
+            count = Int32(0)
+            if b < num_batches:
+                count = (mCuSeqlensQ[b + 1] - mCuSeqlensQ[b] + TILE_M - 1) // TILE_M * heads
+            ends = count  # inclusive prefix sum over the lanes
+            for d in cutlass.range_constexpr(5):
+                up = cute.arch.shuffle_sync_up(ends, 1 << d)
+                if lane >= (1 << d):
+                    ends = ends + up
+            total = cute.arch.shuffle_sync(ends, 31)
+            if tile < base + total:
+                owner = cute.arch.popc(cute.arch.vote_ballot_sync(tile >= base + ends))
+                start = base + cute.arch.shuffle_sync(ends - count, owner)
+                local = tile - start
+                batch = group + owner
+                m_blocks = (mCuSeqlensQ[batch + 1] - mCuSeqlensQ[batch] + TILE_M - 1) // TILE_M
+                m_block = m_blocks - 1 - local // heads
+                head = local % heads
+                searching = Boolean(False)
             else:
-                cute.arch.setmaxregister_increase(CONSUMER_REGS)
-                self.consume(mma_qk, mma_pv, mO, sQ, sK, sVt, pipe_q, pipe_k, pipe_v, tidx - THREADS_PER_WG,
-                             head, m0, q_start, len_q, len_k, n_min, n_max, mFunc,
-                             window_left, window_right, half_alpha, out_scale)
+                base = base + total
+                group = group + 32
+                if group >= num_batches:
+                    searching = Boolean(False)
+        return batch, m_block, head, group, base
 
     @cute.jit
     def key_tile_range(self, m0: Int32, len_q: Int32, len_k: Int32, window_left: Int32,
@@ -218,65 +277,114 @@ class HstuAttentionForwardSm90:
         return n_min, n_max
 
     @cute.jit
-    def produce(self, mQ, mK, mVt, tma_q, tma_k, tma_v, sQ, sK, sVt, pipe_q, pipe_k, pipe_v,
-                head: Int32, batch: Int32, m_block: Int32, q_start: Int32, k_start: Int32,
-                n_min: Int32, n_max: Int32, mPageIds, mPageIndptrs):
+    def produce(self, mQ, mK, mVt, tma_q, tma_k, tma_v, sQ, sK, sVt, work, pipe_q, pipe_k,
+                pipe_v, mCuSeqlensQ, mCuSeqlensK, mTileCounter, num_batches: Int32,
+                window_left: Int32, window_right: Int32, mPageIds, mPageIndptrs):
+        """Warp 0: claims work tiles (dynamic, so the heaviest finish first), posts each to
+        the consumers beside its Q, then streams the tile's K/V."""
         tn = self.tile_n
         D = self.head_dim
-        kv_head = head // self.group
-        gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, None, head]),
-                             (TILE_M, D), (m_block, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
-                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        if const_expr(self.paged):
-            # (tn, D, sub-tiles of a page, pages) and (D, tn, sub-tiles, pages)
-            gK = cute.local_tile(mK[None, None, kv_head, 0, None], (tn, D), (None, 0, None))
-            gVt = cute.local_tile(mVt[None, None, kv_head, 1, None], (D, tn), (0, None, None))
-        else:
-            gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, None, kv_head]),
-                                 (tn, D), (None, 0))
-            gVt = cute.local_tile(cute.domain_offset((0, k_start), mVt[None, None, kv_head]),
-                                  (D, tn), (0, None))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
-                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
-                                           cute.group_modes(sVt, 0, 2),
-                                           cute.group_modes(gVt, 0, 2))
-
+        lane = cute.arch.lane_idx()
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_q.producer_acquire(q_state)
-        cute.copy(tma_q, tQgQ, tQsQ[None, 0],
-                  tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        page_base = Int32(0)
-        if const_expr(self.paged):
-            page_base = mPageIndptrs[batch]
-        for i in cutlass.range(n_max - n_min, unroll=1):
-            n = n_max - 1 - i
-            pipe_k.producer_acquire(state)
-            if const_expr(self.paged):
-                sub_tiles = PAGE_SIZE // tn
-                page = mPageIds[page_base + n // sub_tiles]
-                sub = n % sub_tiles
-                cute.copy(tma_k, tKgK[None, sub, page], tKsK[None, state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                pipe_v.producer_acquire(state)
-                cute.copy(tma_v, tVgV[None, sub, page], tVsV[None, state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        tile = cta
+        group = Int32(0)
+        base = Int32(0)
+        batch, m_block, head, group, base = self.find_tile(tile, group, base, mCuSeqlensQ,
+                                                          num_batches)
+        while batch < num_batches:
+            m0, q_start, len_q, k_start, len_k, n_min, n_max = self.tile_info(
+                batch, m_block, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
+            # Post the tile once the consumers are done with the previous Q.
+            pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
+            work[0] = batch
+            work[1] = m_block
+            work[2] = head
+            full = pipe_q.sync_object_full.get_barrier(q_state.index)
+            if n_max > n_min:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(full, self.q_bytes)
+                kv_head = head // self.group
+                gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, None, head]),
+                                     (TILE_M, D), (m_block, 0))
+                tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
+                                                   cute.group_modes(sQ, 0, 2),
+                                                   cute.group_modes(gQ, 0, 2))
+                cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=full)
+                if const_expr(self.paged):
+                    # (tn, D, sub-tiles of a page, pages) and (D, tn, sub-tiles, pages)
+                    gK = cute.local_tile(mK[None, None, kv_head, 0, None], (tn, D),
+                                         (None, 0, None))
+                    gVt = cute.local_tile(mVt[None, None, kv_head, 1, None], (D, tn),
+                                          (0, None, None))
+                else:
+                    gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, None, kv_head]),
+                                         (tn, D), (None, 0))
+                    gVt = cute.local_tile(
+                        cute.domain_offset((0, k_start), mVt[None, None, kv_head]), (D, tn),
+                        (0, None))
+                tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
+                                                   cute.group_modes(sK, 0, 2),
+                                                   cute.group_modes(gK, 0, 2))
+                tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
+                                                   cute.group_modes(sVt, 0, 2),
+                                                   cute.group_modes(gVt, 0, 2))
+                page_base = Int32(0)
+                if const_expr(self.paged):
+                    page_base = mPageIndptrs[batch]
+                for i in cutlass.range(n_max - n_min, unroll=1):
+                    n = n_max - 1 - i
+                    pipe_k.producer_acquire(state)
+                    if const_expr(self.paged):
+                        sub_tiles = PAGE_SIZE // tn
+                        page = mPageIds[page_base + n // sub_tiles]
+                        sub = n % sub_tiles
+                        cute.copy(tma_k, tKgK[None, sub, page], tKsK[None, state.index],
+                                  tma_bar_ptr=pipe_k.producer_get_barrier(state))
+                        pipe_v.producer_acquire(state)
+                        cute.copy(tma_v, tVgV[None, sub, page], tVsV[None, state.index],
+                                  tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                    else:
+                        cute.copy(tma_k, tKgK[None, n], tKsK[None, state.index],
+                                  tma_bar_ptr=pipe_k.producer_get_barrier(state))
+                        pipe_v.producer_acquire(state)
+                        cute.copy(tma_v, tVgV[None, n], tVsV[None, state.index],
+                                  tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                    state.advance()
+                state = state.clone()  # rebinding makes the state live out of the branch
             else:
-                cute.copy(tma_k, tKgK[None, n], tKsK[None, state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                pipe_v.producer_acquire(state)
-                cute.copy(tma_v, tVgV[None, n], tVsV[None, state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
-            state.advance()
+                # Nothing visible: the consumers only write zeros.
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive(full)
+            q_state = _advanced(q_state)
+            # Next tile: one atomic per tile, lane 0 claims it for the warp.
+            claimed = Int32(0)
+            if lane == 0:
+                claimed = cute.arch.atomic_add(mTileCounter.iterator, Int32(1))
+            tile = ctas + cute.arch.shuffle_sync(claimed, 0)
+            batch, m_block, head, group, base = self.find_tile(tile, group, base, mCuSeqlensQ,
+                                                              num_batches)
+        # Tell the consumers to stop.
+        pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
+        work[0] = num_batches
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(pipe_q.sync_object_full.get_barrier(q_state.index))
+        # The last CTA out resets the counter for the next launch on this stream: every CTA
+        # has made its final claim before it counts itself out.
+        if lane == 0:
+            cute.arch.fence_acq_rel_gpu()
+            finished = cute.arch.atomic_add(mTileCounter.iterator + 1, Int32(1))
+            if finished == ctas - 1:
+                mTileCounter[0] = Int32(0)
+                mTileCounter[1] = Int32(0)
 
     @cute.jit
-    def consume(self, mma_qk, mma_pv, mO, sQ, sK, sVt, pipe_q, pipe_k, pipe_v, tidx: Int32, head: Int32,
-                m0: Int32, q_start: Int32, len_q: Int32, len_k: Int32, n_min: Int32,
-                n_max: Int32, mFunc, window_left: Int32, window_right: Int32,
-                half_alpha: Float32, out_scale: Float32):
+    def consume(self, mma_qk, mma_pv, mO, sQ, sK, sVt, work, pipe_q, pipe_k, pipe_v, tidx: Int32,
+                mCuSeqlensQ, mCuSeqlensK, num_batches: Int32, mFunc,
+                window_left: Int32, window_right: Int32, half_alpha: Float32,
+                out_scale: Float32):
         tn = self.tile_n
         D = self.head_dim
         wg = tidx // THREADS_PER_WG
@@ -285,76 +393,124 @@ class HstuAttentionForwardSm90:
         thr_qk = mma_qk.get_slice(tidx)
         thr_pv = mma_pv.get_slice(tidx)
 
-        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))[None, None, None, 0]
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
         acc_s = cute.make_rmem_tensor(wg_qk.partition_shape_C((TILE_M, tn)), Float32)
         acc_o = cute.make_rmem_tensor(wg_pv.partition_shape_C((TILE_M, D)), Float32)
-        acc_o.fill(0.0)
         p_regs = cute.make_rmem_tensor(acc_s.layout, self.dtype)
         tOrP = cute.make_tensor(p_regs.iterator, _acc_as_operand_a(acc_s.layout))
 
-        # (row, col) of each score this thread holds, in the CTA tile.
-        c_s = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, tn)))
-        coords = cute.make_tensor(c_s.iterator, _acc_mn_layout(c_s.layout))
-        s_mn = cute.make_tensor(acc_s.iterator, _acc_mn_layout(acc_s.layout))
-
-        # Per-row data of the mask: local query index, window bounds or func intervals.
-        rows = cute.size(s_mn, mode=[0])
+        rows = 2  # accumulator rows per thread (r and r + 8 of its warp's 16)
         row_i = cute.make_rmem_tensor(cute.make_layout(rows), Int32)
-        for r in cutlass.range_constexpr(rows):
-            row_i[r] = m0 + coords[r, 0][0]
-        off = len_k - len_q
         nf = const_expr(self.func_intervals)
         func = None
         if const_expr(nf > 0):
             func = cute.make_rmem_tensor(cute.make_layout((rows, nf)), Int32)
-            for r in cutlass.range_constexpr(rows):
-                for t in cutlass.range_constexpr(nf):
-                    func[r, t] = mFunc[0, t, q_start + row_i[r]]
 
-        m0_wg = m0 + wg * WG_ROWS
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        if const_expr(self.pingpong):
+            if wg == 1:  # warpgroup 0 issues first
+                cute.arch.barrier_arrive(barrier_id=TURN_BARRIER,
+                                         number_of_threads=2 * THREADS_PER_WG)
         pipe_q.consumer_wait(q_state)
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        batch = work[0]
+        while batch < num_batches:
+            m_block = work[1]
+            head = work[2]
+            m0, q_start, len_q, k_start, len_k, n_min, n_max = self.tile_info(
+                batch, m_block, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
+            if n_max > n_min:
+                acc_o.fill(0.0)
+                # Per-row mask data: local query index, func intervals.
+                coords = self.score_coords(thr_qk)
+                for r in cutlass.range_constexpr(rows):
+                    row_i[r] = m0 + coords[r, 0][0]
+                if const_expr(nf > 0):
+                    for r in cutlass.range_constexpr(rows):
+                        for t in cutlass.range_constexpr(nf):
+                            func[r, t] = mFunc[0, t, q_start + row_i[r]]
+                kv_state = self.attend(mma_qk, mma_pv, tSrQ, tSrK, tOrVt, acc_s, acc_o, p_regs,
+                                       tOrP, thr_qk, row_i, func, pipe_q, pipe_k,
+                                       pipe_v, q_state, kv_state, m0 + wg * WG_ROWS, len_q,
+                                       len_k, n_min, n_max, window_left, window_right,
+                                       half_alpha)
+                self.store_output(mO, acc_o, thr_pv, head, m0, q_start, len_q, out_scale)
+            else:
+                pipe_q.consumer_release(q_state)
+                self.store_output(mO, None, thr_pv, head, m0, q_start, len_q, out_scale)
+            q_state = _advanced(q_state)
+            pipe_q.consumer_wait(q_state)
+            batch = work[0]
 
-        num_tiles = n_max - n_min
-        if num_tiles > 0:
-            # First key tile: S, then P (always masked: it holds the sequence end).
-            n = n_max - 1
+    @cute.jit
+    def attend(self, mma_qk, mma_pv, tSrQ, tSrK, tOrVt, acc_s, acc_o, p_regs, tOrP, thr_qk,
+               row_i, func, pipe_q, pipe_k, pipe_v, q_state, kv_state, m0_wg: Int32,
+               len_q: Int32, len_k: Int32, n_min: Int32, n_max: Int32, window_left: Int32,
+               window_right: Int32, half_alpha: Float32):
+        """acc_o = sum over key tiles n_max-1 .. n_min of P_n V_n; returns the K/V state."""
+        off = len_k - len_q
+        # The thread's first key column in a tile (its others are + 8 g + e).
+        first_col = self.score_coords(thr_qk)[0, 0][1]
+        # First key tile: S, then P (always masked: it holds the sequence end).
+        k_state = kv_state
+        n = n_max - 1
+        pipe_k.consumer_wait(k_state)
+        self.take_turn()
+        self.gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index], accumulate=False)
+        self.pass_turn()
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(k_state)
+        self.silu(acc_s, half_alpha)
+        p_regs.store(acc_s.load().to(self.dtype))
+        self.mask_p(p_regs, row_i, func, n * self.tile_n + first_col, len_k, off, window_left,
+                    window_right)
+        v_state = k_state.clone()
+        k_state.advance()
+        # Steady state: S_n = Q K_n^T and its SiLU run beside O += P_{n+1} V_{n+1}.
+        for i in cutlass.range(1, n_max - n_min, unroll=1):
+            n = n_max - 1 - i
             pipe_k.consumer_wait(k_state)
-            self.gemm(mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK[None, None, None, k_state.index],
-                      accumulate=False)
-            warpgroup.wait_group(0)
-            pipe_k.consumer_release(k_state)
-            self.scores_to_p(s_mn, coords, row_i, func, n, True, len_k, off, window_left,
-                             window_right, half_alpha)
-            p_regs.store(acc_s.load().to(self.dtype))
-            v_state = k_state.clone()
-            k_state.advance()
-            for i in cutlass.range(1, num_tiles, unroll=1):
-                n = n_max - 1 - i
-                pipe_k.consumer_wait(k_state)
-                self.gemm(mma_qk, acc_s, tSrQ[None, None, None, 0],
-                          tSrK[None, None, None, k_state.index], accumulate=False)
-                pipe_v.consumer_wait(v_state)
-                self.gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], accumulate=True)
-                warpgroup.wait_group(1)
-                pipe_k.consumer_release(k_state)
-                masked = self.tile_needs_mask(n, m0_wg, len_k, off, window_left, window_right)
-                self.scores_to_p(s_mn, coords, row_i, func, n, masked, len_k, off,
-                                 window_left, window_right, half_alpha)
-                warpgroup.wait_group(0)
-                pipe_v.consumer_release(v_state)
-                p_regs.store(acc_s.load().to(self.dtype))
-                v_state.advance()
-                k_state.advance()
             pipe_v.consumer_wait(v_state)
-            self.gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], accumulate=True)
+            self.take_turn()
+            self.gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index],
+                      accumulate=False)
+            self.gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index],
+                      accumulate=True)
+            self.pass_turn()
+            warpgroup.wait_group(1)
+            pipe_k.consumer_release(k_state)
+            self.silu(acc_s, half_alpha)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(v_state)
+            p_regs.store(acc_s.load().to(self.dtype))
+            # Only tiles that cut a window edge or the sequence end are masked, and after
+            # P V so the mask's temporaries never compete with the in-flight accumulators.
+            if self.tile_needs_mask(n, m0_wg, len_k, off, window_left, window_right):
+                self.mask_p(p_regs, row_i, func, n * self.tile_n + first_col, len_k, off,
+                            window_left, window_right)
+            v_state.advance()
+            k_state.advance()
+        # Every Q K^T of this tile is done: the producer may load the next Q.
+        pipe_q.consumer_release(q_state)
+        pipe_v.consumer_wait(v_state)
+        self.gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], accumulate=True)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(v_state)
+        v_state.advance()
+        return v_state
 
-        self.store_output(mO, acc_o, thr_pv, head, m0, q_start, len_q, out_scale)
+    def take_turn(self):
+        if const_expr(self.pingpong):
+            wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
+            cute.arch.barrier(barrier_id=TURN_BARRIER + wg, number_of_threads=2 * THREADS_PER_WG)
+
+    def pass_turn(self):
+        if const_expr(self.pingpong):
+            wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
+            cute.arch.barrier_arrive(barrier_id=TURN_BARRIER + 1 - wg,
+                                     number_of_threads=2 * THREADS_PER_WG)
 
     @cute.jit
     def gemm(self, tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr):
@@ -381,33 +537,57 @@ class HstuAttentionForwardSm90:
         return masked
 
     @cute.jit
-    def scores_to_p(self, s_mn, coords, row_i, func, n: Int32, masked: Boolean, len_k: Int32,
-                    off: Int32, window_left: Int32, window_right: Int32, half_alpha: Float32):
-        """S -> SiLU(alpha S) in place (fp32); zero where the mask hides the key."""
-        j0 = n * self.tile_n
-        rows = cute.size(s_mn, mode=[0])
-        cols = cute.size(s_mn, mode=[1])
-        if masked:
-            for r in cutlass.range_constexpr(rows):
-                i = row_i[r]
-                for c in cutlass.range_constexpr(cols):
-                    j = j0 + coords[0, c][1]
-                    visible = j < len_k
-                    if const_expr(self.right_bounded):
-                        visible = visible and (j <= i + off + window_right)
-                    if const_expr(self.left_bounded):
-                        visible = visible and (j >= i + off - window_left)
-                    if const_expr(self.func_intervals > 0):
-                        inside = j < func[r, 0]
-                        for t in cutlass.range_constexpr(1, self.func_intervals, 2):
-                            inside = inside or (j >= func[r, t] and j < func[r, t + 1])
-                        visible = visible and inside
-                    p = self.silu_half(s_mn[r, c], half_alpha)
-                    s_mn[r, c] = p if visible else Float32(0.0)
-        else:
-            for r in cutlass.range_constexpr(rows):
-                for c in cutlass.range_constexpr(cols):
-                    s_mn[r, c] = self.silu_half(s_mn[r, c], half_alpha)
+    def silu(self, acc_s, half_alpha: Float32):
+        """S -> SiLU(alpha S) in place (fp32)."""
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            acc_s[e] = self.silu_half(acc_s[e], half_alpha)
+
+    @cute.jit
+    def mask_p(self, p_regs, row_i, func, first: Int32, len_k: Int32, off: Int32,
+               window_left: Int32, window_right: Int32):
+        """Zeroes the hidden keys of P (16-bit pairs, bitwise: exact zeros whatever S was).
+
+        P holds per thread 2 rows h x (tile_n / 8) column pairs g; the register h + 2 g packs
+        columns first + 8 g + {0, 1} of row h, i.e. bits 2 g, 2 g + 1 of the row's mask."""
+        pairs = cute.recast_tensor(p_regs, Uint32)
+        groups = self.tile_n // 8
+        for h in cutlass.range_constexpr(2):
+            keep = self.row_keep_bits(row_i[h], first, func, h, len_k, off, window_left,
+                                      window_right)
+            for g in cutlass.range_constexpr(groups):
+                two = (keep >> (2 * g)) & Uint32(3)
+                pairs[h + 2 * g] = pairs[h + 2 * g] & (((two & Uint32(1)) * Uint32(0xFFFF))
+                                                       | ((two & Uint32(2)) * Uint32(0x7FFF8000)))
+
+    @cute.jit
+    def cols_below(self, limit: Int32, first: Int32) -> Uint32:
+        """Bits of this thread's columns (first + 8 g + e) that are < limit."""
+        rel = cutlass.min(cutlass.max(limit - first, 0), self.tile_n)
+        count = 2 * (rel >> 3) + cutlass.min(rel & 7, 2)
+        return Uint32((Uint64(1) << Uint64(count)) - Uint64(1))
+
+    @cute.jit
+    def row_keep_bits(self, i: Int32, first: Int32, func, r: cutlass.Constexpr, len_k: Int32,
+                      off: Int32, window_left: Int32, window_right: Int32) -> Uint32:
+        """Visible keys of local query row i among this thread's columns of the tile."""
+        keep = self.cols_below(len_k, first)
+        if const_expr(self.right_bounded):
+            keep = keep & self.cols_below(i + off + window_right + 1, first)
+        if const_expr(self.left_bounded):
+            keep = keep & ~self.cols_below(i + off - window_left, first)
+        if const_expr(self.func_intervals > 0):
+            union = self.cols_below(func[r, 0], first)
+            for t in cutlass.range_constexpr(1, self.func_intervals, 2):
+                union = union | (self.cols_below(func[r, t + 1], first)
+                                 & ~self.cols_below(func[r, t], first))
+            keep = keep & union
+        return keep
+
+    @cute.jit
+    def score_coords(self, thr_qk):
+        """(row, col) in the CTA tile of each score this thread holds, as (rows, cols)."""
+        c_s = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n)))
+        return cute.make_tensor(c_s.iterator, _acc_mn_layout(c_s.layout))
 
     @cute.jit
     def silu_half(self, acc: Float32, half_alpha: Float32) -> Float32:
@@ -422,16 +602,22 @@ class HstuAttentionForwardSm90:
                      len_q: Int32, out_scale: Float32):
         """O / scaling_seqlen -> rows of this sequence only (other rows belong to others)."""
         D = self.head_dim
-        out = cute.make_rmem_tensor(acc_o.layout, self.dtype)
-        out.store((acc_o.load() * out_scale).to(self.dtype))
         gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, None, head]),
                              (TILE_M, D), (m0 // TILE_M, 0))
         tOgO = thr_pv.partition_C(gO)
         coords = thr_pv.partition_C(cute.make_identity_tensor((TILE_M, D)))
-        out_mn = cute.make_tensor(out.iterator, _acc_mn_layout(out.layout))
         g_mn = cute.make_tensor(tOgO.iterator, _acc_mn_layout(tOgO.layout))
         c_mn = cute.make_tensor(coords.iterator, _acc_mn_layout(coords.layout))
-        for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
-            if m0 + c_mn[r, 0][0] < len_q:
-                for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
-                    g_mn[r, c] = out_mn[r, c]
+        if const_expr(acc_o is None):  # no visible key: zeros
+            for r in cutlass.range_constexpr(cute.size(g_mn, mode=[0])):
+                if m0 + c_mn[r, 0][0] < len_q:
+                    for c in cutlass.range_constexpr(cute.size(g_mn, mode=[1])):
+                        g_mn[r, c] = self.dtype(0.0)
+        else:
+            out = cute.make_rmem_tensor(acc_o.layout, self.dtype)
+            out.store((acc_o.load() * out_scale).to(self.dtype))
+            out_mn = cute.make_tensor(out.iterator, _acc_mn_layout(out.layout))
+            for r in cutlass.range_constexpr(cute.size(g_mn, mode=[0])):
+                if m0 + c_mn[r, 0][0] < len_q:
+                    for c in cutlass.range_constexpr(cute.size(g_mn, mode=[1])):
+                        g_mn[r, c] = out_mn[r, c]
