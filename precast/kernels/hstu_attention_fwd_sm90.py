@@ -33,6 +33,11 @@ PAGE_SIZE = 128
 TILE_N = {32: 128, 64: 128, 128: 128, 256: 64}
 STAGES = {32: 4, 64: 4, 128: 2, 256: 2}
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
+# A posted work tile, as the consumers read it from shared memory (no global loads on their
+# critical path): sequence (num_batches = stop), head, first query row, query and key
+# lengths, query start, visible key tiles [n_min, n_max).
+WORK_FIELDS = 8
+W_BATCH, W_HEAD, W_M0, W_LEN_Q, W_LEN_K, W_Q_START, W_N_MIN, W_N_MAX = range(WORK_FIELDS)
 TURN_BARRIER = 1  # named barriers 1 and 2: "warpgroup 0 / 1 may issue" (0 is sync_threads)
 
 
@@ -87,6 +92,9 @@ class HstuAttentionForwardSm90:
         self.pingpong = pingpong
         self.tile_n = TILE_N[head_dim]
         self.stages = STAGES[head_dim]
+        # A second Q buffer lets the producer load the next tile's Q during this tile
+        # (shared memory allows it up to D = 128).
+        self.q_stages = 2 if head_dim <= 128 else 1
         self.num_threads = 3 * THREADS_PER_WG
 
     # ------------------------------------------------------------------ host side
@@ -116,7 +124,8 @@ class HstuAttentionForwardSm90:
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             (TILE_M // WG_ROWS, 1, 1), (WG_ROWS, D), warpgroup.OperandSource.RMEM)
 
-        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, tn, D), dt, 1)
+        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, tn, D), dt,
+                                                  self.q_stages)
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, tn, D), dt,
                                                   self.stages)
         sVt_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (TILE_M, D, tn), dt,
@@ -129,12 +138,12 @@ class HstuAttentionForwardSm90:
         self.q_bytes = cute.size_in_bytes(dt, one(sQ_layout))
         self.kv_bytes = cute.size_in_bytes(dt, one(sK_layout))
 
-        stages = self.stages
+        stages, q_stages = self.stages, self.q_stages
 
         @cute.struct
         class SharedStorage:
-            q_bars: cute.struct.MemRange[cutlass.Int64, 2]
-            work: cute.struct.MemRange[Int32, 4]  # (batch, m_block, head) beside the Q stage
+            q_bars: cute.struct.MemRange[cutlass.Int64, 2 * q_stages]
+            work: cute.struct.MemRange[Int32, WORK_FIELDS * q_stages]  # per Q stage
             k_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             v_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
@@ -173,7 +182,8 @@ class HstuAttentionForwardSm90:
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                               2 * THREADS_PER_WG // cute.arch.WARP_SIZE)
         pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_bars.data_ptr(), num_stages=1, producer_group=producer,
+            barrier_storage=storage.q_bars.data_ptr(), num_stages=self.q_stages,
+            producer_group=producer,
             consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True)
         pipe_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.k_bars.data_ptr(), num_stages=self.stages,
@@ -189,7 +199,7 @@ class HstuAttentionForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
-        work = storage.work.get_tensor(cute.make_layout(4))
+        work = storage.work.get_tensor(cute.make_layout((WORK_FIELDS, self.q_stages)))
 
         if warp_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -280,95 +290,57 @@ class HstuAttentionForwardSm90:
     def produce(self, mQ, mK, mVt, tma_q, tma_k, tma_v, sQ, sK, sVt, work, pipe_q, pipe_k,
                 pipe_v, mCuSeqlensQ, mCuSeqlensK, mTileCounter, num_batches: Int32,
                 window_left: Int32, window_right: Int32, mPageIds, mPageIndptrs):
-        """Warp 0: claims work tiles (dynamic, so the heaviest finish first), posts each to
-        the consumers beside its Q, then streams the tile's K/V."""
-        tn = self.tile_n
-        D = self.head_dim
+        """Warp 0: claims work tiles (dynamically, so the heaviest finish first), posts each
+        to the consumers beside its Q, and streams the tile's K/V. With two Q buffers the
+        next tile is claimed and posted before this one's K/V, so its Q is in shared memory
+        when the consumers get to it."""
         lane = cute.arch.lane_idx()
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                               self.q_stages)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                self.stages)
         cta, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
-        tile = cta
         group = Int32(0)
         base = Int32(0)
-        batch, m_block, head, group, base = self.find_tile(tile, group, base, mCuSeqlensQ,
+        batch, m_block, head, group, base = self.find_tile(cta, group, base, mCuSeqlensQ,
                                                           num_batches)
+        if batch < num_batches:
+            q_state = self.post_tile(mQ, tma_q, sQ, work, pipe_q, q_state, batch, m_block,
+                                     head, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
         while batch < num_batches:
             m0, q_start, len_q, k_start, len_k, n_min, n_max = self.tile_info(
                 batch, m_block, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
-            # Post the tile once the consumers are done with the previous Q.
-            pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
-            work[0] = batch
-            work[1] = m_block
-            work[2] = head
-            full = pipe_q.sync_object_full.get_barrier(q_state.index)
-            if n_max > n_min:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(full, self.q_bytes)
-                kv_head = head // self.group
-                gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, None, head]),
-                                     (TILE_M, D), (m_block, 0))
-                tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
-                                                   cute.group_modes(sQ, 0, 2),
-                                                   cute.group_modes(gQ, 0, 2))
-                cute.copy(tma_q, tQgQ, tQsQ[None, 0], tma_bar_ptr=full)
-                if const_expr(self.paged):
-                    # (tn, D, sub-tiles of a page, pages) and (D, tn, sub-tiles, pages)
-                    gK = cute.local_tile(mK[None, None, kv_head, 0, None], (tn, D),
-                                         (None, 0, None))
-                    gVt = cute.local_tile(mVt[None, None, kv_head, 1, None], (D, tn),
-                                          (0, None, None))
-                else:
-                    gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, None, kv_head]),
-                                         (tn, D), (None, 0))
-                    gVt = cute.local_tile(
-                        cute.domain_offset((0, k_start), mVt[None, None, kv_head]), (D, tn),
-                        (0, None))
-                tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
-                                                   cute.group_modes(sK, 0, 2),
-                                                   cute.group_modes(gK, 0, 2))
-                tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
-                                                   cute.group_modes(sVt, 0, 2),
-                                                   cute.group_modes(gVt, 0, 2))
-                page_base = Int32(0)
-                if const_expr(self.paged):
-                    page_base = mPageIndptrs[batch]
-                for i in cutlass.range(n_max - n_min, unroll=1):
-                    n = n_max - 1 - i
-                    pipe_k.producer_acquire(state)
-                    if const_expr(self.paged):
-                        sub_tiles = PAGE_SIZE // tn
-                        page = mPageIds[page_base + n // sub_tiles]
-                        sub = n % sub_tiles
-                        cute.copy(tma_k, tKgK[None, sub, page], tKsK[None, state.index],
-                                  tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                        pipe_v.producer_acquire(state)
-                        cute.copy(tma_v, tVgV[None, sub, page], tVsV[None, state.index],
-                                  tma_bar_ptr=pipe_v.producer_get_barrier(state))
-                    else:
-                        cute.copy(tma_k, tKgK[None, n], tKsK[None, state.index],
-                                  tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                        pipe_v.producer_acquire(state)
-                        cute.copy(tma_v, tVgV[None, n], tVsV[None, state.index],
-                                  tma_bar_ptr=pipe_v.producer_get_barrier(state))
-                    state.advance()
-                state = state.clone()  # rebinding makes the state live out of the branch
-            else:
-                # Nothing visible: the consumers only write zeros.
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive(full)
-            q_state = _advanced(q_state)
-            # Next tile: one atomic per tile, lane 0 claims it for the warp.
-            claimed = Int32(0)
-            if lane == 0:
-                claimed = cute.arch.atomic_add(mTileCounter.iterator, Int32(1))
-            tile = ctas + cute.arch.shuffle_sync(claimed, 0)
-            batch, m_block, head, group, base = self.find_tile(tile, group, base, mCuSeqlensQ,
-                                                              num_batches)
+            views = self.kv_views(mK, mVt, tma_k, tma_v, sK, sVt, head, k_start)
+            page_base = Int32(0)
+            if const_expr(self.paged):
+                page_base = mPageIndptrs[batch]
+            # The next tile is claimed (and, with two Q buffers, posted) once this tile's first
+            # K/V loads are out: the claim's latency hides behind this tile's compute.
+            claim_at = cutlass.min(n_max - n_min - 1, 1)
+            next_batch, next_m_block, next_head = num_batches, Int32(0), Int32(0)
+            for i in cutlass.range(n_max - n_min, unroll=1):
+                kv_state = self.load_kv_tile(views, pipe_k, pipe_v, kv_state, n_max - 1 - i,
+                                             page_base, mPageIds)
+                if i == claim_at:
+                    next_batch, next_m_block, next_head, group, base, q_state = self.claim_next(
+                        mQ, tma_q, sQ, work, pipe_q, q_state, mTileCounter, group, base,
+                        mCuSeqlensQ, mCuSeqlensK, num_batches, window_left, window_right)
+            if claim_at < 0:  # no visible key tile
+                next_batch, next_m_block, next_head, group, base, q_state = self.claim_next(
+                    mQ, tma_q, sQ, work, pipe_q, q_state, mTileCounter, group, base,
+                    mCuSeqlensQ, mCuSeqlensK, num_batches, window_left, window_right)
+            if const_expr(self.q_stages == 1):
+                # One Q buffer: it frees only after this tile's last Q K^T, which needs the
+                # K/V just issued.
+                if next_batch < num_batches:
+                    q_state = self.post_tile(mQ, tma_q, sQ, work, pipe_q, q_state, next_batch,
+                                             next_m_block, next_head, mCuSeqlensQ,
+                                             mCuSeqlensK, window_left, window_right)
+            batch, m_block, head = next_batch, next_m_block, next_head
         # Tell the consumers to stop.
         pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
-        work[0] = num_batches
+        work[W_BATCH, q_state.index] = num_batches
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive(pipe_q.sync_object_full.get_barrier(q_state.index))
         # The last CTA out resets the counter for the next launch on this stream: every CTA
@@ -379,6 +351,100 @@ class HstuAttentionForwardSm90:
             if finished == ctas - 1:
                 mTileCounter[0] = Int32(0)
                 mTileCounter[1] = Int32(0)
+
+    @cute.jit
+    def post_tile(self, mQ, tma_q, sQ, work, pipe_q, q_state, batch: Int32, m_block: Int32,
+                  head: Int32, mCuSeqlensQ, mCuSeqlensK, window_left: Int32,
+                  window_right: Int32):
+        """Writes the tile into a free Q stage's slot and loads its Q (when it sees keys)."""
+        m0, q_start, len_q, k_start, len_k, n_min, n_max = self.tile_info(
+            batch, m_block, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
+        stage = q_state.index
+        pipe_q.sync_object_empty.wait(stage, q_state.phase)
+        for field, value in ((W_BATCH, batch), (W_HEAD, head), (W_M0, m0), (W_LEN_Q, len_q),
+                             (W_LEN_K, len_k), (W_Q_START, q_start), (W_N_MIN, n_min),
+                             (W_N_MAX, n_max)):
+            work[field, stage] = value
+        full = pipe_q.sync_object_full.get_barrier(stage)
+        if n_max > n_min:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(full, self.q_bytes)
+            gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, None, head]),
+                                 (TILE_M, self.head_dim), (m_block, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
+                                               cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            cute.copy(tma_q, tQgQ, tQsQ[None, stage], tma_bar_ptr=full)
+        else:
+            # Nothing visible: the consumers only write zeros.
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(full)
+        return _advanced(q_state)
+
+    @cute.jit
+    def claim_next(self, mQ, tma_q, sQ, work, pipe_q, q_state, mTileCounter, group: Int32,
+                   base: Int32, mCuSeqlensQ, mCuSeqlensK, num_batches: Int32,
+                   window_left: Int32, window_right: Int32):
+        """Claims the next tile (one atomic, lane 0 for the warp); with two Q buffers also
+        posts it."""
+        claimed = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            claimed = cute.arch.atomic_add(mTileCounter.iterator, Int32(1))
+        ctas, _, _ = cute.arch.grid_dim()
+        batch, m_block, head, group, base = self.find_tile(
+            ctas + cute.arch.shuffle_sync(claimed, 0), group, base, mCuSeqlensQ, num_batches)
+        if const_expr(self.q_stages > 1):
+            if batch < num_batches:
+                q_state = self.post_tile(mQ, tma_q, sQ, work, pipe_q, q_state, batch, m_block,
+                                         head, mCuSeqlensQ, mCuSeqlensK, window_left,
+                                         window_right)
+        return batch, m_block, head, group, base, q_state
+
+    @cute.jit
+    def kv_views(self, mK, mVt, tma_k, tma_v, sK, sVt, head: Int32, k_start: Int32):
+        """TMA partitions of the K and V^T tiles of (sequence, kv head): indexed by key tile
+        (or by (sub-tile, page) when paged)."""
+        tn = self.tile_n
+        D = self.head_dim
+        kv_head = head // self.group
+        if const_expr(self.paged):
+            # (tn, D, sub-tiles of a page, pages) and (D, tn, sub-tiles, pages)
+            gK = cute.local_tile(mK[None, None, kv_head, 0, None], (tn, D), (None, 0, None))
+            gVt = cute.local_tile(mVt[None, None, kv_head, 1, None], (D, tn), (0, None, None))
+        else:
+            gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, None, kv_head]),
+                                 (tn, D), (None, 0))
+            gVt = cute.local_tile(cute.domain_offset((0, k_start), mVt[None, None, kv_head]),
+                                  (D, tn), (0, None))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
+                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
+                                           cute.group_modes(sVt, 0, 2),
+                                           cute.group_modes(gVt, 0, 2))
+        return tma_k, tma_v, tKsK, tKgK, tVsV, tVgV
+
+    @cute.jit
+    def load_kv_tile(self, views, pipe_k, pipe_v, state, n: Int32, page_base: Int32,
+                     mPageIds):
+        """Key tile n's K and V into the next ring stage."""
+        tma_k, tma_v, tKsK, tKgK, tVsV, tVgV = views
+        pipe_k.producer_acquire(state)
+        if const_expr(self.paged):
+            sub_tiles = PAGE_SIZE // self.tile_n
+            page = mPageIds[page_base + n // sub_tiles]
+            sub = n % sub_tiles
+            cute.copy(tma_k, tKgK[None, sub, page], tKsK[None, state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            pipe_v.producer_acquire(state)
+            cute.copy(tma_v, tVgV[None, sub, page], tVsV[None, state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(state))
+        else:
+            cute.copy(tma_k, tKgK[None, n], tKsK[None, state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            pipe_v.producer_acquire(state)
+            cute.copy(tma_v, tVgV[None, n], tVsV[None, state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(state))
+        return _advanced(state)
 
     @cute.jit
     def consume(self, mma_qk, mma_pv, mO, sQ, sK, sVt, work, pipe_q, pipe_k, pipe_v, tidx: Int32,
@@ -393,7 +459,7 @@ class HstuAttentionForwardSm90:
         thr_qk = mma_qk.get_slice(tidx)
         thr_pv = mma_pv.get_slice(tidx)
 
-        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))[None, None, None, 0]
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
         acc_s = cute.make_rmem_tensor(wg_qk.partition_shape_C((TILE_M, tn)), Float32)
@@ -408,19 +474,24 @@ class HstuAttentionForwardSm90:
         if const_expr(nf > 0):
             func = cute.make_rmem_tensor(cute.make_layout((rows, nf)), Int32)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                               self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         if const_expr(self.pingpong):
             if wg == 1:  # warpgroup 0 issues first
                 cute.arch.barrier_arrive(barrier_id=TURN_BARRIER,
                                          number_of_threads=2 * THREADS_PER_WG)
         pipe_q.consumer_wait(q_state)
-        batch = work[0]
+        batch = work[W_BATCH, q_state.index]
         while batch < num_batches:
-            m_block = work[1]
-            head = work[2]
-            m0, q_start, len_q, k_start, len_k, n_min, n_max = self.tile_info(
-                batch, m_block, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
+            slot = q_state.index
+            head = work[W_HEAD, slot]
+            m0 = work[W_M0, slot]
+            len_q = work[W_LEN_Q, slot]
+            len_k = work[W_LEN_K, slot]
+            q_start = work[W_Q_START, slot]
+            n_min = work[W_N_MIN, slot]
+            n_max = work[W_N_MAX, slot]
             if n_max > n_min:
                 acc_o.fill(0.0)
                 # Per-row mask data: local query index, func intervals.
@@ -431,7 +502,7 @@ class HstuAttentionForwardSm90:
                     for r in cutlass.range_constexpr(rows):
                         for t in cutlass.range_constexpr(nf):
                             func[r, t] = mFunc[0, t, q_start + row_i[r]]
-                kv_state = self.attend(mma_qk, mma_pv, tSrQ, tSrK, tOrVt, acc_s, acc_o, p_regs,
+                kv_state = self.attend(mma_qk, mma_pv, tSrQ[None, None, None, q_state.index], tSrK, tOrVt, acc_s, acc_o, p_regs,
                                        tOrP, thr_qk, row_i, func, pipe_q, pipe_k,
                                        pipe_v, q_state, kv_state, m0 + wg * WG_ROWS, len_q,
                                        len_k, n_min, n_max, window_left, window_right,
@@ -442,7 +513,7 @@ class HstuAttentionForwardSm90:
                 self.store_output(mO, None, thr_pv, head, m0, q_start, len_q, out_scale)
             q_state = _advanced(q_state)
             pipe_q.consumer_wait(q_state)
-            batch = work[0]
+            batch = work[W_BATCH, q_state.index]
 
     @cute.jit
     def attend(self, mma_qk, mma_pv, tSrQ, tSrK, tOrVt, acc_s, acc_o, p_regs, tOrP, thr_qk,
