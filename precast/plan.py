@@ -33,10 +33,14 @@ class PlanEntry:
         return f"{self.op}(" + ", ".join(f"{k}={v}" for k, v in self.config) + ")"
 
 
+# Modules of the op classes: each registers its ops in OP_REGISTRY when imported.
+OP_MODULES = ("precast.lifecycle.lmsd", "precast.lifecycle.hstu_attention")
+
+
 def _load_ops():
-    # Op classes register themselves in OP_REGISTRY when their module is imported.
     import importlib
-    importlib.import_module("precast.lifecycle.lmsd")
+    for module in OP_MODULES:
+        importlib.import_module(module)
 
 
 def expand(table: Dict[str, object]) -> List[PlanEntry]:

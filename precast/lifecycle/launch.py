@@ -98,3 +98,25 @@ def device_guard(device_index: Optional[int]):
     if device_index is None or device_index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(device_index)
+
+
+def stream_is_capturing(handle: int) -> bool:
+    """Whether the stream (raw handle) is capturing a CUDA graph (a host-side query)."""
+    from cuda.bindings import driver
+    err, status = driver.cuStreamIsCapturing(driver.CUstream(handle))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuStreamIsCapturing failed: {err}")
+    return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
+_sm_counts: dict = {}
+
+
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a device (cached: persistent kernels size their grid)."""
+    count = _sm_counts.get(device_index)
+    if count is None:
+        import torch
+        count = _sm_counts[device_index] = torch.cuda.get_device_properties(
+            device_index).multi_processor_count
+    return count

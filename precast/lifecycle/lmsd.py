@@ -13,8 +13,8 @@ from .cache import KernelBuilder
 from .launch import device_guard, stream_handle
 from .op import Op
 from .tensor_desc import TensorDesc, dtype_name, parse_dtype
-from .validation import (check_finite, check_int64, check_no_overlap, check_same_device,
-                         check_tensor, check_value)
+from .validation import (check_bool, check_finite, check_int64, check_no_overlap,
+                         check_same_device, check_tensor, check_value)
 
 LMSD_DTYPES = (torch.bfloat16, torch.float16)
 LMSD_MIN_DIM, LMSD_MAX_DIM, LMSD_DIM_MULTIPLE = 8, 4096, 8
@@ -56,12 +56,6 @@ def _desc(t) -> Optional[TensorDesc]:
     return None if t is None else TensorDesc.from_tensor(t)
 
 
-def _bool(name: str, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return bool(value)
-
-
 class _LmsdBase(Op):
     supported_archs = ("sm_90a",)
 
@@ -88,7 +82,7 @@ class _LmsdBase(Op):
 
     def _check_common(self) -> float:
         for name in ("apply_u_silu", "concat_u", "concat_x"):
-            _bool(name, getattr(self, name))
+            check_bool(name, getattr(self, name))
         if self.dtype not in LMSD_DTYPES:
             raise TypeError(f"x: dtype {dtype_name(self.dtype)} is not supported; expected "
                             "bfloat16 or float16")
@@ -344,7 +338,7 @@ class HstuLmsdBwdSm90(_LmsdBase):
 
     def _check(self) -> None:
         self._check_common()
-        _bool("compute_dweight", self.compute_dweight)
+        check_bool("compute_dweight", self.compute_dweight)
         self._validate(self.dy, self.x, self.u, self.weight, self.bias, self.mean, self.rstd,
                        self.mask, self.dx, self.du, self.dweight, self.dbias)
         self._check_relations({**self._samples, "workspace": None})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from .tensor_desc import TensorDesc, dtype_name
@@ -20,8 +21,8 @@ def _facts(t):
         ptr = t.data_ptr()
         align = 256 if ptr == 0 else (ptr & -ptr)
         return t.dtype, tuple(t.shape), t.stride(), t.device.type, min(align, 256)
-    if isinstance(t, TensorDesc):
-        return t.dtype, t.shape, t.stride, t.device, t.alignment
+    if isinstance(t, TensorDesc):  # "cuda:0" describes a cuda tensor too
+        return t.dtype, t.shape, t.stride, t.device.split(":")[0], t.alignment
     raise TypeError(f"expected a torch.Tensor or TensorDesc, got {type(t).__name__}")
 
 
@@ -39,10 +40,11 @@ def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype], shape: Sequence
                  device: str = "cuda", max_span: int = INT32_MAX) -> Tuple[int, ...]:
     """Checks one tensor; ``None`` in ``shape`` is a free (runtime) extent. Returns its shape.
 
-    Rules: dtype, rank, extents, device type, innermost stride 1, each row start a multiple
-    of ``row_multiple`` elements (for 16-byte vector access), base address ``align`` bytes,
-    (``contiguous``) the canonical packed layout, and at most ``max_span`` addressed elements
-    (kernels index with 32-bit offsets unless they declare 64-bit strides).
+    Rules: dtype, rank, extents, device type, innermost stride 1, every outer stride a
+    multiple of ``row_multiple`` elements (each row starts 16-byte aligned for vector access),
+    no two elements at one address, base address ``align`` bytes, (``contiguous``) the
+    canonical packed layout, and at most ``max_span`` addressed elements (kernels index with
+    32-bit offsets unless they declare 64-bit strides).
     """
     dtype, tshape, stride, dev, alignment = _facts(t)
     if dtype not in dtypes:
@@ -68,14 +70,12 @@ def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype], shape: Sequence
         if any(e > 1 and s != c for e, s, c in zip(tshape, stride, reversed(expect))):
             raise ValueError(f"{name}: must be contiguous (strides {list(reversed(expect))}), "
                              f"got strides {list(stride)}")
-    if len(tshape) >= 2 and tshape[-2] > 1:
-        row = stride[-2]
-        if row % row_multiple:
-            raise ValueError(f"{name}: row stride {row} must be a multiple of {row_multiple} "
-                             f"elements so that every row starts 16-byte aligned")
-        if row < tshape[-1]:
-            raise ValueError(f"{name}: row stride {row} is smaller than the row length "
-                             f"{tshape[-1]}: rows would overlap")
+    for axis in range(len(tshape) - 1):
+        if tshape[axis] > 1 and stride[axis] % row_multiple:
+            raise ValueError(f"{name}: {_stride_name(axis, len(tshape))} {stride[axis]} must be "
+                             f"a multiple of {row_multiple} elements so that every row starts "
+                             "16-byte aligned")
+    _check_disjoint(name, tshape, stride)
     if alignment < align:
         raise ValueError(f"{name}: base address is {alignment}-byte aligned; {align}-byte "
                          f"alignment is required")
@@ -83,6 +83,26 @@ def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype], shape: Sequence
     if span > max_span:
         raise ValueError(f"{name}: spans {span} elements; at most {max_span} are supported")
     return tshape
+
+
+def _stride_name(axis: int, rank: int) -> str:
+    return "row stride" if rank == 2 else f"axis-{axis} stride"
+
+
+def _check_disjoint(name: str, shape, stride) -> None:
+    """No two elements share an address: taken from the fastest axis out, every stride must
+    clear the span of the axes inside it (sufficient, and exact for the usual layouts)."""
+    span = 1
+    for step, extent, axis in sorted((s, e, a) for a, (e, s) in enumerate(zip(shape, stride))
+                                     if e > 1):
+        if step < span:
+            if len(shape) == 2:
+                raise ValueError(f"{name}: row stride {step} is smaller than the row length "
+                                 f"{span}: rows would overlap")
+            raise ValueError(f"{name}: {_stride_name(axis, len(shape))} {step} is smaller than "
+                             f"the {span} elements spanned by the faster axes (strides "
+                             f"{list(stride)}): elements would overlap")
+        span += (extent - 1) * step
 
 
 def _fmt_shape(shape) -> str:
@@ -139,16 +159,29 @@ def check_finite(name: str, value: float, *, positive: bool = False, lo=None, hi
     return v
 
 
-def check_int64(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            import numpy as np
-            if isinstance(value, np.integer):
-                value = int(value)
-            else:
-                raise TypeError
-        except (ImportError, TypeError):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if not -2**63 <= value < 2**63:
-        raise ValueError(f"{name} must fit in a signed 64-bit integer, got {value}")
+def _as_int(name: str, value) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     return int(value)
+
+
+def check_int(name: str, value, *, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+    v = _as_int(name, value)
+    if lo is not None and v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {v}")
+    return v
+
+
+def check_int64(name: str, value) -> int:
+    v = _as_int(name, value)
+    if not -2**63 <= v < 2**63:
+        raise ValueError(f"{name} must fit in a signed 64-bit integer, got {v}")
+    return v
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)

@@ -1,0 +1,128 @@
+"""Allocating function and torch custom op for the HSTU attention forward.
+
+``hstu_attention_forward`` takes cuDNN Frontend-style arguments, allocates o, copies
+inputs whose layout the kernel cannot read in place and returns results that unpack like
+a tuple and index like a dict. ``torch.ops.precast.hstu_attention_fwd`` is the same as a
+torch custom op with a fake implementation (it traces under torch.compile; no autograd
+yet).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+
+from .hstu_lmsd import _op as compiled_op  # one compiled op per key, shared with LMSD
+from .lifecycle.launch import stream_handle
+from .lifecycle.hstu_attention import (DATA_ALIGN, INDEX_ALIGN, HSTUFwdSm90, check_packed,
+                                       check_tokens, check_window)
+from .lifecycle.results import results_type
+
+HstuAttentionForwardResults = results_type("HstuAttentionForwardResults", ("o_tensor",))
+
+
+def _in_place_or_copy(t: Optional[torch.Tensor], check: Callable) -> Optional[torch.Tensor]:
+    """t where the kernel reads it in place, else a compact copy (a fresh, aligned buffer)."""
+    if t is None or _readable(t, check):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _readable(t: torch.Tensor, check: Callable) -> bool:
+    try:
+        check(t)
+    except ValueError:
+        return False
+    return True
+
+
+def _tokens_layout(t):
+    check_tokens("t", t, (t.dtype,), None, None, device=t.device.type)
+
+
+def _packed_layout(align: int):
+    def check(t):
+        check_packed("t", t, (t.dtype,), (None,) * t.dim(), align, device=t.device.type)
+    return check
+
+
+def _in_stream_order(stream, device: torch.device):
+    """Makes ``stream`` current, so that the copies and o's allocation are ordered with the
+    launch (no-op for the current stream and for tensors without streams)."""
+    if stream is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    if not isinstance(stream, torch.cuda.Stream):
+        stream = torch.cuda.ExternalStream(stream_handle(stream, device.index), device=device)
+    return torch.cuda.stream(stream)
+
+
+def _kv_heads(k, paged_kv) -> Optional[int]:
+    kv = paged_kv if paged_kv is not None else k
+    return kv.shape[-2] if kv is not None and kv.dim() >= 2 else None
+
+
+def hstu_attention_forward(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int,
+                           scaling_seqlen: Optional[float] = None, window_size=(-1, 0),
+                           alpha: float = 1.0, func_tensor: Optional[torch.Tensor] = None,
+                           paged_kv: Optional[torch.Tensor] = None,
+                           page_ids: Optional[torch.Tensor] = None,
+                           page_indptrs: Optional[torch.Tensor] = None, stream=None, *,
+                           o_tensor: Optional[torch.Tensor] = None,
+                           workspace: Optional[torch.Tensor] = None
+                           ) -> HstuAttentionForwardResults:
+    """o = (mask * SiLU(alpha q k^T)) v / scaling_seqlen over packed (THD) sequences.
+
+    Returns (o_tensor,). ``o_tensor`` may be supplied (written and returned, whatever its
+    layout). With ``paged_kv`` (causal only), k and v must be None. The compiled op is made
+    once per static configuration and window_size; every other argument is a runtime value.
+    ``workspace``: see ``HSTUFwdSm90.workspace_shape`` (by default the op keeps one per
+    device and stream; pass one to capture a stream the op has not run on yet).
+    """
+    # The static configuration, and the window values an op instance keeps.
+    func_shape = None if func_tensor is None else tuple(func_tensor.shape[:-1])
+    key = ("attention_fwd", q.dtype, tuple(q.shape[1:]), _kv_heads(k, paged_kv),
+           check_window(window_size), func_shape, paged_kv is not None)
+    tokens = _tokens_layout
+    with _in_stream_order(stream, q.device):
+        q, k, v = (_in_place_or_copy(t, tokens) for t in (q, k, v))
+        cu_seqlens_q, cu_seqlens_k, func_tensor, page_ids, page_indptrs = (
+            _in_place_or_copy(t, _packed_layout(INDEX_ALIGN))
+            for t in (cu_seqlens_q, cu_seqlens_k, func_tensor, page_ids, page_indptrs))
+        paged_kv = _in_place_or_copy(paged_kv, _packed_layout(DATA_ALIGN))
+        o = o_tensor
+        if o is None or not _readable(o, tokens):
+            o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # written back below
+        op = compiled_op(key, lambda: HSTUFwdSm90(
+            q, k, v, o, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_size,
+            alpha, scaling_seqlen, func_tensor, paged_kv, page_ids, page_indptrs))
+        op.execute(q, k, v, o, cu_seqlens_q, cu_seqlens_k, func_tensor, paged_kv, page_ids,
+                   page_indptrs, stream, alpha=alpha, scaling_seqlen=scaling_seqlen,
+                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, workspace=workspace)
+        if o_tensor is not None and o is not o_tensor:
+            o_tensor.copy_(o)
+            o = o_tensor
+    return HstuAttentionForwardResults(o)
+
+
+# --- torch custom op -------------------------------------------------------------------------
+
+@torch.library.custom_op("precast::hstu_attention_fwd", mutates_args=(), device_types="cuda")
+def _attention_fwd_op(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                      max_seqlen_k: int, scaling_seqlen: Optional[float], window_left: int,
+                      window_right: int, alpha: float, func_tensor: Optional[torch.Tensor],
+                      paged_kv: Optional[torch.Tensor], page_ids: Optional[torch.Tensor],
+                      page_indptrs: Optional[torch.Tensor]) -> torch.Tensor:
+    return hstu_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, scaling_seqlen, (window_left, window_right),
+                                  alpha, func_tensor, paged_kv, page_ids,
+                                  page_indptrs).o_tensor
+
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling_seqlen,
+      window_left, window_right, alpha, func_tensor, paged_kv, page_ids, page_indptrs):
+    return q.new_empty(q.shape)
