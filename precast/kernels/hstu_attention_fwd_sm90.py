@@ -1,19 +1,25 @@
-"""HSTU attention forward for SM90: TMA + wgmma, warp-specialized, varlen, every mask.
+"""HSTU attention forward for SM90: TMA + wgmma, warp-specialized, persistent, varlen.
 
 For each packed sequence and query head h (kv head h // (H / H_kv)):
     S = alpha * Q K^T;  P = mask * SiLU(S);  O = P V / scaling_seqlen
 
-One CTA computes a 128-row query tile of one (sequence, head):
-- warp 0 (producer warpgroup, registers given back) streams Q once and K/V tiles
-  through TMA into multi-stage shared-memory rings (separate K and V barriers);
-- two consumer warpgroups own 64 query rows each. Per key tile they issue
-  S = Q K^T, and while the tensor cores run P_prev V for the previous tile they
-  turn S into P = SiLU in registers (fp32, in place); P feeds the second wgmma as a
-  register operand, so S never touches shared memory.
-SiLU(z) = s + s * tanh(s) with s = z / 2: one MUFU.TANH per score. The mask is
-evaluated only on key tiles that cut a window edge or the sequence end (the func
-mask on every tile); tiles outside the window are never loaded. Key tiles run
-from the last to the first, so the masked edge tiles come first.
+Work tiles are (sequence, head, 128 query rows). Persistent CTAs (one per SM) claim them
+from an int32 counter in global memory, the heaviest query tiles of a sequence first (they
+see the most keys under a causal mask); a warp prefix sum over cu_seqlens_q maps a tile
+number to its sequence on the device, so no host ever reads the metadata. The last CTA to
+finish resets the counter for the next launch.
+- warp 0 (producer; the other three warps of its warpgroup give their registers back)
+  claims a tile, posts it with its Q into one of two Q buffers, and streams the tile's
+  visible K and V tiles through TMA into separate multi-stage rings;
+- two consumer warpgroups own 64 query rows each. Per key tile they issue S = Q K^T beside
+  O += P V of the previous key tile, and turn S into P = SiLU in registers (fp32, in place)
+  while P V runs; P feeds the second wgmma as a register operand, so S never touches shared
+  memory. The warpgroups take turns issuing (ping-pong), so one's SiLU overlaps the other's
+  matmuls.
+SiLU(z) = s + s * tanh(s) with s = z / 2: one MUFU.TANH per score. Masks (window edges, the
+sequence end, func intervals) are applied only on key tiles that need them, as one bit per
+column of the thread's packed 16-bit P pairs: a few integer ops per row, exact zeros. Key
+tiles outside the window are never loaded; they run from the last to the first.
 """
 import cuda.bindings.driver as cuda
 
@@ -25,7 +31,7 @@ from cutlass import Boolean, Float32, Int32, Uint32, Uint64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-TILE_M = 128  # query rows per CTA (two consumer warpgroups of 64)
+TILE_M = 128  # query rows of a work tile (two consumer warpgroups of 64)
 WG_ROWS = 64
 THREADS_PER_WG = 128
 PAGE_SIZE = 128
