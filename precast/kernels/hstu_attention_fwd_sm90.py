@@ -45,6 +45,7 @@ PRODUCER_REGS, CONSUMER_REGS = 24, 240
 WORK_FIELDS = 8
 W_BATCH, W_HEAD, W_M0, W_LEN_Q, W_LEN_K, W_Q_START, W_N_MIN, W_N_MAX = range(WORK_FIELDS)
 TURN_BARRIER = 1  # named barriers 1 and 2: "warpgroup 0 / 1 may issue" (0 is sync_threads)
+ZERO_V_BARRIER = 3  # both consumer warpgroups cleared the rows past a sequence's end
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
@@ -346,8 +347,8 @@ class HstuAttentionForwardSm90:
             batch, m_block, head = next_batch, next_m_block, next_head
         # Tell the consumers to stop.
         pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
-        work[W_BATCH, q_state.index] = num_batches
-        with cute.arch.elect_one():
+        with cute.arch.elect_one():  # the thread that writes the slot is the one that arrives
+            work[W_BATCH, q_state.index] = num_batches
             cute.arch.mbarrier_arrive(pipe_q.sync_object_full.get_barrier(q_state.index))
         # The last CTA out resets the counter for the next launch on this stream: every CTA
         # has made its final claim before it counts itself out.
@@ -367,24 +368,24 @@ class HstuAttentionForwardSm90:
             batch, m_block, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
         stage = q_state.index
         pipe_q.sync_object_empty.wait(stage, q_state.phase)
-        for field, value in ((W_BATCH, batch), (W_HEAD, head), (W_M0, m0), (W_LEN_Q, len_q),
-                             (W_LEN_K, len_k), (W_Q_START, q_start), (W_N_MIN, n_min),
-                             (W_N_MAX, n_max)):
-            work[field, stage] = value
         full = pipe_q.sync_object_full.get_barrier(stage)
-        if n_max > n_min:
-            with cute.arch.elect_one():
+        with cute.arch.elect_one():  # the thread that writes the slot is the one that arrives
+            for field, value in ((W_BATCH, batch), (W_HEAD, head), (W_M0, m0),
+                                 (W_LEN_Q, len_q), (W_LEN_K, len_k), (W_Q_START, q_start),
+                                 (W_N_MIN, n_min), (W_N_MAX, n_max)):
+                work[field, stage] = value
+            if n_max > n_min:
                 cute.arch.mbarrier_arrive_and_expect_tx(full, self.q_bytes)
+            else:
+                # Nothing visible: no Q to load, the consumers only write zeros.
+                cute.arch.mbarrier_arrive(full)
+        if n_max > n_min:
             gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, None, head]),
                                  (TILE_M, self.head_dim), (m_block, 0))
             tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
                                                cute.group_modes(sQ, 0, 2),
                                                cute.group_modes(gQ, 0, 2))
             cute.copy(tma_q, tQgQ, tQsQ[None, stage], tma_bar_ptr=full)
-        else:
-            # Nothing visible: the consumers only write zeros.
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive(full)
         return _advanced(q_state)
 
     @cute.jit
@@ -508,11 +509,11 @@ class HstuAttentionForwardSm90:
                     for r in cutlass.range_constexpr(rows):
                         for t in cutlass.range_constexpr(nf):
                             func[r, t] = mFunc[0, t, q_start + row_i[r]]
-                kv_state = self.attend(mma_qk, mma_pv, tSrQ[None, None, None, q_state.index], tSrK, tOrVt, acc_s, acc_o, p_regs,
-                                       tOrP, thr_qk, row_i, func, pipe_q, pipe_k,
-                                       pipe_v, q_state, kv_state, m0 + wg * WG_ROWS, len_q,
-                                       len_k, n_min, n_max, window_left, window_right,
-                                       half_alpha)
+                kv_state = self.attend(mma_qk, mma_pv, tSrQ[None, None, None, q_state.index],
+                                       tSrK, tOrVt, sVt, acc_s, acc_o, p_regs, tOrP, thr_qk,
+                                       tidx, row_i, func, pipe_q, pipe_k, pipe_v, q_state,
+                                       kv_state, m0 + wg * WG_ROWS, len_q, len_k, n_min, n_max,
+                                       window_left, window_right, half_alpha)
                 self.store_output(mO, acc_o, thr_pv, head, m0, q_start, len_q, out_scale)
             else:
                 pipe_q.consumer_release(q_state)
@@ -522,8 +523,8 @@ class HstuAttentionForwardSm90:
             batch = work[W_BATCH, q_state.index]
 
     @cute.jit
-    def attend(self, mma_qk, mma_pv, tSrQ, tSrK, tOrVt, acc_s, acc_o, p_regs, tOrP, thr_qk,
-               row_i, func, pipe_q, pipe_k, pipe_v, q_state, kv_state, m0_wg: Int32,
+    def attend(self, mma_qk, mma_pv, tSrQ, tSrK, tOrVt, sVt, acc_s, acc_o, p_regs, tOrP,
+               thr_qk, consumer_tidx: Int32, row_i, func, pipe_q, pipe_k, pipe_v, q_state, kv_state, m0_wg: Int32,
                len_q: Int32, len_k: Int32, n_min: Int32, n_max: Int32, window_left: Int32,
                window_right: Int32, half_alpha: Float32):
         """acc_o = sum over key tiles n_max-1 .. n_min of P_n V_n; returns the K/V state."""
@@ -545,6 +546,12 @@ class HstuAttentionForwardSm90:
                     window_right)
         v_state = k_state.clone()
         k_state.advance()
+        if n_max * self.tile_n > len_k:
+            # The last key tile runs past the sequence: its P is zero there, but 0 * NaN is
+            # NaN, and those V rows hold another sequence's values or unused page slots.
+            pipe_v.consumer_wait(v_state)
+            self.zero_v_rows(sVt[None, None, v_state.index], len_k - (n_max - 1) * self.tile_n,
+                             consumer_tidx)
         # Steady state: S_n = Q K_n^T and its SiLU run beside O += P_{n+1} V_{n+1}.
         for i in cutlass.range(1, n_max - n_min, unroll=1):
             n = n_max - 1 - i
@@ -577,6 +584,19 @@ class HstuAttentionForwardSm90:
         pipe_v.consumer_release(v_state)
         v_state.advance()
         return v_state
+
+    @cute.jit
+    def zero_v_rows(self, sVt, first_row: Int32, consumer_tidx: Int32):
+        """Zeroes keys first_row.. of a V^T stage (D, tile_n), both warpgroups together."""
+        D, tn = self.head_dim, self.tile_n
+        for idx in cutlass.range(consumer_tidx, D * tn, 2 * THREADS_PER_WG, unroll=1):
+            row = idx // D
+            if row >= first_row:
+                sVt[idx % D, row] = self.dtype(0.0)
+        # Generic-proxy stores, read next by wgmma (async proxy): fence, then both
+        # warpgroups must be done before either multiplies.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=ZERO_V_BARRIER, number_of_threads=2 * THREADS_PER_WG)
 
     def take_turn(self):
         if const_expr(self.pingpong):
