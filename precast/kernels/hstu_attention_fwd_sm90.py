@@ -516,7 +516,7 @@ class HstuAttentionForwardSm90:
                                        window_left, window_right, half_alpha)
                 self.store_output(mO, acc_o, thr_pv, head, m0, q_start, len_q, out_scale)
             else:
-                pipe_q.consumer_release(q_state)
+                self.release_q(pipe_q, q_state)
                 self.store_output(mO, None, thr_pv, head, m0, q_start, len_q, out_scale)
             q_state = _advanced(q_state)
             pipe_q.consumer_wait(q_state)
@@ -577,7 +577,7 @@ class HstuAttentionForwardSm90:
             v_state.advance()
             k_state.advance()
         # Every Q K^T of this tile is done: the producer may load the next Q.
-        pipe_q.consumer_release(q_state)
+        self.release_q(pipe_q, q_state)
         pipe_v.consumer_wait(v_state)
         self.gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], accumulate=True)
         warpgroup.wait_group(0)
@@ -597,6 +597,12 @@ class HstuAttentionForwardSm90:
         # warpgroups must be done before either multiplies.
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=ZERO_V_BARRIER, number_of_threads=2 * THREADS_PER_WG)
+
+    def release_q(self, pipe_q, q_state):
+        # Lane 0 of each warp arrives for the warp: every lane's reads of the tile slot must
+        # be done first (racecheck flags the release otherwise).
+        cute.arch.sync_warp()
+        pipe_q.consumer_release(q_state)
 
     def take_turn(self):
         if const_expr(self.pingpong):
