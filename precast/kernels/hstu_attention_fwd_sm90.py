@@ -102,10 +102,6 @@ class HstuAttentionForwardSm90:
         # A second Q buffer lets the producer load the next tile's Q during this tile
         # (shared memory allows it up to D = 128).
         self.q_stages = 2 if head_dim <= 128 else 1
-        # Posted tiles rotate through one more slot than Q buffers: a slot is refilled only
-        # after the consumers released the *next* tile's Q, so no (possibly late) read of a
-        # tile's fields can race with a later post.
-        self.work_slots = self.q_stages + 1
         self.num_threads = 3 * THREADS_PER_WG
 
     # ------------------------------------------------------------------ host side
@@ -149,12 +145,12 @@ class HstuAttentionForwardSm90:
         self.q_bytes = cute.size_in_bytes(dt, one(sQ_layout))
         self.kv_bytes = cute.size_in_bytes(dt, one(sK_layout))
 
-        stages, q_stages, work_slots = self.stages, self.q_stages, self.work_slots
+        stages, q_stages = self.stages, self.q_stages
 
         @cute.struct
         class SharedStorage:
             q_bars: cute.struct.MemRange[cutlass.Int64, 2 * q_stages]
-            work: cute.struct.MemRange[Int32, WORK_FIELDS * work_slots]
+            work: cute.struct.MemRange[Int32, WORK_FIELDS * q_stages]  # per Q stage
             k_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             v_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
@@ -210,7 +206,7 @@ class HstuAttentionForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
-        work = storage.work.get_tensor(cute.make_layout((WORK_FIELDS, self.work_slots)))
+        work = storage.work.get_tensor(cute.make_layout((WORK_FIELDS, self.q_stages)))
 
         if warp_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -353,8 +349,7 @@ class HstuAttentionForwardSm90:
         pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
         with cute.arch.elect_one():  # the thread that writes the slot is the one that arrives
             for field in range(WORK_FIELDS):  # a whole slot, like any posted tile
-                work[field, q_state.count % self.work_slots] = (num_batches if field == W_BATCH
-                                                           else Int32(0))
+                work[field, q_state.index] = num_batches if field == W_BATCH else Int32(0)
             cute.arch.mbarrier_arrive(pipe_q.sync_object_full.get_barrier(q_state.index))
         # The last CTA out resets the counter for the next launch on this stream: every CTA
         # has made its final claim before it counts itself out.
@@ -373,14 +368,13 @@ class HstuAttentionForwardSm90:
         m0, q_start, len_q, k_start, len_k, n_min, n_max = self.tile_info(
             batch, m_block, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
         stage = q_state.index
-        slot = q_state.count % self.work_slots
         pipe_q.sync_object_empty.wait(stage, q_state.phase)
         full = pipe_q.sync_object_full.get_barrier(stage)
         with cute.arch.elect_one():  # the thread that writes the slot is the one that arrives
             for field, value in ((W_BATCH, batch), (W_HEAD, head), (W_M0, m0),
                                  (W_LEN_Q, len_q), (W_LEN_K, len_k), (W_Q_START, q_start),
                                  (W_N_MIN, n_min), (W_N_MAX, n_max)):
-                work[field, slot] = value
+                work[field, stage] = value
             if n_max > n_min:
                 cute.arch.mbarrier_arrive_and_expect_tx(full, self.q_bytes)
             else:
@@ -496,9 +490,9 @@ class HstuAttentionForwardSm90:
                 cute.arch.barrier_arrive(barrier_id=TURN_BARRIER,
                                          number_of_threads=2 * THREADS_PER_WG)
         pipe_q.consumer_wait(q_state)
-        batch = work[W_BATCH, q_state.count % self.work_slots]
+        batch = work[W_BATCH, q_state.index]
         while batch < num_batches:
-            slot = q_state.count % self.work_slots
+            slot = q_state.index
             head = work[W_HEAD, slot]
             m0 = work[W_M0, slot]
             len_q = work[W_LEN_Q, slot]
@@ -527,7 +521,7 @@ class HstuAttentionForwardSm90:
                 self.store_output(mO, None, thr_pv, head, m0, q_start, len_q, out_scale)
             q_state = _advanced(q_state)
             pipe_q.consumer_wait(q_state)
-            batch = work[W_BATCH, q_state.count % self.work_slots]
+            batch = work[W_BATCH, q_state.index]
 
     @cute.jit
     def attend(self, mma_qk, mma_pv, tSrQ, tSrK, tOrVt, sVt, acc_s, acc_o, p_regs, tOrP,
