@@ -1,0 +1,45 @@
+"""ptxas must not serialize the HSTU attention kernel's wgmma (it only warns, and the kernel
+then runs 20-30 % slower): a representative set of variants through bench/ptxas_report.py.
+Needs a local ptxas (any CUDA toolkit); skipped without one."""
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+ptxas_report = pytest.importorskip("ptxas_report")
+
+VARIANTS = [  # every head dim, every mask family, paged, MQA
+    ("head_dim=32,", "window_left_bounded=True", "window_right_bounded=True"),
+    ("head_dim=64,", "window_left_bounded=False", "window_right_bounded=True", "float16"),
+    ("head_dim=128,", "window_left_bounded=False", "window_right_bounded=False", "bfloat16",
+     "num_kv_heads=4"),
+    ("head_dim=128,", "func_intervals=3", "bfloat16"),
+    ("head_dim=256,", "window_left_bounded=True", "window_right_bounded=False", "bfloat16"),
+    ("head_dim=256,", "paged=True", "num_kv_heads=1", "bfloat16"),
+]
+
+
+def _ptxas():
+    try:
+        return ptxas_report.find_ptxas(None)
+    except SystemExit:
+        return None
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(_ptxas() is None, reason="no local ptxas")
+@pytest.mark.parametrize("needles", VARIANTS, ids=lambda n: "-".join(n).replace(",", ""))
+def test_attention_wgmma_is_not_serialized(needles):
+    entries = [e for e in ptxas_report.load_plan(ptxas_report.DEFAULT_PLAN)
+               if e.op == "HSTUFwdSm90" and all(n in e.describe() + "," for n in needles)]
+    assert entries, needles
+    ptxs = ptxas_report.compile_ptx(entries[0], ptxas_report.DUMP_DIR)
+    assert ptxs
+    verdict = ptxas_report.ptxas_verdict(_ptxas(), ptxs[0])
+    assert not verdict["error"], verdict["error"][:2000]
+    assert verdict["serialized"] == [], verdict["serialized"]
+    assert verdict["spill_bytes"] == 0
+    assert 0 < verdict["registers"] <= 255
