@@ -39,6 +39,40 @@ def _check_and_time() -> None:
                   f"{err:>13.1e}")
 
 
+def _check_and_time_attention() -> None:
+    import math
+
+    import torch
+
+    from .benchmarking import do_bench, matmul_rate
+    from .hstu_attention import hstu_attention_forward
+    from .reference.hstu_attention import attention_flops, hstu_attention_reference
+
+    def batch(lens, d=128, heads=4):
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                          device="cuda")
+        q, k, v = (torch.randn(sum(lens), heads, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        return q, k, v, cu
+
+    mm = matmul_rate()
+    print(f"\ntorch bf16 matmul {mm / 1e12:.0f} TFLOP/s")
+    print(f"{'op':<24}{'case':>22}{'us':>9}{'TFLOP/s':>9}{'x matmul':>9}{'max rel err':>13}")
+    lens = [497, 16, 1, 480, 0, 253]  # ragged, with empty and 1-token sequences
+    q, k, v, cu = batch(lens)
+    alpha = 1 / math.sqrt(128)
+    o = hstu_attention_forward(q, k, v, cu, cu, max(lens), max(lens), alpha=alpha).o_tensor
+    ref = hstu_attention_reference(q, k, v, cu, cu, max(lens), max(lens), alpha=alpha)
+    err = ((o.float() - ref).abs().max() / ref.abs().max()).item()
+    seqlen = 4096
+    q, k, v, cu = batch([seqlen] * 16)
+    out = torch.empty_like(q)
+    ms = do_bench(lambda: hstu_attention_forward(q, k, v, cu, cu, seqlen, seqlen, o_tensor=out))
+    rate = attention_flops(cu.cpu(), cu.cpu(), 4, 128, (-1, 0)) / (ms * 1e-3)
+    print(f"{'hstu_attention_forward':<24}{'causal 16 x 4096, D 128':>22}{ms * 1e3:>9.1f}"
+          f"{rate / 1e12:>9.1f}{rate / mm:>9.2f}{err:>13.1e}")
+
+
 def run(plan: Path, arch=None, jobs=None) -> int:
     from .lifecycle.arch import device_arch
     from .lifecycle.cache import default_cache_dir, dsl_available
@@ -68,6 +102,7 @@ def run(plan: Path, arch=None, jobs=None) -> int:
         print(f"this GPU is {gpu}; precast's kernels are built for sm_90a (Hopper)")
         return 1
     _check_and_time()
+    _check_and_time_attention()
     return 0
 
 
