@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -26,3 +27,27 @@ def _default_arch():
     if not GPU_AVAILABLE:
         os.environ.setdefault("PRECAST_ARCH", "sm_90a")
     yield
+
+
+@contextlib.contextmanager
+def streams_of_every_kind():
+    """A torch stream, a cuda-python CUstream, its int handle and (when cuda.core is there) a
+    cuda.core stream; the CUstream is destroyed on exit, after a device synchronize."""
+    from cuda.bindings import driver
+
+    from precast.graphs import check, ensure_context
+    ensure_context()
+    cu_stream = check(driver.cuStreamCreate(0))
+    streams = [torch.cuda.Stream(), cu_stream, int(cu_stream)]
+    try:
+        from cuda.core import Device
+        dev = Device()
+        dev.set_current()
+        streams.append(dev.create_stream())
+    except Exception:  # cuda.core absent or too old: the other kinds still run
+        pass
+    try:
+        yield streams
+    finally:
+        torch.cuda.synchronize()
+        check(driver.cuStreamDestroy(cu_stream))

@@ -15,6 +15,7 @@ from typing import List, Optional
 
 import pytest
 import torch
+from conftest import streams_of_every_kind
 
 from precast import HSTUFwdSm90, TensorDesc, hstu_attention_forward
 from precast.reference.hstu_attention import (FUNC_PAD_COLUMNS, PAGE_SIZE, gather_paged_kv,
@@ -484,23 +485,12 @@ def test_two_ops_on_two_streams_concurrently():
 def test_streams_of_every_kind():
     from cuda.bindings import driver
     from precast.graphs import check as cu_check
-    from precast.graphs import ensure_context
     window = (-1, 0)
     b = make_batch(RAGGED_Q, RAGGED_K, 64, FP, seed=71)
     op = get_op(FP, 64, window=window)
     expect = launch(op, b)
     check(expect, b, window)
-    ensure_context()
-    cu_stream = cu_check(driver.cuStreamCreate(0))
-    streams = [torch.cuda.Stream(), cu_stream, int(cu_stream)]
-    try:
-        from cuda.core import Device
-        dev = Device()
-        dev.set_current()
-        streams.append(dev.create_stream())
-    except Exception:  # cuda.core absent or too old: the other kinds still run
-        pass
-    try:
+    with streams_of_every_kind() as streams:
         for stream in streams:
             o = poisoned(b)
             torch.cuda.synchronize()
@@ -512,10 +502,7 @@ def test_streams_of_every_kind():
             torch.cuda.synchronize()
             assert torch.equal(o, expect), type(stream).__name__
             assert torch.equal(fn, expect), type(stream).__name__
-            del fn  # allocated in the order of a stream destroyed below
-    finally:
-        torch.cuda.synchronize()
-        cu_check(driver.cuStreamDestroy(cu_stream))
+            del fn  # allocated in the order of a stream destroyed on exit
 
 
 def test_cuda_graph_capture_and_replay():

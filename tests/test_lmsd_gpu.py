@@ -6,6 +6,7 @@ must equal the reference Philox mask bit for bit.
 """
 import pytest
 import torch
+from conftest import streams_of_every_kind
 
 from precast import HstuLmsdBwdSm90, HstuLmsdFwdSm90, hstu_lmsd, hstu_lmsd_backward, hstu_lmsd_forward
 from precast.reference.lmsd import lmsd_backward_reference, lmsd_forward_reference, lmsd_mask
@@ -201,27 +202,18 @@ def test_autograd_training_step():
 
 def test_streams_of_every_kind():
     from cuda.bindings import driver
-    from precast.graphs import check, ensure_context
+    from precast.graphs import check
     n, d = 1000, 512
     x, u, w, b = make_inputs(n, d, torch.bfloat16)
     expect = hstu_lmsd_forward(x, u, w, b, 1e-5, 0.1, 5, True, True, True).y_tensor.clone()
-    torch_stream = torch.cuda.Stream()
-    ensure_context()
-    cu_stream = check(driver.cuStreamCreate(0))
-    streams = [torch_stream, cu_stream, int(cu_stream)]
-    try:
-        from cuda.core import Device
-        dev = Device()
-        dev.set_current()
-        streams.append(dev.create_stream())
-    except Exception:  # cuda.core absent or too old: the other kinds still run
-        pass
-    torch.cuda.synchronize()
-    for stream in streams:
-        y = hstu_lmsd_forward(x, u, w, b, 1e-5, 0.1, 5, True, True, True, stream=stream).y_tensor
+    with streams_of_every_kind() as streams:
         torch.cuda.synchronize()
-        check(driver.cuCtxSynchronize())
-        assert torch.equal(y, expect), type(stream).__name__
+        for stream in streams:
+            y = hstu_lmsd_forward(x, u, w, b, 1e-5, 0.1, 5, True, True, True,
+                                  stream=stream).y_tensor
+            torch.cuda.synchronize()
+            check(driver.cuCtxSynchronize())
+            assert torch.equal(y, expect), type(stream).__name__
 
 
 def test_cuda_graph_capture_and_replay():
