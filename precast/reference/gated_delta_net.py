@@ -99,6 +99,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .offsets import sequence_offsets
+
 __all__ = [
     "CHUNK_SIZE",
     "L2NORM_EPS",
@@ -151,23 +153,9 @@ def _check_compute_dtype(compute_dtype) -> None:
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, T: int) -> list[int]:
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 0, got shape {tuple(cu_seqlens.shape)}")
-    offs = [int(x) for x in cu_seqlens.tolist()]
-    if offs[0] != 0:
-        raise ValueError(f"cu_seqlens[0] must be 0, got {offs[0]}")
+    offs = sequence_offsets(cu_seqlens, "cu_seqlens", (torch.int32, torch.int64))
     if offs[-1] != T:
         raise ValueError(f"cu_seqlens[-1] must equal the packed length T={T}, got {offs[-1]}")
-    for b in range(len(offs) - 1):
-        if offs[b + 1] < offs[b]:
-            raise ValueError(
-                f"cu_seqlens must be non-decreasing: cu_seqlens[{b + 1}]={offs[b + 1]} < "
-                f"cu_seqlens[{b}]={offs[b]}"
-            )
     return offs
 
 

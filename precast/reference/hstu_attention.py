@@ -48,6 +48,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .offsets import sequence_offsets
+
 __all__ = [
     "PAGE_SIZE",
     "FUNC_PAD_COLUMNS",
@@ -120,19 +122,7 @@ def _check_index_tensor(t, what: str, *, int32: bool) -> None:
 
 def _seqlens(cu: torch.Tensor, what: str, *, int32: bool) -> list[int]:
     """Validated cu_seqlens -> python list of boundaries."""
-    _check_index_tensor(cu, what, int32=int32)
-    if cu.dim() != 1 or cu.numel() < 1:
-        raise ValueError(f"{what} must be 1-D with B + 1 >= 1 entries, got shape {tuple(cu.shape)}")
-    bounds = cu.tolist()
-    if bounds[0] != 0:
-        raise ValueError(f"{what} must start at 0, got {bounds[0]}")
-    for b in range(len(bounds) - 1):
-        if bounds[b + 1] < bounds[b]:
-            raise ValueError(
-                f"{what} must be non-decreasing, got {what}[{b}]={bounds[b]} > "
-                f"{what}[{b + 1}]={bounds[b + 1]}"
-            )
-    return bounds
+    return sequence_offsets(cu, what, (torch.int32,) if int32 else _INT_DTYPES)
 
 
 def _func_rows_check(func_rows: torch.Tensor, len_q: int) -> None:
