@@ -13,11 +13,11 @@ from typing import Callable, Optional
 
 import torch
 
-from .hstu_lmsd import _op as compiled_op  # one compiled op per key, shared with LMSD
 from .lifecycle.launch import stream_handle
 from .lifecycle.hstu_attention import (DATA_ALIGN, INDEX_ALIGN, HSTUFwdSm90, check_packed,
                                        check_tokens, check_window)
 from .lifecycle.results import results_type
+from .op_cache import compiled_op
 
 HstuAttentionForwardResults = results_type("HstuAttentionForwardResults", ("o_tensor",))
 

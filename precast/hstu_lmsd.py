@@ -7,7 +7,6 @@ traces under torch.compile).
 """
 from __future__ import annotations
 
-import threading
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -15,25 +14,14 @@ import torch
 from .lifecycle.lmsd import HstuLmsdBwdSm90, HstuLmsdFwdSm90
 from .reference.lmsd import segment_count
 from .lifecycle.results import results_type
+from .op_cache import compiled_op
 
 LmsdForwardResults = results_type("LmsdForwardResults",
                                   ("y_tensor", "mean_tensor", "rstd_tensor", "mask_tensor"))
 LmsdBackwardResults = results_type("LmsdBackwardResults",
                                    ("dx_tensor", "du_tensor", "dweight_tensor", "dbias_tensor"))
 
-_ops: Dict[tuple, object] = {}
 _workspaces: Dict[tuple, torch.Tensor] = {}
-_lock = threading.Lock()
-
-
-def _op(key: tuple, make):
-    """One compiled op per static configuration, made (and validated) on first use."""
-    op = _ops.get(key)
-    if op is None:
-        op = make().check_support().compile()
-        with _lock:
-            op = _ops.setdefault(key, op)
-    return op
 
 
 def hstu_lmsd_forward(x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -58,7 +46,7 @@ def hstu_lmsd_forward(x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bi
         if dropout and mask_tensor is None:
             mask_tensor = x.new_empty((n, d), dtype=torch.int8)
     key = ("fwd", x.dtype, d, bool(apply_u_silu), bool(concat_u), bool(concat_x), dropout)
-    op = _op(key, lambda: HstuLmsdFwdSm90(
+    op = compiled_op(key, lambda: HstuLmsdFwdSm90(
         x, u, weight, bias, y_tensor, mean_tensor, rstd_tensor, mask_tensor, eps=eps,
         dropout_ratio=dropout_ratio, apply_u_silu=apply_u_silu, concat_u=concat_u,
         concat_x=concat_x))
@@ -87,7 +75,7 @@ def hstu_lmsd_backward(dy: torch.Tensor, x: torch.Tensor, u: torch.Tensor, weigh
     dbias_tensor = dbias_tensor if dbias_tensor is not None else torch.empty_like(bias)
     key = ("bwd", x.dtype, d, bool(apply_u_silu), bool(concat_u), bool(concat_x), dropout,
            bool(compute_dweight))
-    op = _op(key, lambda: HstuLmsdBwdSm90(
+    op = compiled_op(key, lambda: HstuLmsdBwdSm90(
         dy, x, u, weight, bias, mean, rstd, mask, dx_tensor, du_tensor, dweight_tensor,
         dbias_tensor, dropout_ratio=dropout_ratio, apply_u_silu=apply_u_silu,
         concat_u=concat_u, concat_x=concat_x, compute_dweight=compute_dweight))

@@ -22,8 +22,8 @@ T, H, HKV, D, B = 64, 4, 2, 64, 4  # tokens (q and k), heads, kv heads, head dim
 MAXS = T // B  # the smallest max_seqlen that B sequences of T tokens allow
 PAGES = 8
 L = T + FUNC_PAD_COLUMNS
-# The module that keeps one compiled op per key (precast.hstu_lmsd names a function).
-COMPILED_OPS = sys.modules["precast.hstu_lmsd"]
+# The module that keeps one compiled op per key for the allocating functions.
+COMPILED_OPS = sys.modules["precast.op_cache"]
 
 
 @pytest.fixture(autouse=True)

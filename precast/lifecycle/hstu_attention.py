@@ -135,6 +135,8 @@ class HSTUFwdSm90(Op):
         self.max_seqlen_q, self.max_seqlen_k = max_seqlen_q, max_seqlen_k
         self.window_size = window_size
         self.alpha, self.scaling_seqlen = alpha, scaling_seqlen
+        # Scheduler workspaces this op made, per (device, stream): see _own_workspace.
+        self._workspaces: Dict[Tuple[int, int], torch.Tensor] = {}
         self._samples = dict(q=sample_q, k=sample_k, v=sample_v, o=sample_o,
                              cu_seqlens_q=sample_cu_seqlens_q, cu_seqlens_k=sample_cu_seqlens_k,
                              func_tensor=sample_func, paged_kv=sample_paged_kv,
@@ -405,8 +407,6 @@ class HSTUFwdSm90(Op):
 
     def _own_workspace(self, index: int, handle: int) -> torch.Tensor:
         """This op's workspace for (device, stream), made on the first execute there."""
-        if not hasattr(self, "_workspaces"):
-            self._workspaces: Dict[Tuple[int, int], torch.Tensor] = {}
         ws = self._workspaces.get((index, handle))
         if ws is None:
             check_value(not stream_is_capturing(handle), RuntimeError,
