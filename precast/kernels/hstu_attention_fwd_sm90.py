@@ -109,8 +109,8 @@ class HstuAttentionForwardSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor,
                  mPagedKV: cute.Tensor, mPageIds: cute.Tensor, mPageIndptrs: cute.Tensor,
-                 mTileCounter: cute.Tensor, max_seqlen_q: Int32, window_left: Int32, window_right: Int32,
-                 half_alpha: Float32, out_scale: Float32, num_ctas: Int32,
+                 mTileCounter: cute.Tensor, max_seqlen_q: Int32, window_left: Int32,
+                 window_right: Int32, half_alpha: Float32, out_scale: Float32, num_ctas: Int32,
                  stream: cuda.CUstream):
         dt = self.dtype
         D, tn = self.head_dim, self.tile_n
@@ -165,18 +165,19 @@ class HstuAttentionForwardSm90:
         self.kernel(mma_qk, mma_pv, mQ_tma, mK_tma, mVt_tma, mO, tma_q, tma_k, tma_v, sQ_layout,
                     sK_layout, sVt_layout, mCuSeqlensQ, mCuSeqlensK, mFunc, mPageIds,
                     mPageIndptrs, mTileCounter, num_batches, window_left, window_right,
-                    half_alpha, out_scale).launch(grid=[grid, 1, 1], block=[self.num_threads, 1, 1],
-                                      stream=stream)
+                    half_alpha, out_scale).launch(grid=[grid, 1, 1],
+                                                  block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor,
-               tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
-               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sVt_layout: cute.ComposedLayout, mCuSeqlensQ: cute.Tensor,
-               mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor, mPageIds: cute.Tensor,
-               mPageIndptrs: cute.Tensor, mTileCounter: cute.Tensor, num_batches: Int32,
-               window_left: Int32, window_right: Int32, half_alpha: Float32, out_scale: Float32):
+    def kernel(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, mQ: cute.Tensor,
+               mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor, tma_q: cute.CopyAtom,
+               tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout,
+               mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor,
+               mPageIds: cute.Tensor, mPageIndptrs: cute.Tensor, mTileCounter: cute.Tensor,
+               num_batches: Int32, window_left: Int32, window_right: Int32, half_alpha: Float32,
+               out_scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -218,13 +219,13 @@ class HstuAttentionForwardSm90:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(mma_qk, mma_pv, mO, sQ, sK, sVt, work, pipe_q, pipe_k, pipe_v,
-                         tidx - THREADS_PER_WG, mCuSeqlensQ, mCuSeqlensK, num_batches, mFunc,
-                         window_left, window_right, half_alpha, out_scale)
+                         tidx - THREADS_PER_WG, num_batches, mFunc, window_left, window_right,
+                         half_alpha, out_scale)
 
     @cute.jit
     def tile_info(self, batch: Int32, m_block: Int32, mCuSeqlensQ, mCuSeqlensK,
                   window_left: Int32, window_right: Int32):
-        """(m0, q_start, len_q, len_k, k_start, n_min, n_max) of a work tile."""
+        """(m0, q_start, len_q, k_start, len_k, n_min, n_max) of a work tile."""
         q_start = mCuSeqlensQ[batch]
         len_q = mCuSeqlensQ[batch + 1] - q_start
         k_start = mCuSeqlensK[batch]
@@ -456,7 +457,7 @@ class HstuAttentionForwardSm90:
 
     @cute.jit
     def consume(self, mma_qk, mma_pv, mO, sQ, sK, sVt, work, pipe_q, pipe_k, pipe_v, tidx: Int32,
-                mCuSeqlensQ, mCuSeqlensK, num_batches: Int32, mFunc,
+                num_batches: Int32, mFunc,
                 window_left: Int32, window_right: Int32, half_alpha: Float32,
                 out_scale: Float32):
         tn = self.tile_n
@@ -525,9 +526,9 @@ class HstuAttentionForwardSm90:
 
     @cute.jit
     def attend(self, mma_qk, mma_pv, tSrQ, tSrK, tOrVt, sVt, acc_s, acc_o, p_regs, tOrP,
-               thr_qk, consumer_tidx: Int32, row_i, func, pipe_q, pipe_k, pipe_v, q_state, kv_state, m0_wg: Int32,
-               len_q: Int32, len_k: Int32, n_min: Int32, n_max: Int32, window_left: Int32,
-               window_right: Int32, half_alpha: Float32):
+               thr_qk, consumer_tidx: Int32, row_i, func, pipe_q, pipe_k, pipe_v, q_state,
+               kv_state, m0_wg: Int32, len_q: Int32, len_k: Int32, n_min: Int32, n_max: Int32,
+               window_left: Int32, window_right: Int32, half_alpha: Float32):
         """acc_o = sum over key tiles n_max-1 .. n_min of P_n V_n; returns the K/V state."""
         off = len_k - len_q
         # The thread's first key column in a tile (its others are + 8 g + e).
