@@ -46,6 +46,7 @@ WORK_FIELDS = 8
 W_BATCH, W_HEAD, W_M0, W_LEN_Q, W_LEN_K, W_Q_START, W_N_MIN, W_N_MAX = range(WORK_FIELDS)
 TURN_BARRIER = 1  # named barriers 1 and 2: "warpgroup 0 / 1 may issue" (0 is sync_threads)
 ZERO_V_BARRIER = 3  # both consumer warpgroups cleared the rows past a sequence's end
+EPILOGUE_BARRIER = 4  # 4 and 5: a warpgroup's output rows are staged in shared memory
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
@@ -102,6 +103,13 @@ class HstuAttentionForwardSm90:
         # A second Q buffer lets the producer load the next tile's Q during this tile
         # (shared memory allows it up to D = 128).
         self.q_stages = 2 if head_dim <= 128 else 1
+        # Tile slots rotate through one more than the Q buffers: a slot is rewritten only
+        # after the consumers released the *next* tile, so no late read of a tile's fields
+        # can see the following post.
+        self.work_slots = self.q_stages + 1
+        # With two Q buffers the finished tile's buffer holds its output on the way out, so
+        # the rows leave as coalesced 16-byte stores instead of 2-byte scattered ones.
+        self.staged_output = self.q_stages == 2
         self.num_threads = 3 * THREADS_PER_WG
 
     # ------------------------------------------------------------------ host side
@@ -150,7 +158,7 @@ class HstuAttentionForwardSm90:
         @cute.struct
         class SharedStorage:
             q_bars: cute.struct.MemRange[cutlass.Int64, 2 * q_stages]
-            work: cute.struct.MemRange[Int32, WORK_FIELDS * q_stages]  # per Q stage
+            work: cute.struct.MemRange[Int32, WORK_FIELDS * (q_stages + 1)]
             k_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             v_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
@@ -207,7 +215,7 @@ class HstuAttentionForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
-        work = storage.work.get_tensor(cute.make_layout((WORK_FIELDS, self.q_stages)))
+        work = storage.work.get_tensor(cute.make_layout((WORK_FIELDS, self.work_slots)))
 
         if warp_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -350,7 +358,8 @@ class HstuAttentionForwardSm90:
         pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
         with cute.arch.elect_one():  # the thread that writes the slot is the one that arrives
             for field in range(WORK_FIELDS):  # a whole slot, like any posted tile
-                work[field, q_state.index] = num_batches if field == W_BATCH else Int32(0)
+                work[field, q_state.count % self.work_slots] = (
+                    num_batches if field == W_BATCH else Int32(0))
             cute.arch.mbarrier_arrive(pipe_q.sync_object_full.get_barrier(q_state.index))
         # The last CTA out resets the counter for the next launch on this stream: every CTA
         # has made its final claim before it counts itself out.
@@ -369,13 +378,14 @@ class HstuAttentionForwardSm90:
         m0, q_start, len_q, k_start, len_k, n_min, n_max = self.tile_info(
             batch, m_block, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
         stage = q_state.index
+        slot = q_state.count % self.work_slots
         pipe_q.sync_object_empty.wait(stage, q_state.phase)
         full = pipe_q.sync_object_full.get_barrier(stage)
         with cute.arch.elect_one():  # the thread that writes the slot is the one that arrives
             for field, value in ((W_BATCH, batch), (W_HEAD, head), (W_M0, m0),
                                  (W_LEN_Q, len_q), (W_LEN_K, len_k), (W_Q_START, q_start),
                                  (W_N_MIN, n_min), (W_N_MAX, n_max)):
-                work[field, stage] = value
+                work[field, slot] = value
             if n_max > n_min:
                 cute.arch.mbarrier_arrive_and_expect_tx(full, self.q_bytes)
             else:
@@ -491,9 +501,9 @@ class HstuAttentionForwardSm90:
                 cute.arch.barrier_arrive(barrier_id=TURN_BARRIER,
                                          number_of_threads=2 * THREADS_PER_WG)
         pipe_q.consumer_wait(q_state)
-        batch = work[W_BATCH, q_state.index]
+        batch = work[W_BATCH, q_state.count % self.work_slots]
         while batch < num_batches:
-            slot = q_state.index
+            slot = q_state.count % self.work_slots
             head = work[W_HEAD, slot]
             m0 = work[W_M0, slot]
             len_q = work[W_LEN_Q, slot]
@@ -516,13 +526,20 @@ class HstuAttentionForwardSm90:
                                        tidx, row_i, func, pipe_q, pipe_k, pipe_v, q_state,
                                        kv_state, m0 + wg * WG_ROWS, len_q, len_k, n_min, n_max,
                                        window_left, window_right, half_alpha)
-                self.store_output(mO, acc_o, thr_pv, head, m0, q_start, len_q, out_scale)
+                if const_expr(self.staged_output):
+                    self.store_output_staged(mO, acc_o, mma_pv, sQ[None, None, q_state.index],
+                                             tidx, head, m0, q_start, len_q, out_scale)
+                    # The generic-proxy reads of the buffer precede the next TMA write.
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self.release_q(pipe_q, q_state)
+                else:
+                    self.store_output(mO, acc_o, thr_pv, head, m0, q_start, len_q, out_scale)
             else:
                 self.release_q(pipe_q, q_state)
                 self.store_output(mO, None, thr_pv, head, m0, q_start, len_q, out_scale)
             q_state = _advanced(q_state)
             pipe_q.consumer_wait(q_state)
-            batch = work[W_BATCH, q_state.index]
+            batch = work[W_BATCH, q_state.count % self.work_slots]
 
     @cute.jit
     def attend(self, mma_qk, mma_pv, tSrQ, tSrK, tOrVt, sVt, acc_s, acc_o, p_regs, tOrP,
@@ -578,8 +595,9 @@ class HstuAttentionForwardSm90:
                             window_left, window_right)
             v_state.advance()
             k_state.advance()
-        # Every Q K^T of this tile is done: the producer may load the next Q.
-        self.release_q(pipe_q, q_state)
+        if const_expr(not self.staged_output):
+            # Every Q K^T of this tile is done: the producer may load the next Q.
+            self.release_q(pipe_q, q_state)
         pipe_v.consumer_wait(v_state)
         self.gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], accumulate=True)
         warpgroup.wait_group(0)
@@ -726,3 +744,38 @@ class HstuAttentionForwardSm90:
                 if m0 + c_mn[r, 0][0] < len_q:
                     for c in cutlass.range_constexpr(cute.size(g_mn, mode=[1])):
                         g_mn[r, c] = out_mn[r, c]
+
+    @cute.jit
+    def store_output_staged(self, mO, acc_o, mma_pv, sO, consumer_tidx: Int32, head: Int32,
+                            m0: Int32, q_start: Int32, len_q: Int32, out_scale: Float32):
+        """O / scaling_seqlen -> the tile's Q buffer (stmatrix) -> this sequence's rows as
+        16-byte stores. Each warpgroup stages and writes only its own 64 rows."""
+        D = self.head_dim
+        wg = consumer_tidx // THREADS_PER_WG
+        out = cute.make_rmem_tensor(acc_o.layout, self.dtype)
+        out.store((acc_o.load() * out_scale).to(self.dtype))
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        st = cute.make_tiled_copy_C(st_atom, mma_pv).get_slice(consumer_tidx)
+        cute.copy(st_atom, st.retile(out), st.partition_D(sO))
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=THREADS_PER_WG)
+        vec = 128 // self.dtype.width
+        per_row = D // vec
+        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                        num_bits_per_copy=128)
+        rows_copy = cute.make_tiled_copy_tv(
+            copy_atom, cute.make_ordered_layout((THREADS_PER_WG // per_row, per_row),
+                                                order=(1, 0)),
+            cute.make_layout((1, vec)))
+        thr = rows_copy.get_slice(consumer_tidx % THREADS_PER_WG)
+        m_wg = m0 + wg * WG_ROWS
+        gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, None, head]),
+                             (WG_ROWS, D), (m_wg // WG_ROWS, 0))
+        tOsO = thr.partition_S(cute.local_tile(sO, (WG_ROWS, D), (wg, 0)))
+        tOgO = thr.partition_D(gO)
+        tOcO = thr.partition_S(cute.make_identity_tensor((WG_ROWS, D)))
+        staged = cute.make_rmem_tensor_like(tOsO)
+        cute.autovec_copy(tOsO, staged)
+        for m in cutlass.range_constexpr(cute.size(tOsO.shape[1])):
+            if m_wg + tOcO[0, m, 0][0] < len_q:
+                cute.copy(copy_atom, staged[None, m, None], tOgO[None, m, None])
