@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device run for HSTU attention: GPU tests, compute-sanitizer memcheck + racecheck on a
-# small case, benchmark. Logs under $OUT.
+# One device run for HSTU attention forward and backward: GPU tests, compute-sanitizer
+# memcheck + racecheck on small cases, benchmarks. Logs under $OUT.
 #   run: source .gpuhost/prelude.sh && bash bench/device_attention.sh   (carry .gpuhost, .artifacts
 #   and, for the peer column, .peer)
 set -o pipefail
@@ -8,15 +8,24 @@ export PRECAST_CACHE_DIR=${PRECAST_CACHE_DIR:-$PWD/.artifacts/cache}
 export PYTHONPATH="$PWD/.peer${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/precast-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -q -rf -p no:cacheprovider tests/test_hstu_attention_gpu.py ${PYTEST_ARGS:-} 2>&1 \
+python3 -m pytest -q -rf -p no:cacheprovider tests/test_hstu_attention_gpu.py \
+  tests/test_hstu_attention_bwd_gpu.py ${PYTEST_ARGS:-} 2>&1 \
   | tee "$OUT/pytest_attention.log" | tail -25
 if [ -z "${SKIP_SANITIZER:-}" ]; then
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 3 python3 tests/gpu_sanitize_hstu_attention.py 2>&1 \
-      | tee "$OUT/$tool.log" | tail -4
-    echo "compute-sanitizer $tool exit code: ${PIPESTATUS[0]}"
+  for script in gpu_sanitize_hstu_attention gpu_sanitize_hstu_attention_bwd; do
+    for tool in memcheck racecheck; do
+      compute-sanitizer --tool $tool --error-exitcode 3 python3 tests/$script.py 2>&1 \
+        | tail -100 > "$OUT/sanitize_tmp.log"
+      echo "compute-sanitizer $tool $script exit code: ${PIPESTATUS[0]}" | tee -a "$OUT/sanitizers.log"
+      tail -3 "$OUT/sanitize_tmp.log" | tee -a "$OUT/sanitizers.log"
+      rm "$OUT/sanitize_tmp.log"
+    done
   done
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-  python3 bench/bench_hstu_attention.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log"
+  # (stderr: the peer's autotuning warnings)
+  python3 bench/bench_hstu_attention.py ${BENCH_ARGS:-} 2>"$OUT/bench_stderr.log" \
+    | tee "$OUT/bench_attention.log"
+  python3 bench/bench_hstu_attention_bwd.py ${BENCH_ARGS:-} 2>>"$OUT/bench_stderr.log" \
+    | tee -a "$OUT/bench_attention.log"
 fi

@@ -8,8 +8,11 @@ from .lifecycle.cache import ArtifactCache, ArtifactMissing, default_cache  # no
 from .lifecycle.lmsd import HstuLmsdBwdSm90, HstuLmsdFwdSm90  # noqa: E402
 from .hstu_lmsd import hstu_lmsd, hstu_lmsd_backward, hstu_lmsd_forward  # noqa: E402
 from .lifecycle.hstu_attention import HSTUFwdSm90  # noqa: E402
-from .hstu_attention import hstu_attention_forward  # noqa: E402
+from .lifecycle.hstu_attention_bwd import HSTUBwdSm90  # noqa: E402
+from .hstu_attention import (hstu_attention, hstu_attention_backward,  # noqa: E402
+                             hstu_attention_forward)
 
 __all__ = ["TensorDesc", "Op", "OP_REGISTRY", "ArtifactCache", "ArtifactMissing", "default_cache",
            "HstuLmsdFwdSm90", "HstuLmsdBwdSm90", "hstu_lmsd_forward", "hstu_lmsd_backward",
-           "hstu_lmsd", "HSTUFwdSm90", "hstu_attention_forward"]
+           "hstu_lmsd", "HSTUFwdSm90", "hstu_attention_forward", "HSTUBwdSm90",
+           "hstu_attention_backward", "hstu_attention"]

@@ -3,23 +3,27 @@
 ``hstu_attention_forward`` takes cuDNN Frontend-style arguments, allocates o, copies
 inputs whose layout the kernel cannot read in place and returns results that unpack like
 a tuple and index like a dict. ``torch.ops.precast.hstu_attention_fwd`` is the same as a
-torch custom op with a fake implementation (it traces under torch.compile; no autograd
-yet).
+torch custom op with a fake implementation (it traces under torch.compile).
+``hstu_attention_backward`` computes dq, dk, dv; ``hstu_attention`` is the autograd-aware
+op (``torch.ops.precast.hstu_attention`` with its backward ``hstu_attention_bwd``).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
 from .lifecycle.launch import stream_handle
 from .lifecycle.hstu_attention import (DATA_ALIGN, INDEX_ALIGN, HSTUFwdSm90, check_packed,
                                        check_tokens, check_window)
+from .lifecycle.hstu_attention_bwd import HSTUBwdSm90
 from .lifecycle.results import results_type
 from .op_cache import compiled_op
 
 HstuAttentionForwardResults = results_type("HstuAttentionForwardResults", ("o_tensor",))
+HstuAttentionBackwardResults = results_type("HstuAttentionBackwardResults",
+                                            ("dq_tensor", "dk_tensor", "dv_tensor"))
 
 
 def _in_place_or_copy(t: Optional[torch.Tensor], check: Callable) -> Optional[torch.Tensor]:
@@ -126,3 +130,119 @@ def _attention_fwd_op(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[to
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling_seqlen,
       window_left, window_right, alpha, func_tensor, paged_kv, page_ids, page_indptrs):
     return q.new_empty(q.shape)
+
+
+def hstu_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                            max_seqlen_q: int, max_seqlen_k: int,
+                            scaling_seqlen: Optional[float] = None, window_size=(-1, 0),
+                            alpha: float = 1.0, func_tensor: Optional[torch.Tensor] = None,
+                            deterministic: bool = False, stream=None, *,
+                            dq_tensor: Optional[torch.Tensor] = None,
+                            dk_tensor: Optional[torch.Tensor] = None,
+                            dv_tensor: Optional[torch.Tensor] = None
+                            ) -> HstuAttentionBackwardResults:
+    """dq, dk, dv of ``hstu_attention_forward`` (same arguments; paged KV is forward only).
+
+    Returns (dq_tensor, dk_tensor, dv_tensor). Supplied gradient buffers are optional and
+    independent; they are overwritten and returned (disjoint views of one allocation, such
+    as dk and dv split from one packed KV buffer, are written in place). The results are
+    bitwise reproducible.
+    """
+    func_shape = None if func_tensor is None else tuple(func_tensor.shape[:-1])
+    key = ("attention_bwd", q.dtype, tuple(q.shape[1:]), _kv_heads(k, None),
+           check_window(window_size), func_shape, bool(deterministic))
+    tokens = _tokens_layout
+    with _in_stream_order(stream, q.device):
+        do, q, k, v = (_in_place_or_copy(t, tokens) for t in (do, q, k, v))
+        cu_seqlens_q, cu_seqlens_k, func_tensor = (
+            _in_place_or_copy(t, _packed_layout(INDEX_ALIGN))
+            for t in (cu_seqlens_q, cu_seqlens_k, func_tensor))
+        given = (dq_tensor, dk_tensor, dv_tensor)
+        grads = [g if g is not None and _readable(g, tokens)
+                 else torch.empty(like.shape, dtype=like.dtype, device=like.device)
+                 for g, like in zip(given, (q, k, v))]
+        op = compiled_op(key, lambda: HSTUBwdSm90(
+            do, q, k, v, *grads, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            window_size, alpha, scaling_seqlen, func_tensor, deterministic))
+        op.execute(do, q, k, v, *grads, cu_seqlens_q, cu_seqlens_k, func_tensor, stream,
+                   alpha=alpha, scaling_seqlen=scaling_seqlen, max_seqlen_q=max_seqlen_q,
+                   max_seqlen_k=max_seqlen_k)
+        for i, g in enumerate(given):
+            if g is not None and grads[i] is not g:
+                g.copy_(grads[i])
+                grads[i] = g
+    return HstuAttentionBackwardResults(*grads)
+
+
+# --- autograd ----------------------------------------------------------------------------------
+
+@torch.library.custom_op("precast::hstu_attention", mutates_args=(), device_types="cuda")
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                  scaling_seqlen: Optional[float], window_left: int, window_right: int,
+                  alpha: float, func_tensor: Optional[torch.Tensor],
+                  deterministic: bool) -> torch.Tensor:
+    return hstu_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, scaling_seqlen, (window_left, window_right),
+                                  alpha, func_tensor).o_tensor
+
+
+@_attention_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling_seqlen,
+      window_left, window_right, alpha, func_tensor, deterministic):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("precast::hstu_attention_bwd", mutates_args=(), device_types="cuda")
+def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                      max_seqlen_k: int, scaling_seqlen: Optional[float], window_left: int,
+                      window_right: int, alpha: float, func_tensor: Optional[torch.Tensor],
+                      deterministic: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(hstu_attention_backward(do, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, scaling_seqlen,
+                                         (window_left, window_right), alpha, func_tensor,
+                                         deterministic))
+
+
+@_attention_bwd_op.register_fake
+def _(do, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling_seqlen,
+      window_left, window_right, alpha, func_tensor, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_SAVED_ARGS = ("max_seqlen_q", "max_seqlen_k", "scaling_seqlen", "window_left", "window_right",
+               "alpha", "deterministic")
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scaling_seqlen,
+     window_left, window_right, alpha, func_tensor, deterministic) = inputs
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, func_tensor)
+    ctx.args = (max_seqlen_q, max_seqlen_k, scaling_seqlen, window_left, window_right, alpha)
+    ctx.deterministic = deterministic
+
+
+def _backward(ctx, do):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, func_tensor = ctx.saved_tensors
+    dq, dk, dv = torch.ops.precast.hstu_attention_bwd(do, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                      *ctx.args, func_tensor, ctx.deterministic)
+    return (dq, dk, dv) + (None,) * 10
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                   max_seqlen_k: int, scaling_seqlen: Optional[float] = None,
+                   window_size=(-1, 0), alpha: float = 1.0,
+                   func_tensor: Optional[torch.Tensor] = None,
+                   deterministic: bool = False) -> torch.Tensor:
+    """o = (mask * SiLU(alpha q k^T)) v / scaling_seqlen, differentiable in q, k and v
+    (torch.ops.precast.hstu_attention; works under torch.compile)."""
+    left, right = check_window(window_size)
+    return torch.ops.precast.hstu_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                            max_seqlen_k, scaling_seqlen, left, right,
+                                            float(alpha), func_tensor, bool(deterministic))

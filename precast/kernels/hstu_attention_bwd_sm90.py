@@ -119,11 +119,13 @@ class HstuAttentionBackwardSm90:
         num_batches = mCuSeqlensQ.shape[0] - 1
         heads = self.num_kv_heads if const_expr(self.keys_fixed) else self.num_heads
         tiles = cutlass.max((max_seqlen_fixed + R - 1) // R, 1)
+        # One grid axis (the host checks tiles x heads x B < 2^31): CTA numbers run over the
+        # heads, then the sequences, then the fixed tiles, heaviest tiles first.
         self.kernel(mma_s, mma_g, mX_tma, mY_tma, mU_tma, mW_tma, tma_x, tma_y, tma_u, tma_w,
-                    sX_layout, sU_layout, mdA, mdB, mCuSeqlensQ, mCuSeqlensK, mFunc,
-                    window_left, window_right, half_alpha, scale_ds, scale_p).launch(
-            grid=[tiles, heads, cutlass.max(num_batches, 1)], block=[self.num_threads, 1, 1],
-            stream=stream)
+                    sX_layout, sU_layout, mdA, mdB, mCuSeqlensQ, mCuSeqlensK, mFunc, tiles,
+                    num_batches, window_left, window_right, half_alpha, scale_ds,
+                    scale_p).launch(grid=[tiles * heads * cutlass.max(num_batches, 1), 1, 1],
+                                    block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -132,10 +134,17 @@ class HstuAttentionBackwardSm90:
                tma_y: cute.CopyAtom, tma_u: cute.CopyAtom, tma_w: cute.CopyAtom,
                sX_layout: cute.ComposedLayout, sU_layout: cute.ComposedLayout,
                mdA: cute.Tensor, mdB: cute.Tensor, mCuSeqlensQ: cute.Tensor,
-               mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor, window_left: Int32,
-               window_right: Int32, half_alpha: Float32, scale_ds: Float32, scale_p: Float32):
+               mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor, tiles: Int32, num_batches: Int32,
+               window_left: Int32, window_right: Int32, half_alpha: Float32, scale_ds: Float32,
+               scale_p: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        block, head, batch = cute.arch.block_idx()
+        cta, _, _ = cute.arch.block_idx()
+        heads = self.num_kv_heads if const_expr(self.keys_fixed) else self.num_heads
+        head = cta % heads
+        batch = cta // heads % num_batches
+        order = cta // heads // num_batches
+        # Under a causal mask the first key tiles and the last query tiles see the most.
+        block = order if const_expr(self.keys_fixed) else tiles - 1 - order
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_x, tma_y, tma_u, tma_w):

@@ -107,7 +107,122 @@ def kernel_scalars(alpha, scaling_seqlen) -> Tuple[float, float]:
     return a / 2, 1.0 / s
 
 
-class HSTUFwdSm90(Op):
+class _AttentionRules:
+    """Static configuration and rules shared by the HSTU attention forward and backward ops
+    (they read q, k, func, paged_kv, window_size, alpha, scaling_seqlen off the op)."""
+
+    # --- the static configuration, read off the samples -----------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[-1] if self.q.ndim else 0
+
+    @property
+    def num_heads(self) -> int:
+        return self.q.shape[1] if self.q.ndim == 3 else 0
+
+    @property
+    def paged(self) -> bool:
+        return self.paged_kv is not None
+
+    @property
+    def num_kv_heads(self) -> int:
+        kv = self.paged_kv if self.paged else self.k  # (T_k, H_kv, D) or (pages, 2, 128, H_kv, D)
+        return kv.shape[-2] if kv is not None and kv.ndim >= 2 else 0
+
+    @property
+    def func_intervals(self) -> int:
+        return self.func.shape[1] if self.func is not None and self.func.ndim >= 2 else 0
+
+    @property
+    def window(self) -> Tuple[int, int]:
+        return check_window(self.window_size)
+
+    def _check_static(self) -> None:
+        """dtype, ranks and the static extents the other rules compare against."""
+        check_tokens("q", self.q, ATTENTION_DTYPES, None, None)
+        check_head_dim(self.head_dim)
+        check_value(self.num_heads >= 1, ValueError,
+                    f"q: needs at least one head, got shape {list(self.q.shape)}")
+        if self.paged:
+            name = "paged_kv"
+            self._check_paged_kv(self.paged_kv, None)
+        else:
+            name = "k"
+            check_value(self.k is not None and self.v is not None, ValueError, KV_REQUIRED)
+            check_tokens(name, self.k, (self.dtype,), None, self.head_dim)
+        h, h_kv = self.num_heads, self.num_kv_heads
+        check_value(h_kv >= 1 and h % h_kv == 0, ValueError,
+                    f"{name}: H_kv = {h_kv} key/value heads must be >= 1 and divide the H = {h} "
+                    "query heads")
+        if self.func is not None:
+            self._check_func(self.func, None)
+            n = self.func_intervals
+            check_value(n >= 1 and n % 2 == 1, ValueError,
+                        f"func_tensor: n = {n} rows; expected a positive odd n (F0, then "
+                        "[F1, F2), [F3, F4), ...)")
+
+    def _check_masks(self) -> None:
+        left, right = self.window
+        for side, w in (("left", left), ("right", right)):
+            check_value(w <= INT32_MAX, ValueError,
+                        f"window_size {side} = {w} must be <= 2^31 - 1 (-1 = unbounded)")
+        if self.func is not None:
+            check_value(not self.paged, ValueError,
+                        "func_tensor (arbitrary mask) cannot be combined with paged KV")
+            check_value((left, right) == (-1, -1), ValueError,
+                        "func_tensor (arbitrary mask) cannot be combined with a window mask: "
+                        f"window_size must be (-1, -1), got {(left, right)}")
+        if self.paged:
+            check_value((left, right) == (-1, 0), NotImplementedError,
+                        "paged KV supports only the causal mask window_size=(-1, 0), got "
+                        f"{(left, right)}")
+
+    @staticmethod
+    def _check_func(func_tensor, intervals: Optional[int]) -> Tuple[int, int, int]:
+        return check_packed("func_tensor", func_tensor, (torch.int32,), (1, intervals, None),
+                            INDEX_ALIGN)
+
+    @staticmethod
+    def _same_tokens(name: str, tokens: int, other: str, other_tokens: int) -> None:
+        check_value(tokens == other_tokens, ValueError,
+                    f"{name}: has {tokens} tokens but {other} has {other_tokens}")
+
+    @staticmethod
+    def _same_entries(name: str, entries: int, expected: int) -> None:
+        check_value(entries == expected, ValueError,
+                    f"{name}: has {entries} entries but cu_seqlens_q has {expected}; both hold "
+                    "B + 1 offsets")
+
+    def _seqlens(self, max_seqlen_q, max_seqlen_k, t_q: int, t_k: Optional[int],
+                 entries: int) -> Tuple[int, int]:
+        """max_seqlen_q and max_seqlen_k against each other and the token counts."""
+        max_q = check_int("max_seqlen_q", max_seqlen_q, lo=0, hi=INT32_MAX)
+        max_k = check_int("max_seqlen_k", max_seqlen_k, lo=0, hi=INT32_MAX)
+        tiles, formula = self._work_tiles(max_q, max_k, entries - 1)
+        check_value(tiles <= MAX_WORK_TILES, ValueError,
+                    f"{formula} = {tiles} work tiles exceed 2^31 - 1")
+        check_value(max_q <= max_k, ValueError,
+                    f"max_seqlen_q = {max_q} must be <= max_seqlen_k = {max_k}")
+        # B sequences of at most max_seqlen tokens hold T tokens only if max_seqlen * B >= T.
+        batch = entries - 1
+        for name, longest, tokens in (("q", max_q, t_q), ("k", max_k, t_k)):
+            check_value(batch == 0 or tokens is None or longest * batch >= tokens, ValueError,
+                        f"max_seqlen_{name} = {longest} is too small: {batch} sequences hold "
+                        f"T_{name} = {tokens} tokens")
+        return max_q, max_k
+
+    def _scalars(self, alpha, scaling_seqlen, max_seqlen_q: int) -> Tuple[float, float]:
+        if scaling_seqlen is None:
+            scaling_seqlen = (self.scaling_seqlen if self.scaling_seqlen is not None
+                              else default_scaling_seqlen(max_seqlen_q))
+        return kernel_scalars(self.alpha if alpha is None else alpha, scaling_seqlen)
+
+
+class HSTUFwdSm90(_AttentionRules, Op):
     """o = (mask * SiLU(alpha q k^T)) v / scaling_seqlen per sequence and head (no softmax).
 
     Construct from sample tensors or TensorDescs, then check_support(), compile(),
@@ -141,36 +256,6 @@ class HSTUFwdSm90(Op):
                              cu_seqlens_q=sample_cu_seqlens_q, cu_seqlens_k=sample_cu_seqlens_k,
                              func_tensor=sample_func, paged_kv=sample_paged_kv,
                              page_ids=sample_page_ids, page_indptrs=sample_page_indptrs)
-
-    # --- the static configuration, read off the samples -----------------------------------
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.q.dtype
-
-    @property
-    def head_dim(self) -> int:
-        return self.q.shape[-1] if self.q.ndim else 0
-
-    @property
-    def num_heads(self) -> int:
-        return self.q.shape[1] if self.q.ndim == 3 else 0
-
-    @property
-    def paged(self) -> bool:
-        return self.paged_kv is not None
-
-    @property
-    def num_kv_heads(self) -> int:
-        kv = self.paged_kv if self.paged else self.k  # (T_k, H_kv, D) or (pages, 2, 128, H_kv, D)
-        return kv.shape[-2] if kv is not None and kv.ndim >= 2 else 0
-
-    @property
-    def func_intervals(self) -> int:
-        return self.func.shape[1] if self.func is not None and self.func.ndim >= 2 else 0
-
-    @property
-    def window(self) -> Tuple[int, int]:
-        return check_window(self.window_size)
 
     def static_config(self) -> Dict[str, object]:
         left, right = self.window
@@ -213,46 +298,6 @@ class HSTUFwdSm90(Op):
         max_q, _ = self._seqlens(self.max_seqlen_q, self.max_seqlen_k, t_q, t_k, entries)
         self._scalars(self.alpha, self.scaling_seqlen, max_q)
         self._check_relations(self._samples)
-
-    def _check_static(self) -> None:
-        """dtype, ranks and the static extents the other rules compare against."""
-        check_tokens("q", self.q, ATTENTION_DTYPES, None, None)
-        check_head_dim(self.head_dim)
-        check_value(self.num_heads >= 1, ValueError,
-                    f"q: needs at least one head, got shape {list(self.q.shape)}")
-        if self.paged:
-            name = "paged_kv"
-            self._check_paged_kv(self.paged_kv, None)
-        else:
-            name = "k"
-            check_value(self.k is not None and self.v is not None, ValueError, KV_REQUIRED)
-            check_tokens(name, self.k, (self.dtype,), None, self.head_dim)
-        h, h_kv = self.num_heads, self.num_kv_heads
-        check_value(h_kv >= 1 and h % h_kv == 0, ValueError,
-                    f"{name}: H_kv = {h_kv} key/value heads must be >= 1 and divide the H = {h} "
-                    "query heads")
-        if self.func is not None:
-            self._check_func(self.func, None)
-            n = self.func_intervals
-            check_value(n >= 1 and n % 2 == 1, ValueError,
-                        f"func_tensor: n = {n} rows; expected a positive odd n (F0, then "
-                        "[F1, F2), [F3, F4), ...)")
-
-    def _check_masks(self) -> None:
-        left, right = self.window
-        for side, w in (("left", left), ("right", right)):
-            check_value(w <= INT32_MAX, ValueError,
-                        f"window_size {side} = {w} must be <= 2^31 - 1 (-1 = unbounded)")
-        if self.func is not None:
-            check_value(not self.paged, ValueError,
-                        "func_tensor (arbitrary mask) cannot be combined with paged KV")
-            check_value((left, right) == (-1, -1), ValueError,
-                        "func_tensor (arbitrary mask) cannot be combined with a window mask: "
-                        f"window_size must be (-1, -1), got {(left, right)}")
-        if self.paged:
-            check_value((left, right) == (-1, 0), NotImplementedError,
-                        "paged KV supports only the causal mask window_size=(-1, 0), got "
-                        f"{(left, right)}")
 
     def _validate(self, q, k, v, o, cu_seqlens_q, cu_seqlens_k, func_tensor, paged_kv, page_ids,
                   page_indptrs) -> Tuple[int, Optional[int], int]:
@@ -302,46 +347,10 @@ class HSTUFwdSm90(Op):
                      (None, 2, PAGE_SIZE, kv_heads, self.head_dim), DATA_ALIGN,
                      max_span=TMA_SPAN_LIMIT)
 
-    @staticmethod
-    def _check_func(func_tensor, intervals: Optional[int]) -> Tuple[int, int, int]:
-        return check_packed("func_tensor", func_tensor, (torch.int32,), (1, intervals, None),
-                            INDEX_ALIGN)
-
-    @staticmethod
-    def _same_tokens(name: str, tokens: int, other: str, other_tokens: int) -> None:
-        check_value(tokens == other_tokens, ValueError,
-                    f"{name}: has {tokens} tokens but {other} has {other_tokens}")
-
-    @staticmethod
-    def _same_entries(name: str, entries: int, expected: int) -> None:
-        check_value(entries == expected, ValueError,
-                    f"{name}: has {entries} entries but cu_seqlens_q has {expected}; both hold "
-                    "B + 1 offsets")
-
-    def _seqlens(self, max_seqlen_q, max_seqlen_k, t_q: int, t_k: Optional[int],
-                 entries: int) -> Tuple[int, int]:
-        """max_seqlen_q and max_seqlen_k against each other and the token counts."""
-        max_q = check_int("max_seqlen_q", max_seqlen_q, lo=0, hi=INT32_MAX)
-        max_k = check_int("max_seqlen_k", max_seqlen_k, lo=0, hi=INT32_MAX)
-        tiles = self.num_heads * -(-max_q // QUERY_TILE_ROWS) * (entries - 1)
-        check_value(tiles <= MAX_WORK_TILES, ValueError,
-                    f"max_seqlen_q = {max_q}: H x ceil(max_seqlen_q / {QUERY_TILE_ROWS}) x B = "
-                    f"{tiles} work tiles exceed 2^31 - 1")
-        check_value(max_q <= max_k, ValueError,
-                    f"max_seqlen_q = {max_q} must be <= max_seqlen_k = {max_k}")
-        # B sequences of at most max_seqlen tokens hold T tokens only if max_seqlen * B >= T.
-        batch = entries - 1
-        for name, longest, tokens in (("q", max_q, t_q), ("k", max_k, t_k)):
-            check_value(batch == 0 or tokens is None or longest * batch >= tokens, ValueError,
-                        f"max_seqlen_{name} = {longest} is too small: {batch} sequences hold "
-                        f"T_{name} = {tokens} tokens")
-        return max_q, max_k
-
-    def _scalars(self, alpha, scaling_seqlen, max_seqlen_q: int) -> Tuple[float, float]:
-        if scaling_seqlen is None:
-            scaling_seqlen = (self.scaling_seqlen if self.scaling_seqlen is not None
-                              else default_scaling_seqlen(max_seqlen_q))
-        return kernel_scalars(self.alpha if alpha is None else alpha, scaling_seqlen)
+    def _work_tiles(self, max_q: int, max_k: int, batch: int) -> Tuple[int, str]:
+        # The persistent kernel numbers its work tiles in int32.
+        return (self.num_heads * -(-max_q // QUERY_TILE_ROWS) * batch,
+                f"max_seqlen_q = {max_q}: H x ceil(max_seqlen_q / {QUERY_TILE_ROWS}) x B")
 
     @staticmethod
     def _check_relations(named: Mapping[str, object]) -> None:

@@ -117,15 +117,47 @@ def byte_range(t) -> Optional[Tuple[int, int]]:
     return start, start + span * t.element_size()
 
 
+def _offset_reachable(delta: int, dims, budget: list) -> bool:
+    """Whether delta = sum k_i s_i with lo_i <= k_i <= hi_i over dims (s_i, lo_i, hi_i),
+    largest stride first. Gives up (answers True) after a bounded search."""
+    if not dims:
+        return delta == 0
+    (s, lo, hi), rest = dims[0], dims[1:]
+    below = sum(max(abs(l), abs(h)) * st for st, l, h in rest)
+    k_lo, k_hi = max(lo, -((below - delta) // s)), min(hi, (delta + below) // s)
+    for k in range(k_lo, k_hi + 1):
+        budget[0] -= 1
+        if budget[0] < 0 or _offset_reachable(delta - k * s, rest, budget):
+            return True
+    return False
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Exact for equally strided views (e.g. dk and dv interleaved in one packed KV buffer,
+    column slices of one projection); any other overlapping byte ranges count as shared."""
+    if a.stride() != b.stride() or a.element_size() != b.element_size():
+        return True
+    delta, rem = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
+    if rem:
+        return True
+    # a's element i meets b's element j when delta = sum (i_k - j_k) s_k.
+    dims = sorted(((s, -(nb - 1), na - 1) for s, na, nb in zip(a.stride(), a.shape, b.shape)
+                   if s > 0 and max(na, nb) > 1), reverse=True)
+    if any(s == 0 for s in a.stride()):
+        return True
+    return _offset_reachable(delta, dims, [4096])
+
+
 def check_no_overlap(outputs: Iterable[Tuple[str, object]], others: Iterable[Tuple[str, object]]):
-    """Outputs must not share memory with each other or with any input (address ranges)."""
-    outs = [(n, byte_range(t)) for n, t in outputs if t is not None]
-    outs = [(n, r) for n, r in outs if r is not None]
-    ins = [(n, byte_range(t)) for n, t in others if t is not None]
-    ins = [(n, r) for n, r in ins if r is not None]
-    for i, (name, (a0, a1)) in enumerate(outs):
-        for other, (b0, b1) in outs[i + 1:] + ins:
-            if a0 < b1 and b0 < a1:
+    """Outputs must not share memory with each other or with any input (disjoint views of
+    one allocation are fine)."""
+    outs = [(n, t, byte_range(t)) for n, t in outputs if t is not None]
+    outs = [x for x in outs if x[2] is not None]
+    ins = [(n, t, byte_range(t)) for n, t in others if t is not None]
+    ins = [x for x in ins if x[2] is not None]
+    for i, (name, t, (a0, a1)) in enumerate(outs):
+        for other, u, (b0, b1) in outs[i + 1:] + ins:
+            if a0 < b1 and b0 < a1 and _share_elements(t, u):
                 raise ValueError(f"{name} overlaps {other} in memory; outputs must not alias "
                                  "each other or the inputs")
 

@@ -1,0 +1,269 @@
+"""HSTU attention backward for SM90: HSTUBwdSm90.
+
+Given dO, writes dQ, dK, dV of o = (M * SiLU(alpha q k^T)) v / scaling_seqlen for the same
+packed batch, masks and scalars as the forward (paged KV is forward only). Semantics:
+precast/reference/hstu_attention.py (hstu_attention_backward_reference).
+
+Two kernels, no atomics: dQ with the query tiles fixed (K, V streamed), dK and dV with the
+key tiles fixed (Q, dO streamed; at D = 256 dK and dV are separate passes). Every gradient
+row is summed by one CTA in a fixed order, so results are bitwise identical run after run
+whatever ``deterministic`` says; the flag is part of the static configuration so that a
+faster atomic variant can serve ``deterministic=False`` without changing callers.
+"""
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+
+from ..reference.hstu_attention import FUNC_PAD_COLUMNS
+from .cache import KernelBuilder
+from .hstu_attention import (ATTENTION_DTYPES, DATA_ALIGN, FLOAT32_MAX, INDEX_ALIGN,
+                             ROW_MULTIPLE, WINDOW_CAP, _AttentionRules, check_offsets,
+                             check_tokens)
+from .launch import device_guard, stream_handle
+from .op import Op
+from .tensor_desc import TensorDesc, dtype_name, parse_dtype
+from .validation import (check_bool, check_int, check_no_overlap, check_same_device,
+                         check_value)
+
+KERNEL_SOURCES = ("precast.kernels.hstu_attention_bwd_sm90",
+                  "precast.kernels.hstu_attention_fwd_sm90", "precast.kernels.fake")
+GRADIENTS = ("dq", "dk", "dv")
+
+
+def _desc(t) -> Optional[TensorDesc]:
+    return None if t is None else TensorDesc.from_tensor(t)
+
+
+def fixed_rows(head_dim: int) -> int:
+    """Rows of a kernel's fixed tile (64 per consumer warpgroup)."""
+    return 128 if head_dim <= 128 else 64
+
+
+class HSTUBwdSm90(_AttentionRules, Op):
+    """dq, dk, dv of HSTU attention. Construct from sample tensors or TensorDescs (dq, dk,
+    dv default to q's and k's shapes), then check_support(), compile(), execute().
+
+    Compiled for (dtype, head_dim, num_heads, num_kv_heads, which window sides are bounded,
+    func_intervals, deterministic); token counts, batch size, max_seqlen, window values,
+    alpha and scaling_seqlen are runtime values.
+    """
+
+    supported_archs = ("sm_90a",)
+    kernel_sources = KERNEL_SOURCES
+    paged_kv = None  # forward only
+
+    def __init__(self, sample_do, sample_q, sample_k, sample_v, sample_dq, sample_dk,
+                 sample_dv, sample_cu_seqlens_q, sample_cu_seqlens_k, max_seqlen_q: int,
+                 max_seqlen_k: int, window_size=(-1, -1), alpha: float = 1.0,
+                 scaling_seqlen: Optional[float] = None, sample_func=None,
+                 deterministic: bool = False):
+        super().__init__()
+        self.do, self.q, self.k, self.v = (_desc(t) for t in (sample_do, sample_q, sample_k,
+                                                              sample_v))
+        # Omitted gradient samples: compact tensors shaped like their inputs.
+        self.dq, self.dk, self.dv = (
+            _desc(grad) if grad is not None or like is None else TensorDesc(like.dtype, like.shape)
+            for grad, like in ((sample_dq, self.q), (sample_dk, self.k), (sample_dv, self.v)))
+        self.cu_seqlens_q = _desc(sample_cu_seqlens_q)
+        self.cu_seqlens_k = _desc(sample_cu_seqlens_k)
+        self.func = _desc(sample_func)
+        self.max_seqlen_q, self.max_seqlen_k = max_seqlen_q, max_seqlen_k
+        self.window_size = window_size
+        self.alpha, self.scaling_seqlen = alpha, scaling_seqlen
+        self.deterministic = deterministic
+        self._samples = dict(do=sample_do, q=sample_q, k=sample_k, v=sample_v, dq=sample_dq,
+                             dk=sample_dk, dv=sample_dv, cu_seqlens_q=sample_cu_seqlens_q,
+                             cu_seqlens_k=sample_cu_seqlens_k, func_tensor=sample_func)
+
+    def static_config(self) -> Dict[str, object]:
+        left, right = self.window
+        return {"dtype": dtype_name(self.dtype), "head_dim": self.head_dim,
+                "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+                "window_left_bounded": left >= 0, "window_right_bounded": right >= 0,
+                "func_intervals": self.func_intervals,
+                "deterministic": bool(self.deterministic)}
+
+    @classmethod
+    def from_config(cls, dtype="bfloat16", head_dim=128, num_heads=4, num_kv_heads=None,
+                    window_left_bounded=False, window_right_bounded=True, func_intervals=0,
+                    deterministic=False):
+        """Descriptors of a small batch with this static configuration (for precompile)."""
+        dt = parse_dtype(dtype)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        window = (64 if check_bool("window_left_bounded", window_left_bounded) else -1,
+                  0 if check_bool("window_right_bounded", window_right_bounded) else -1)
+        n = check_int("func_intervals", func_intervals, lo=0)
+        batch, seqlen = 8, 128
+        tokens = batch * seqlen
+        cu = TensorDesc(torch.int32, (batch + 1,))
+        q = TensorDesc(dt, (tokens, num_heads, head_dim))
+        kv = TensorDesc(dt, (tokens, num_kv_heads, head_dim))
+        func = TensorDesc(torch.int32, (1, n, tokens + FUNC_PAD_COLUMNS)) if n else None
+        return cls(q, q, kv, kv, None, None, None, cu, cu, seqlen, seqlen, window,
+                   sample_func=func,
+                   deterministic=check_bool("deterministic", deterministic))
+
+    # --- rules ------------------------------------------------------------------------------
+    def _check(self) -> None:
+        check_value(self.q is not None and self.do is not None, ValueError,
+                    "do and q are required")
+        check_bool("deterministic", self.deterministic)
+        self._check_static()
+        self._check_masks()
+        t_q, t_k, entries = self._validate(self.do, self.q, self.k, self.v, self.dq, self.dk,
+                                           self.dv, self.cu_seqlens_q, self.cu_seqlens_k,
+                                           self.func)
+        max_q, _ = self._seqlens(self.max_seqlen_q, self.max_seqlen_k, t_q, t_k, entries)
+        self._kernel_scalars(self.alpha, self.scaling_seqlen, max_q)
+        self._check_relations(self._samples)
+
+    def _validate(self, do, q, k, v, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                  func_tensor) -> Tuple[int, int, int]:
+        """Every per-tensor rule against the static configuration; shared by check_support()
+        and execute(). Returns (T_q, T_k, B + 1)."""
+        h, h_kv, d, dt = self.num_heads, self.num_kv_heads, self.head_dim, (self.dtype,)
+        t_q = check_tokens("q", q, dt, h, d)[0]
+        for name, t in (("do", do), ("dq", dq)):
+            check_value(t is not None, ValueError, f"{name} is required")
+            self._same_tokens(name, check_tokens(name, t, dt, h, d)[0], "q", t_q)
+        entries = check_offsets("cu_seqlens_q", cu_seqlens_q)
+        check_value(entries >= 1, ValueError,
+                    "cu_seqlens_q: needs B + 1 >= 1 entries (the offsets start at 0), got 0")
+        self._same_entries("cu_seqlens_k", check_offsets("cu_seqlens_k", cu_seqlens_k), entries)
+        check_value(k is not None and v is not None, ValueError, "k and v are required")
+        t_k = check_tokens("k", k, dt, h_kv, d)[0]
+        for name, t in (("v", v), ("dk", dk), ("dv", dv)):
+            check_value(t is not None, ValueError, f"{name} is required")
+            self._same_tokens(name, check_tokens(name, t, dt, h_kv, d)[0], "k", t_k)
+        n = self.func_intervals
+        if n:
+            check_value(func_tensor is not None, ValueError,
+                        f"func_tensor (1, {n}, L) is required: this op applies an arbitrary mask")
+            columns = self._check_func(func_tensor, n)[2]
+            check_value(columns >= t_q + FUNC_PAD_COLUMNS, ValueError,
+                        f"func_tensor: L = {columns} columns; at least T_q + {FUNC_PAD_COLUMNS} = "
+                        f"{t_q + FUNC_PAD_COLUMNS} are required")
+        else:
+            check_value(func_tensor is None, ValueError,
+                        "func_tensor must be None: this op applies no arbitrary mask")
+        return t_q, t_k, entries
+
+    def _work_tiles(self, max_q: int, max_k: int, batch: int) -> Tuple[int, str]:
+        # Each kernel numbers its CTAs (sequence, head, fixed tile) in one int32 grid axis.
+        rows = fixed_rows(self.head_dim)
+        longest = max(max_q, max_k)
+        return (self.num_heads * -(-longest // rows) * batch,
+                f"max_seqlen_k = {longest}: H x ceil(max_seqlen / {rows}) x B")
+
+    def _kernel_scalars(self, alpha, scaling_seqlen, max_q: int) -> Tuple[float, float, float]:
+        """(alpha / 2, alpha / scaling_seqlen, 1 / scaling_seqlen) as the kernels take them."""
+        half_alpha, inv_scaling = self._scalars(alpha, scaling_seqlen, max_q)
+        scale_ds = 2.0 * half_alpha * inv_scaling
+        check_value(abs(scale_ds) <= FLOAT32_MAX, ValueError,
+                    f"alpha / scaling_seqlen = {scale_ds} overflows float32")
+        return half_alpha, scale_ds, inv_scaling
+
+    @staticmethod
+    def _check_relations(named: Mapping[str, object]) -> None:
+        """One device; dq, dk, dv alias nothing (disjoint views of one buffer are fine)."""
+        check_same_device(list(named.items()))
+        check_no_overlap([(k, named.get(k)) for k in GRADIENTS],
+                         [(k, t) for k, t in named.items() if k not in GRADIENTS])
+
+    # --- compile ------------------------------------------------------------------------------
+    def kernel_modes(self) -> Tuple[str, ...]:
+        # D = 256: the dK and dV accumulators do not fit in registers together.
+        return ("dq", "dkdv") if self.head_dim <= 128 else ("dq", "dk", "dv")
+
+    def _kernel_builders(self) -> Mapping[str, KernelBuilder]:
+        def builder(mode):
+            def build():
+                import cutlass
+                import cutlass.cute as cute
+                from ..kernels.fake import cute_dtype, fake_stream, scalar
+                from ..kernels.hstu_attention_bwd_sm90 import HstuAttentionBackwardSm90
+                dt = cute_dtype(dtype_name(self.dtype))
+                h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+
+                def tokens(count, heads):  # strided views: runtime token and head strides
+                    strides = (cute.sym_int(width=64, divisibility=ROW_MULTIPLE),
+                               cute.sym_int(divisibility=ROW_MULTIPLE), 1)
+                    return cute.runtime.make_fake_tensor(dt, (count, heads, d), strides,
+                                                         assumed_align=DATA_ALIGN)
+
+                def packed(shape):
+                    return cute.runtime.make_fake_compact_tensor(
+                        cutlass.Int32, shape, stride_order=tuple(reversed(range(len(shape)))),
+                        assumed_align=INDEX_ALIGN)
+
+                t_q, t_k, entries = cute.sym_int(), cute.sym_int(), cute.sym_int()
+                func = None
+                if self.func_intervals:
+                    func = packed((1, self.func_intervals, cute.sym_int()))
+                left, right = self.window
+                kernel = HstuAttentionBackwardSm90(dt, d, h, h_kv, left >= 0, right >= 0,
+                                                   self.func_intervals, mode)
+                grad_a = {"dq": tokens(t_q, h), "dkdv": tokens(t_k, h_kv),
+                          "dk": tokens(t_k, h_kv), "dv": None}[mode]
+                grad_b = tokens(t_k, h_kv) if mode in ("dkdv", "dv") else None
+                args = (tokens(t_q, h), tokens(t_k, h_kv), tokens(t_k, h_kv), tokens(t_q, h),
+                        grad_a, grad_b, packed((entries,)), packed((entries,)), func,
+                        scalar(cutlass.Int32, 0), scalar(cutlass.Int32, -1),
+                        scalar(cutlass.Int32, -1), scalar(cutlass.Float32, 0.5),
+                        scalar(cutlass.Float32, 1.0), scalar(cutlass.Float32, 1.0),
+                        fake_stream())
+                return kernel, args
+            return build
+        return {mode: builder(mode) for mode in self.kernel_modes()}
+
+    # --- run ----------------------------------------------------------------------------------
+    @staticmethod
+    def workspace_shape(total_q: int = 0) -> Tuple[int, ...]:
+        """Shape of the workspace ``execute`` needs for T_q query tokens: none (the kernels
+        sum every gradient row in one CTA)."""
+        return (0,)
+
+    def execute(self, do, q, k, v, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, func_tensor=None,
+                stream=None, *, alpha: Optional[float] = None,
+                scaling_seqlen: Optional[float] = None, max_seqlen_q: Optional[int] = None,
+                max_seqlen_k: Optional[int] = None):
+        """Overwrites dq, dk, dv (every row of every sequence; all of them when T_q or T_k is
+        0). Never reads device memory, allocates nothing.
+
+        alpha, scaling_seqlen and max_seqlen_q/k default to the constructor's; an omitted
+        scaling_seqlen (there and here) means max_seqlen_q of this call.
+        """
+        if not self._checked:
+            self.check_support()
+        named = dict(do=do, q=q, k=k, v=v, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_seqlens_q,
+                     cu_seqlens_k=cu_seqlens_k, func_tensor=func_tensor)
+        t_q, t_k, entries = self._validate(do, q, k, v, dq, dk, dv, cu_seqlens_q,
+                                           cu_seqlens_k, func_tensor)
+        self._check_relations(named)
+        max_q, max_k = self._seqlens(self.max_seqlen_q if max_seqlen_q is None else max_seqlen_q,
+                                     self.max_seqlen_k if max_seqlen_k is None else max_seqlen_k,
+                                     t_q, t_k, entries)
+        half_alpha, scale_ds, scale_p = self._kernel_scalars(alpha, scaling_seqlen, max_q)
+        index = q.device.index
+        kernels = self._ready(index)
+        if entries == 1:  # no sequence: nothing to write
+            return
+        handle = stream_handle(stream, index)
+        if t_q == 0 or t_k == 0:
+            # No query or no key token: every gradient is zero (and TMA cannot describe an
+            # empty tensor). A memset on the stream, capturable like the kernels.
+            with torch.cuda.stream(torch.cuda.ExternalStream(handle, device=index)):
+                for grad in (dq, dk, dv):
+                    grad.zero_()
+            return
+        left, right = min(self.window[0], WINDOW_CAP), min(self.window[1], WINDOW_CAP)
+        launches = {"dq": (dq, None, max_q), "dkdv": (dk, dv, max_k), "dk": (dk, None, max_k),
+                    "dv": (None, dv, max_k)}
+        with device_guard(index):
+            for mode in self.kernel_modes():
+                grad_a, grad_b, longest = launches[mode]
+                kernels[mode](q, k, v, do, grad_a, grad_b, cu_seqlens_q, cu_seqlens_k,
+                              func_tensor, longest, left, right, half_alpha, scale_ds, scale_p,
+                              handle)

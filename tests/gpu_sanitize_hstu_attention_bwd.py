@@ -1,0 +1,70 @@
+"""Small ragged HSTU attention backward launches for compute-sanitizer (run on the GPU host):
+
+  compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu_sanitize_hstu_attention_bwd.py
+  compute-sanitizer --tool racecheck --error-exitcode 1 python tests/gpu_sanitize_hstu_attention_bwd.py
+
+Causal, a local window, a func mask and GQA at D = 64 and 256 (the dK/dV split), with 0- and
+1-token sequences, tile-edge lengths and fewer keys than queries; dk and dv are the two
+halves of one NaN-poisoned buffer. Exits nonzero when a result is wrong (NaN left, a write
+outside the views, error above tolerance against fp32 autograd of the reference).
+"""
+import math
+import sys
+
+import torch
+
+from precast import HSTUBwdSm90
+from precast.reference.hstu_attention import hstu_attention_backward_reference, random_func_tensor
+
+DEV = "cuda"
+H = 4
+LENS_Q = [37, 1, 0, 130, 5, 64]
+LENS_K = [40, 1, 3, 200, 2, 64]
+failures = []
+
+
+def cu(lens):
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=DEV)
+
+
+def case(name, d, window, *, hkv=H, func_n=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dt = torch.bfloat16
+    q, do = (torch.randn(sum(LENS_Q), H, d, generator=g).to(dt).to(DEV) for _ in range(2))
+    k, v = (torch.randn(sum(LENS_K), hkv, d, generator=g).to(dt).to(DEV) for _ in range(2))
+    cu_q, cu_k = cu(LENS_Q), cu(LENS_K)
+    func = random_func_tensor(cu_q.cpu(), cu_k.cpu(), func_n, generator=g).to(DEV) \
+        if func_n else None
+    dq = torch.full_like(q, float("nan"))
+    dkv = torch.full((sum(LENS_K), 3, hkv, d), float("nan"), dtype=dt, device=DEV)
+    dk, dv = dkv[:, 0], dkv[:, 2]  # the middle third must stay untouched
+    max_q, max_k = max(LENS_Q), max(LENS_K)
+    alpha = 1 / math.sqrt(d)
+    op = HSTUBwdSm90(do, q, k, v, dq, dk, dv, cu_q, cu_k, max_q, max_k, window, alpha,
+                     sample_func=func).check_support().compile()
+    op.execute(do, q, k, v, dq, dk, dv, cu_q, cu_k, func)
+    torch.cuda.synchronize()
+    ref = hstu_attention_backward_reference(do, q, k, v, cu_q, cu_k, max_q, max_k,
+                                            window_size=window, alpha=alpha, func_tensor=func)
+    errs = []
+    for nm, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+        if torch.isnan(got).any():
+            failures.append(f"{name}: {nm} not fully written")
+        errs.append(((got.float() - want).abs().max() / want.abs().max()).item())
+    if max(errs) > 4e-2:
+        failures.append(f"{name}: error {max(errs):.3g}")
+    if not torch.isnan(dkv[:, 1]).all():
+        failures.append(f"{name}: wrote outside the dk/dv views")
+    print(f"{name}: max rel err {max(errs):.2e}", flush=True)
+
+
+case("causal D64", 64, (-1, 0))
+case("local D64", 64, (7, 33), seed=1)
+case("func3 D64", 64, (-1, -1), func_n=3, seed=2)
+case("GQA causal D64", 64, (-1, 0), hkv=1, seed=3)
+case("causal D256", 256, (-1, 0), seed=4)
+print("\n".join(failures) or "all ok")
+sys.exit(1 if failures else 0)

@@ -1,0 +1,301 @@
+"""HSTU attention backward (HSTUBwdSm90) on the GPU, from precompiled artifacts.
+
+Every kernel used here is one of the static configurations of tests/gpu_plan.toml. Gradient
+buffers are poisoned with NaN before every launch and compared against torch.autograd on the
+fp32 reference (computed on the GPU, TF32 off): max|g - ref| / max|ref| < TOL[dtype] per
+gradient. Gradients of keys that no query sees, and of queries that see no key, must be
+exact zeros. Runs that compute the same math (views vs copies, graph replay vs eager,
+autograd vs the function, repeated runs) must be bitwise equal.
+"""
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from test_hstu_attention_gpu import (BF, DEV, DTYPES, EQUAL, FP, H, HEAD_DIMS, RAGGED_K,
+                                     RAGGED_Q, Batch, make_batch, with_func)
+
+from precast import HSTUBwdSm90, TensorDesc, hstu_attention, hstu_attention_backward
+from precast.reference.hstu_attention import (FUNC_PAD_COLUMNS, hstu_attention_backward_reference,
+                                              visible_mask)
+
+pytestmark = pytest.mark.gpu
+TOL = {BF: 4e-2, FP: 2e-2}
+WINDOWS = [(-1, -1), (-1, 0), (256, 0), (7, 33), (64, -1), (-1, 5)]
+_OPS = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fp32_reference():
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def get_op(dtype, d, *, hkv=H, window=(-1, 0), func=0, deterministic=False) -> HSTUBwdSm90:
+    """One compiled op per (static configuration, window values); every launch passes
+    max_seqlen_q/k and alpha, so the descriptor batch only has to be valid."""
+    key = (dtype, d, hkv, tuple(window), func, deterministic)
+    op = _OPS.get(key)
+    if op is None:
+        batch, seqlen = 8, 128
+        tokens = batch * seqlen
+        cu = TensorDesc(torch.int32, (batch + 1,))
+        q = TensorDesc(dtype, (tokens, H, d))
+        kv = TensorDesc(dtype, (tokens, hkv, d))
+        f = TensorDesc(torch.int32, (1, func, tokens + FUNC_PAD_COLUMNS)) if func else None
+        op = _OPS[key] = HSTUBwdSm90(q, q, kv, kv, None, None, None, cu, cu, seqlen, seqlen,
+                                     window, sample_func=f,
+                                     deterministic=deterministic).check_support().compile()
+    return op
+
+
+def with_do(b: Batch, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=DEV).manual_seed(seed + 1000)
+    return torch.randn(b.q.shape, device=DEV, generator=g).to(b.dtype)
+
+
+def poisoned_grads(b: Batch):
+    return tuple(torch.full(t.shape, float("nan"), dtype=t.dtype, device=DEV)
+                 for t in (b.q, b.k, b.v))
+
+
+def launch(op, b: Batch, do, grads=None, *, alpha=None, scaling_seqlen=None, stream=None,
+           sync=True):
+    grads = poisoned_grads(b) if grads is None else grads
+    op.execute(do, b.q, b.k, b.v, *grads, b.cu_q, b.cu_k, b.func, stream,
+               alpha=1 / math.sqrt(b.d) if alpha is None else alpha,
+               scaling_seqlen=scaling_seqlen, max_seqlen_q=b.max_q, max_seqlen_k=b.max_k)
+    if sync:
+        torch.cuda.synchronize()
+    return grads
+
+
+def reference(b: Batch, do, window, *, alpha=None, scaling_seqlen=None):
+    return hstu_attention_backward_reference(
+        do, b.q, b.k, b.v, b.cu_q, b.cu_k, b.max_q, b.max_k, scaling_seqlen=scaling_seqlen,
+        window_size=window, alpha=1 / math.sqrt(b.d) if alpha is None else alpha,
+        func_tensor=b.func, compute_dtype=torch.float32)
+
+
+def unseen(b: Batch, window):
+    """(dead query rows (T_q,), unseen key rows (T_k,)) as bool masks."""
+    dead_q, dead_k = [], []
+    start_q = 0
+    for lq, lk in zip(b.lens_q, b.lens_k):
+        func = b.func[0, :, start_q:start_q + lq] if b.func is not None else None
+        m = visible_mask(lq, lk, window, func, device=DEV)
+        dead_q.append(~m.any(dim=1))
+        dead_k.append(~m.any(dim=0))
+        start_q += lq
+    return torch.cat(dead_q), torch.cat(dead_k)
+
+
+def check(grads, b: Batch, do, window, *, alpha=None, scaling_seqlen=None, what=""):
+    ref = reference(b, do, window, alpha=alpha, scaling_seqlen=scaling_seqlen)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert not torch.isnan(g).any(), f"{what}: {name} not fully written (NaN left)"
+        scale = r.float().abs().max().item()
+        assert scale > 0, f"{what}: the {name} reference is all zeros (a trivial test)"
+        err = ((g.float() - r.float()).abs().max() / scale).item()
+        assert err < TOL[b.dtype], f"{what}: {name}: max|g - ref| / max|ref| = {err:.3g}"
+    dead_q, dead_k = unseen(b, window)
+    dq, dk, dv = grads
+    if dead_q.any():
+        assert torch.count_nonzero(dq[dead_q]) == 0, f"{what}: dq of a query seeing no key"
+    if dead_k.any():
+        assert torch.count_nonzero(dk[dead_k]) == 0, f"{what}: dk of a key no query sees"
+        assert torch.count_nonzero(dv[dead_k]) == 0, f"{what}: dv of a key no query sees"
+    return dead_q.any().item(), dead_k.any().item()
+
+
+# --- masks, head dims, dtypes -------------------------------------------------------------
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_window_masks(dtype, d, window):
+    """Every window kind x D x dtype on a ragged batch (0/1-token sequences, max_seqlen_q <
+    max_seqlen_k, keys longer than queries) and on equal lengths."""
+    op = get_op(dtype, d, window=window)
+    b = make_batch(RAGGED_Q, RAGGED_K, d, dtype, seed=d)
+    do = with_do(b, d)
+    check(launch(op, b, do), b, do, window, what="ragged")
+    check(launch(op, b, do, scaling_seqlen=123.5), b, do, window, scaling_seqlen=123.5,
+          what="ragged, scaling_seqlen=123.5")
+    e = make_batch(EQUAL, EQUAL, d, dtype, seed=d + 1)
+    do_e = with_do(e, d + 1)
+    check(launch(op, e, do_e), e, do_e, window, what="equal lengths")
+
+
+def test_unseen_keys_and_dead_queries_get_exact_zeros():
+    """A local window leaves the first keys of long-key sequences unseen; sequences with
+    fewer keys than queries leave queries that see nothing."""
+    window = (7, 33)
+    b = make_batch([16, 200, 3, 130, 64], [216, 40, 0, 300, 64], 128, BF, seed=5)
+    do = with_do(b, 5)
+    dead_q, dead_k = check(launch(get_op(BF, 128, window=window), b, do), b, do, window)
+    assert dead_q and dead_k  # both kinds occur in this batch
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_func_masks(dtype, d, n):
+    """Arbitrary masks: overlapping, unordered intervals, dead rows, unseen keys."""
+    b = with_func(make_batch(RAGGED_Q, RAGGED_K, d, dtype, seed=d + n), n, seed=d + n)
+    do = with_do(b, d + n)
+    check(launch(get_op(dtype, d, window=(-1, -1), func=n), b, do), b, do, (-1, -1))
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0)], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hkv", [2, 1])
+def test_gqa_mqa(hkv, d, window):
+    """dk, dv of a kv head sum over the query heads that share it."""
+    b = make_batch(RAGGED_Q, RAGGED_K, d, BF, hkv=hkv, seed=hkv * d)
+    do = with_do(b, hkv * d)
+    check(launch(get_op(BF, d, hkv=hkv, window=window), b, do), b, do, window)
+
+
+def test_many_sequences_and_empty_ones():
+    """B = 100 with lengths 0..300 (some sequences without queries: their keys' gradients
+    are zero), and a batch whose every query length is 0."""
+    g = torch.Generator().manual_seed(3)
+    lens_q = torch.randint(0, 301, (100,), generator=g)
+    lens_q[::17] = 0
+    lens_k = lens_q + torch.randint(0, 50, (100,), generator=g)
+    b = make_batch(lens_q.tolist(), lens_k.tolist(), 64, BF, seed=3)
+    do = with_do(b, 3)
+    for window in ((-1, 0), (-1, -1)):
+        check(launch(get_op(BF, 64, window=window), b, do), b, do, window, what=str(window))
+    e = make_batch([0, 0, 0], [5, 130, 0], 64, BF, seed=4, max_q=0)
+    dq, dk, dv = launch(get_op(BF, 64, window=(-1, -1)), e, with_do(e, 4))
+    assert dq.numel() == 0 and torch.count_nonzero(dk) == 0 and torch.count_nonzero(dv) == 0
+    assert not torch.isnan(dk).any() and not torch.isnan(dv).any()
+
+
+# --- determinism, layouts -----------------------------------------------------------------
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_bitwise_identical_across_runs(deterministic):
+    """Five runs give bitwise-identical gradients (long sequences; GQA for the default)."""
+    hkv = H if deterministic else 2  # the planned configurations
+    b = make_batch([1000, 3000, 17], [1000, 3000, 17], 128, BF, hkv=hkv, seed=7)
+    op = get_op(BF, 128, hkv=hkv, window=(-1, 0), deterministic=deterministic)
+    do = with_do(b, 7)
+    first = launch(op, b, do)
+    check(first, b, do, (-1, 0))
+    for _ in range(4):
+        again = launch(op, b, do)
+        assert all(torch.equal(x, y) for x, y in zip(again, first))
+
+
+def test_split_gradient_buffers_and_strided_inputs():
+    """dk and dv as the two halves of one packed KV gradient buffer, dq a head-slice view;
+    q, k, v column slices of one fused projection: bitwise equal to compact buffers, and
+    nothing outside the views is written."""
+    d, t = 64, sum(RAGGED_Q)
+    window = (-1, 0)
+    b = make_batch(RAGGED_Q, RAGGED_Q, d, BF, seed=9)
+    do = with_do(b, 9)
+    op = get_op(BF, d, window=window)
+    expect = launch(op, b, do)
+    check(expect, b, do, window)
+    fused = torch.randn(t, 3, H, d, device=DEV).to(BF)
+    fused[:, 0], fused[:, 1], fused[:, 2] = b.q, b.k, b.v
+    views = replace(b, q=fused[:, 0], k=fused[:, 1], v=fused[:, 2])
+    dkv = torch.full((t, 2, H, d), 7.0, dtype=BF, device=DEV)
+    dq_wide = torch.full((t, H + 2, d), 7.0, dtype=BF, device=DEV)
+    grads = (dq_wide[:, 1:H + 1], dkv[:, 0], dkv[:, 1])
+    for g in grads:
+        g.fill_(float("nan"))
+    launch(op, views, do, grads)
+    assert all(torch.equal(x, y) for x, y in zip(grads, expect))
+    assert torch.all(dq_wide[:, 0] == 7) and torch.all(dq_wide[:, H + 1] == 7)
+    # The allocating function writes supplied split buffers in place and returns them.
+    dkv.fill_(float("nan"))
+    out = hstu_attention_backward(do, views.q, views.k, views.v, b.cu_q, b.cu_k, b.max_q,
+                                  b.max_k, window_size=window, alpha=1 / math.sqrt(d),
+                                  dk_tensor=dkv[:, 0], dv_tensor=dkv[:, 1])
+    assert out.dk_tensor.data_ptr() == dkv[:, 0].data_ptr()
+    assert torch.equal(out.dk_tensor, expect[1]) and torch.equal(dkv[:, 1], expect[2])
+    assert torch.equal(out.dq_tensor, expect[0])
+
+
+def test_unreadable_layouts_are_copied_by_the_function():
+    """A non-contiguous head dim (transposed view) is copied; a gradient buffer with such a
+    layout is written through a temporary."""
+    d = 64
+    b = make_batch([100, 37], [100, 37], d, BF, seed=11)
+    do = with_do(b, 11)
+    expect = launch(get_op(BF, d, window=(-1, -1)), b, do)
+    q_t = b.q.transpose(1, 2).contiguous().transpose(1, 2)  # last dim stride H
+    dv_t = torch.full(b.v.shape[::-1], float("nan"), dtype=BF, device=DEV).permute(2, 1, 0)
+    out = hstu_attention_backward(do, q_t, b.k, b.v, b.cu_q, b.cu_k, b.max_q, b.max_k,
+                                  window_size=(-1, -1), alpha=1 / math.sqrt(d), dv_tensor=dv_t)
+    assert out.dv_tensor is dv_t
+    for got, want in zip(out, expect):
+        assert torch.equal(got, want)
+
+
+# --- capture, autograd ----------------------------------------------------------------------
+def test_cuda_graph_capture_and_replay():
+    """execute() captured in a CUDA graph allocates nothing; replays after in-place edits of
+    q and do equal eager runs."""
+    from precast.graphs import CudaGraph
+    d = 128
+    b = with_func(make_batch(RAGGED_Q, RAGGED_K, d, BF, seed=21), 3, seed=21)
+    do = with_do(b, 21)
+    op = get_op(BF, d, window=(-1, -1), func=3)
+    grads = poisoned_grads(b)
+    torch.cuda.synchronize()
+    graph = CudaGraph()
+    before = torch.cuda.memory_allocated()
+    with graph.capture() as s:
+        launch(op, b, do, grads, stream=s, sync=False)
+    assert torch.cuda.memory_allocated() == before, "capture allocated device memory"
+    assert torch.isnan(grads[0]).all(), "capture ran the kernels"
+    g = torch.Generator(device=DEV).manual_seed(22)
+    previous = None
+    for step in range(3):
+        if step == 1:
+            b.q.copy_(torch.randn(b.q.shape, device=DEV, generator=g).to(BF))
+        if step == 2:
+            do.copy_(torch.randn(do.shape, device=DEV, generator=g).to(BF))
+        for t in grads:
+            t.fill_(float("nan"))
+        torch.cuda.synchronize()
+        graph.replay()
+        graph.synchronize()
+        eager = launch(op, b, do)
+        assert all(torch.equal(x, y) for x, y in zip(grads, eager)), f"step {step}"
+        check(grads, b, do, (-1, -1), what=f"replay step {step}")
+        if previous is not None:
+            assert not torch.equal(grads[0], previous), f"step {step}: the change was not seen"
+        previous = grads[0].clone()
+    graph.close()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch_compile"])
+def test_autograd(compiled):
+    """loss.backward() through hstu_attention gives the function's gradients (bitwise) and
+    the reference's; under torch.compile(fullgraph=True) as well."""
+    d, window = 64, (-1, 0)
+    alpha = 1 / math.sqrt(d)
+    b = make_batch(RAGGED_Q, RAGGED_K, d, BF, seed=31)
+    do = with_do(b, 31)
+    leaves = [t.clone().requires_grad_(True) for t in (b.q, b.k, b.v)]
+
+    def forward(q, k, v):
+        return hstu_attention(q, k, v, b.cu_q, b.cu_k, b.max_q, b.max_k, window_size=window,
+                              alpha=alpha)
+
+    fn = torch.compile(forward, fullgraph=True) if compiled else forward
+    o = fn(*leaves)
+    (o.float() * do.float()).sum().backward()
+    torch.cuda.synchronize()
+    expect = hstu_attention_backward(do, b.q, b.k, b.v, b.cu_q, b.cu_k, b.max_q, b.max_k,
+                                     window_size=window, alpha=alpha)
+    for leaf, want in zip(leaves, expect):
+        assert torch.equal(leaf.grad, want)
+    check(tuple(leaf.grad for leaf in leaves), b, do, window)
