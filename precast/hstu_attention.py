@@ -140,14 +140,16 @@ def hstu_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                             deterministic: bool = False, stream=None, *,
                             dq_tensor: Optional[torch.Tensor] = None,
                             dk_tensor: Optional[torch.Tensor] = None,
-                            dv_tensor: Optional[torch.Tensor] = None
+                            dv_tensor: Optional[torch.Tensor] = None,
+                            workspace: Optional[torch.Tensor] = None
                             ) -> HstuAttentionBackwardResults:
     """dq, dk, dv of ``hstu_attention_forward`` (same arguments; paged KV is forward only).
 
     Returns (dq_tensor, dk_tensor, dv_tensor). Supplied gradient buffers are optional and
     independent; they are overwritten and returned (disjoint views of one allocation, such
-    as dk and dv split from one packed KV buffer, are written in place). The results are
-    bitwise reproducible.
+    as dk and dv split from one packed KV buffer, are written in place). Today every
+    configuration is bitwise reproducible (see HSTUBwdSm90); ``workspace``: see
+    ``HSTUBwdSm90.workspace_shape`` (none is needed while the fused kernel is off).
     """
     func_shape = None if func_tensor is None else tuple(func_tensor.shape[:-1])
     key = ("attention_bwd", q.dtype, tuple(q.shape[1:]), _kv_heads(k, None),
@@ -167,7 +169,7 @@ def hstu_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
             window_size, alpha, scaling_seqlen, func_tensor, deterministic))
         op.execute(do, q, k, v, *grads, cu_seqlens_q, cu_seqlens_k, func_tensor, stream,
                    alpha=alpha, scaling_seqlen=scaling_seqlen, max_seqlen_q=max_seqlen_q,
-                   max_seqlen_k=max_seqlen_k)
+                   max_seqlen_k=max_seqlen_k, workspace=workspace)
         for i, g in enumerate(given):
             if g is not None and grads[i] is not g:
                 g.copy_(grads[i])

@@ -3,7 +3,8 @@
   compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu_sanitize_hstu_attention_bwd.py
   compute-sanitizer --tool racecheck --error-exitcode 1 python tests/gpu_sanitize_hstu_attention_bwd.py
 
-Causal, a local window, a func mask and GQA at D = 64 and 256 (the dK/dV split), with 0- and
+Causal, a local window, a func mask and GQA at D = 64 (the fused kernel with its dQ
+reduce-adds), causal at D = 256 (the dK/dV split) and deterministic D = 128, with 0- and
 1-token sequences, tile-edge lengths and fewer keys than queries; dk and dv are the two
 halves of one NaN-poisoned buffer. Exits nonzero when a result is wrong (NaN left, a write
 outside the views, error above tolerance against fp32 autograd of the reference).
@@ -30,7 +31,7 @@ def cu(lens):
     return torch.tensor(out, dtype=torch.int32, device=DEV)
 
 
-def case(name, d, window, *, hkv=H, func_n=0, seed=0):
+def case(name, d, window, *, hkv=H, func_n=0, seed=0, deterministic=False):
     g = torch.Generator().manual_seed(seed)
     dt = torch.bfloat16
     q, do = (torch.randn(sum(LENS_Q), H, d, generator=g).to(dt).to(DEV) for _ in range(2))
@@ -44,7 +45,7 @@ def case(name, d, window, *, hkv=H, func_n=0, seed=0):
     max_q, max_k = max(LENS_Q), max(LENS_K)
     alpha = 1 / math.sqrt(d)
     op = HSTUBwdSm90(do, q, k, v, dq, dk, dv, cu_q, cu_k, max_q, max_k, window, alpha,
-                     sample_func=func).check_support().compile()
+                     sample_func=func, deterministic=deterministic).check_support().compile()
     op.execute(do, q, k, v, dq, dk, dv, cu_q, cu_k, func)
     torch.cuda.synchronize()
     ref = hstu_attention_backward_reference(do, q, k, v, cu_q, cu_k, max_q, max_k,
@@ -66,5 +67,6 @@ case("local D64", 64, (7, 33), seed=1)
 case("func3 D64", 64, (-1, -1), func_n=3, seed=2)
 case("GQA causal D64", 64, (-1, 0), hkv=1, seed=3)
 case("causal D256", 256, (-1, 0), seed=4)
+case("deterministic causal D128", 128, (-1, 0), seed=5, deterministic=True)
 print("\n".join(failures) or "all ok")
 sys.exit(1 if failures else 0)

@@ -5,7 +5,9 @@ buffers are poisoned with NaN before every launch and compared against torch.aut
 fp32 reference (computed on the GPU, TF32 off): max|g - ref| / max|ref| < TOL[dtype] per
 gradient. Gradients of keys that no query sees, and of queries that see no key, must be
 exact zeros. Runs that compute the same math (views vs copies, graph replay vs eager,
-autograd vs the function, repeated runs) must be bitwise equal.
+autograd vs the function, repeated runs) must be bitwise equal, except dq of the default
+(fused) kernel, whose fp32 reduce-adds land in a varying order: there equal to within a few
+bf16 rounding steps.
 """
 import math
 from dataclasses import replace
@@ -56,17 +58,30 @@ def with_do(b: Batch, seed: int) -> torch.Tensor:
     return torch.randn(b.q.shape, device=DEV, generator=g).to(b.dtype)
 
 
+def assert_same(got, want, op, what=""):
+    """dq, dk, dv of two launches: bitwise, but dq of the fused kernel only up to the order
+    of its fp32 additions (then rounded to 16 bits)."""
+    for name, x, y in zip(("dq", "dk", "dv"), got, want):
+        if name == "dq" and op.fused:
+            scale = y.float().abs().max().item()
+            diff = (x.float() - y.float()).abs().max().item()
+            assert diff <= 1e-2 * scale, f"{what}: dq differs by {diff:.3g} (max {scale:.3g})"
+        else:
+            assert torch.equal(x, y), f"{what}: {name} differs"
+
+
 def poisoned_grads(b: Batch):
     return tuple(torch.full(t.shape, float("nan"), dtype=t.dtype, device=DEV)
                  for t in (b.q, b.k, b.v))
 
 
 def launch(op, b: Batch, do, grads=None, *, alpha=None, scaling_seqlen=None, stream=None,
-           sync=True):
+           sync=True, workspace=None):
     grads = poisoned_grads(b) if grads is None else grads
     op.execute(do, b.q, b.k, b.v, *grads, b.cu_q, b.cu_k, b.func, stream,
                alpha=1 / math.sqrt(b.d) if alpha is None else alpha,
-               scaling_seqlen=scaling_seqlen, max_seqlen_q=b.max_q, max_seqlen_k=b.max_k)
+               scaling_seqlen=scaling_seqlen, max_seqlen_q=b.max_q, max_seqlen_k=b.max_k,
+               workspace=workspace)
     if sync:
         torch.cuda.synchronize()
     return grads
@@ -176,18 +191,33 @@ def test_many_sequences_and_empty_ones():
 
 
 # --- determinism, layouts -----------------------------------------------------------------
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_bitwise_identical_across_runs(deterministic):
-    """Five runs give bitwise-identical gradients (long sequences; GQA for the default)."""
-    hkv = H if deterministic else 2  # the planned configurations
-    b = make_batch([1000, 3000, 17], [1000, 3000, 17], 128, BF, hkv=hkv, seed=7)
-    op = get_op(BF, 128, hkv=hkv, window=(-1, 0), deterministic=deterministic)
+@pytest.mark.parametrize("d", [64, 128])
+def test_deterministic_mode_is_bitwise_identical_across_runs(d):
+    """deterministic=True: five runs give bitwise-identical dq, dk, dv (long sequences)."""
+    b = make_batch([1000, 3000, 17], [1000, 3000, 17], d, BF, seed=7)
+    op = get_op(BF, d, window=(-1, 0), deterministic=True)
+    assert not op.fused
     do = with_do(b, 7)
     first = launch(op, b, do)
     check(first, b, do, (-1, 0))
     for _ in range(4):
         again = launch(op, b, do)
         assert all(torch.equal(x, y) for x, y in zip(again, first))
+
+
+def test_default_mode_repeats():
+    """The default op (GQA, long sequences): five runs agree (bitwise, or for a fused dq up
+    to the order of its fp32 additions); a fused op's workspace is left zero each time."""
+    b = make_batch([1000, 3000, 17], [1000, 3000, 17], 128, BF, hkv=2, seed=8)
+    op = get_op(BF, 128, hkv=2, window=(-1, 0))
+    do = with_do(b, 8)
+    ws = torch.zeros(op.workspace_shape(b.q.shape[0]), dtype=torch.float32, device=DEV)
+    first = launch(op, b, do, workspace=ws)
+    check(first, b, do, (-1, 0))
+    assert torch.count_nonzero(ws) == 0
+    for _ in range(4):
+        assert_same(launch(op, b, do, workspace=ws), first, op)
+        assert torch.count_nonzero(ws) == 0
 
 
 def test_split_gradient_buffers_and_strided_inputs():
@@ -210,7 +240,7 @@ def test_split_gradient_buffers_and_strided_inputs():
     for g in grads:
         g.fill_(float("nan"))
     launch(op, views, do, grads)
-    assert all(torch.equal(x, y) for x, y in zip(grads, expect))
+    assert_same(grads, expect, op, "views")
     assert torch.all(dq_wide[:, 0] == 7) and torch.all(dq_wide[:, H + 1] == 7)
     # The allocating function writes supplied split buffers in place and returns them.
     dkv.fill_(float("nan"))
@@ -218,8 +248,7 @@ def test_split_gradient_buffers_and_strided_inputs():
                                   b.max_k, window_size=window, alpha=1 / math.sqrt(d),
                                   dk_tensor=dkv[:, 0], dv_tensor=dkv[:, 1])
     assert out.dk_tensor.data_ptr() == dkv[:, 0].data_ptr()
-    assert torch.equal(out.dk_tensor, expect[1]) and torch.equal(dkv[:, 1], expect[2])
-    assert torch.equal(out.dq_tensor, expect[0])
+    assert_same((out.dq_tensor, dkv[:, 0], dkv[:, 1]), expect, op, "function")
 
 
 def test_unreadable_layouts_are_copied_by_the_function():
@@ -228,31 +257,32 @@ def test_unreadable_layouts_are_copied_by_the_function():
     d = 64
     b = make_batch([100, 37], [100, 37], d, BF, seed=11)
     do = with_do(b, 11)
-    expect = launch(get_op(BF, d, window=(-1, -1)), b, do)
+    op = get_op(BF, d, window=(-1, -1))
+    expect = launch(op, b, do)
     q_t = b.q.transpose(1, 2).contiguous().transpose(1, 2)  # last dim stride H
     dv_t = torch.full(b.v.shape[::-1], float("nan"), dtype=BF, device=DEV).permute(2, 1, 0)
     out = hstu_attention_backward(do, q_t, b.k, b.v, b.cu_q, b.cu_k, b.max_q, b.max_k,
                                   window_size=(-1, -1), alpha=1 / math.sqrt(d), dv_tensor=dv_t)
     assert out.dv_tensor is dv_t
-    for got, want in zip(out, expect):
-        assert torch.equal(got, want)
+    assert_same(tuple(out), expect, op, "copies")
 
 
 # --- capture, autograd ----------------------------------------------------------------------
 def test_cuda_graph_capture_and_replay():
-    """execute() captured in a CUDA graph allocates nothing; replays after in-place edits of
-    q and do equal eager runs."""
+    """execute() captured in a CUDA graph (with a caller-owned dQ workspace) allocates
+    nothing; replays after in-place edits of q and do equal eager runs."""
     from precast.graphs import CudaGraph
     d = 128
     b = with_func(make_batch(RAGGED_Q, RAGGED_K, d, BF, seed=21), 3, seed=21)
     do = with_do(b, 21)
     op = get_op(BF, d, window=(-1, -1), func=3)
     grads = poisoned_grads(b)
+    ws = torch.zeros(op.workspace_shape(b.q.shape[0]), dtype=torch.float32, device=DEV)
     torch.cuda.synchronize()
     graph = CudaGraph()
     before = torch.cuda.memory_allocated()
     with graph.capture() as s:
-        launch(op, b, do, grads, stream=s, sync=False)
+        launch(op, b, do, grads, stream=s, sync=False, workspace=ws)
     assert torch.cuda.memory_allocated() == before, "capture allocated device memory"
     assert torch.isnan(grads[0]).all(), "capture ran the kernels"
     g = torch.Generator(device=DEV).manual_seed(22)
@@ -267,8 +297,8 @@ def test_cuda_graph_capture_and_replay():
         torch.cuda.synchronize()
         graph.replay()
         graph.synchronize()
-        eager = launch(op, b, do)
-        assert all(torch.equal(x, y) for x, y in zip(grads, eager)), f"step {step}"
+        assert torch.count_nonzero(ws) == 0
+        assert_same(grads, launch(op, b, do), op, f"step {step}")
         check(grads, b, do, (-1, -1), what=f"replay step {step}")
         if previous is not None:
             assert not torch.equal(grads[0], previous), f"step {step}: the change was not seen"
@@ -296,6 +326,33 @@ def test_autograd(compiled):
     torch.cuda.synchronize()
     expect = hstu_attention_backward(do, b.q, b.k, b.v, b.cu_q, b.cu_k, b.max_q, b.max_k,
                                      window_size=window, alpha=alpha)
-    for leaf, want in zip(leaves, expect):
-        assert torch.equal(leaf.grad, want)
+    assert_same(tuple(leaf.grad for leaf in leaves), tuple(expect), get_op(BF, d, window=window))
     check(tuple(leaf.grad for leaf in leaves), b, do, window)
+
+
+def test_capture_without_workspace_on_a_new_stream():
+    """A fused op cannot allocate its dQ workspace during capture: it says so, and still
+    works afterwards; an op without a workspace captures on any stream."""
+    from precast.graphs import CudaGraph
+    b = make_batch([64, 100], [64, 100], 64, BF, seed=41)
+    do = with_do(b, 41)
+    batch, seqlen = 2, 128
+    cu = TensorDesc(torch.int32, (batch + 1,))
+    q = TensorDesc(BF, (batch * seqlen, H, 64))
+    op = HSTUBwdSm90(q, q, q, q, None, None, None, cu, cu, seqlen, seqlen, (-1, 0)
+                     ).check_support().compile()  # a fresh instance: no workspace yet
+    torch.cuda.synchronize()
+    graph = CudaGraph()
+    grads = poisoned_grads(b)
+    if op.fused:
+        with pytest.raises(RuntimeError, match="workspace"):
+            with graph.capture() as s:
+                launch(op, b, do, grads, stream=s, sync=False)
+    else:
+        with graph.capture() as s:
+            launch(op, b, do, grads, stream=s, sync=False)
+        graph.replay()
+        graph.synchronize()
+        check(grads, b, do, (-1, 0), what="replay")
+    graph.close()
+    check(launch(op, b, do), b, do, (-1, 0))

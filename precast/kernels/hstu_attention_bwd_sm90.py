@@ -14,8 +14,12 @@ streams 64-row tiles of the other side through a TMA ring:
 - mode "dq":   X = Q,  Y = dO, U = K,  W = V;  acc_ds = dQ (fixed rows: queries)
 - mode "dkdv": X = K,  Y = V,  U = Q,  W = dO; acc_ds = dK, acc_p = dV (fixed rows: keys)
 - "dk" / "dv": one of the two (D = 256, where both accumulators do not fit in registers).
-Each output row is owned by exactly one CTA and summed in a fixed order, so the gradients
-are bitwise reproducible. GQA: a kv head's CTA streams the queries of all its query heads.
+- "fused" (D <= 128): "dkdv" plus dQ in the same pass: dS goes to shared memory, both
+  warpgroups multiply it by K (each its half of D) and the 64 x D/2 fp32 partial is added
+  into a (T_q, H, D) fp32 workspace by a TMA reduce-add. One pass instead of two, but the
+  order of the additions varies from run to run (not bitwise reproducible).
+In the other modes each output row is owned by exactly one CTA and summed in a fixed order,
+so the gradients are bitwise reproducible. GQA: a kv head's CTA streams the queries of all its query heads.
 Masks are bits ANDed on the packed 16-bit P and dS (exact zeros whatever S was); streamed
 rows past a sequence's end are zeroed in shared memory (0 * NaN is NaN).
 """
@@ -35,7 +39,9 @@ from .hstu_attention_fwd_sm90 import (PRODUCER_REGS, THREADS_PER_WG, WG_ROWS, _a
 STREAM_ROWS = 64
 CONSUMER_REGS = 240
 ZERO_BARRIER = 1  # the consumer warpgroups cleared the streamed rows past a sequence's end
-MODES = ("dq", "dkdv", "dk", "dv")
+DS_READY_BARRIER = 2  # fused: both warpgroups' dS^T of this tile are in shared memory
+DQ_STAGED_BARRIER = 3  # 3 and 4: a warpgroup's dQ buffer is free / staged (fused)
+MODES = ("dq", "dkdv", "dk", "dv", "fused")
 
 
 def consumer_warpgroups(head_dim: int) -> int:
@@ -43,8 +49,9 @@ def consumer_warpgroups(head_dim: int) -> int:
     return 2 if head_dim <= 128 else 1
 
 
-def stream_stages(head_dim: int) -> int:
-    return {32: 4, 64: 4, 128: 3, 256: 2}[head_dim]
+def stream_stages(head_dim: int, fused: bool) -> int:
+    # fused: dS (2 x 16 KB) and dQ (32 KB) buffers take a stage's room at D = 128.
+    return {32: 4, 64: 4, 128: 2 if fused else 3, 256: 2}[head_dim]
 
 
 class HstuAttentionBackwardSm90:
@@ -63,22 +70,26 @@ class HstuAttentionBackwardSm90:
         self.right_bounded = window_right_bounded
         self.func_intervals = func_intervals
         self.mode = mode
+        self.fused = mode == "fused"
         self.keys_fixed = mode != "dq"
         self.want_ds = mode != "dv"  # dQ or dK
-        self.want_p = mode in ("dkdv", "dv")  # dV
+        self.want_p = mode in ("dkdv", "dv", "fused")  # dV
         self.nwg = consumer_warpgroups(head_dim)
+        assert not self.fused or self.nwg == 2, "fused needs two consumer warpgroups (D <= 128)"
         self.fixed_rows = WG_ROWS * self.nwg
-        self.stages = stream_stages(head_dim)
+        self.stages = stream_stages(head_dim, self.fused)
         self.num_threads = (self.nwg + 1) * THREADS_PER_WG
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mdA: cute.Tensor, mdB: cute.Tensor, mCuSeqlensQ: cute.Tensor,
-                 mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor, max_seqlen_fixed: Int32,
-                 window_left: Int32, window_right: Int32, half_alpha: Float32,
-                 scale_ds: Float32, scale_p: Float32, stream: cuda.CUstream):
-        """mdA: dQ (mode dq) or dK (dkdv, dk); mdB: dV (dkdv, dv). Unused ones may be None."""
+                 mdA: cute.Tensor, mdB: cute.Tensor, mdQacc: cute.Tensor,
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor,
+                 max_seqlen_fixed: Int32, window_left: Int32, window_right: Int32,
+                 half_alpha: Float32, scale_ds: Float32, scale_p: Float32,
+                 stream: cuda.CUstream):
+        """mdA: dQ (mode dq) or dK (dkdv, dk, fused); mdB: dV (dkdv, dv, fused); mdQacc: the
+        fp32 (T_q, H, D) dQ accumulator (fused: zero before, dQ * 1 after). Unused: None."""
         dt = self.dtype
         D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
         mQ, mK, mV, mdO = [_select(t, [0, 2, 1]) for t in (mQ, mK, mV, mdO)]  # (T, D, H)
@@ -105,34 +116,65 @@ class HstuAttentionBackwardSm90:
         self.fixed_bytes = cute.size_in_bytes(dt, one(sX_layout)) * fixed_tiles
         self.stream_bytes = cute.size_in_bytes(dt, one(sU_layout)) * 2
         stages = self.stages
+        # fused: dQ = dS K with dS^T (keys x queries) double-buffered in shared memory, the two
+        # warpgroups splitting D; A = dS (MN-major view), B = K^T (MN-major view of sX).
+        mma_dq = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN, Float32,
+            (1, self.nwg, 1), (WG_ROWS, D // self.nwg))
+        sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (R, C, C), dt, 2)
+        sdQ_layout = sm90_utils.make_smem_layout_epi(Float32, LayoutEnum.ROW_MAJOR,
+                                                     (C, D // self.nwg), self.nwg)
+        tma_dq = None
+        mdQacc_tma = None
+        if const_expr(self.fused):
+            tma_dq, mdQacc_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), _select(mdQacc, [0, 2, 1]),
+                one(sdQ_layout), (C, D // self.nwg))
 
-        @cute.struct
-        class SharedStorage:
-            fixed_bars: cute.struct.MemRange[cutlass.Int64, 2]
-            stream_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sX: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
-            sY: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
-            sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
-            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
+            @cute.struct
+            class SharedStorage:
+                fixed_bars: cute.struct.MemRange[cutlass.Int64, 2]
+                stream_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                sX: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
+                sY: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
+                sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
+                sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
+                sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
+                sdQ: cute.struct.Align[
+                    cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
-        self.storage = SharedStorage
+            self.storage = SharedStorage
+        else:
+            @cute.struct
+            class SharedStorage:
+                fixed_bars: cute.struct.MemRange[cutlass.Int64, 2]
+                stream_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                sX: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
+                sY: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
+                sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
+                sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
+
+            self.storage = SharedStorage
         num_batches = mCuSeqlensQ.shape[0] - 1
         heads = self.num_kv_heads if const_expr(self.keys_fixed) else self.num_heads
         tiles = cutlass.max((max_seqlen_fixed + R - 1) // R, 1)
         # One grid axis (the host checks tiles x heads x B < 2^31): CTA numbers run over the
         # heads, then the sequences, then the fixed tiles, heaviest tiles first.
-        self.kernel(mma_s, mma_g, mX_tma, mY_tma, mU_tma, mW_tma, tma_x, tma_y, tma_u, tma_w,
-                    sX_layout, sU_layout, mdA, mdB, mCuSeqlensQ, mCuSeqlensK, mFunc, tiles,
+        self.kernel(mma_s, mma_g, mma_dq, mX_tma, mY_tma, mU_tma, mW_tma, mdQacc_tma, tma_x,
+                    tma_y, tma_u, tma_w, tma_dq, sX_layout, sU_layout, sdS_layout, sdQ_layout,
+                    mdA, mdB, mCuSeqlensQ, mCuSeqlensK, mFunc, tiles,
                     num_batches, window_left, window_right, half_alpha, scale_ds,
                     scale_p).launch(grid=[tiles * heads * cutlass.max(num_batches, 1), 1, 1],
                                     block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(self, mma_s: cute.TiledMma, mma_g: cute.TiledMma, mX: cute.Tensor,
-               mY: cute.Tensor, mU: cute.Tensor, mW: cute.Tensor, tma_x: cute.CopyAtom,
-               tma_y: cute.CopyAtom, tma_u: cute.CopyAtom, tma_w: cute.CopyAtom,
+    def kernel(self, mma_s: cute.TiledMma, mma_g: cute.TiledMma, mma_dq: cute.TiledMma,
+               mX: cute.Tensor, mY: cute.Tensor, mU: cute.Tensor, mW: cute.Tensor,
+               mdQacc: cute.Tensor, tma_x: cute.CopyAtom, tma_y: cute.CopyAtom,
+               tma_u: cute.CopyAtom, tma_w: cute.CopyAtom, tma_dq: cute.CopyAtom,
                sX_layout: cute.ComposedLayout, sU_layout: cute.ComposedLayout,
+               sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
                mdA: cute.Tensor, mdB: cute.Tensor, mCuSeqlensQ: cute.Tensor,
                mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor, tiles: Int32, num_batches: Int32,
                window_left: Int32, window_right: Int32, half_alpha: Float32, scale_ds: Float32,
@@ -169,6 +211,11 @@ class HstuAttentionBackwardSm90:
         sY = storage.sY.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
         sU = storage.sU.get_tensor(sU_layout.outer, swizzle=sU_layout.inner)
         sW = storage.sW.get_tensor(sU_layout.outer, swizzle=sU_layout.inner)
+        sdS = None
+        sdQ = None
+        if const_expr(self.fused):
+            sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         span = self.work_span(block, batch, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
         if warp_idx == 0:
@@ -179,9 +226,10 @@ class HstuAttentionBackwardSm90:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume(mma_s, mma_g, sX, sY, sU, sW, pipe_fixed, pipe_stream,
-                         tidx - THREADS_PER_WG, block, head, span, mdA, mdB, mFunc,
-                         window_left, window_right, half_alpha, scale_ds, scale_p)
+            self.consume(mma_s, mma_g, mma_dq, sX, sY, sU, sW, sdS, sdQ, pipe_fixed,
+                         pipe_stream, tidx - THREADS_PER_WG, block, head, span, mdA, mdB,
+                         mdQacc, tma_dq, mFunc, window_left, window_right, half_alpha,
+                         scale_ds, scale_p)
 
     @cute.jit
     def work_span(self, block: Int32, batch: Int32, mCuSeqlensQ, mCuSeqlensK,
@@ -265,9 +313,9 @@ class HstuAttentionBackwardSm90:
                 state = _advanced(state)
 
     @cute.jit
-    def consume(self, mma_s, mma_g, sX, sY, sU, sW, pipe_fixed, pipe_stream,
-                consumer_tidx: Int32, block: Int32, head: Int32, span, mdA, mdB, mFunc,
-                window_left: Int32, window_right: Int32, half_alpha: Float32,
+    def consume(self, mma_s, mma_g, mma_dq, sX, sY, sU, sW, sdS, sdQ, pipe_fixed, pipe_stream,
+                consumer_tidx: Int32, block: Int32, head: Int32, span, mdA, mdB, mdQacc,
+                tma_dq, mFunc, window_left: Int32, window_right: Int32, half_alpha: Float32,
                 scale_ds: Float32, scale_p: Float32):
         q_start, len_q, k_start, len_k, s_min, s_max = span
         D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
@@ -299,6 +347,9 @@ class HstuAttentionBackwardSm90:
         if const_expr(self.want_p):
             acc_b = cute.make_rmem_tensor(wg_g.partition_shape_C((R, D)), Float32)
             acc_b.fill(0.0)
+        dq_parts = None
+        if const_expr(self.fused):
+            dq_parts = self.dq_partitions(mma_dq, sX, sdS, sdQ, consumer_tidx)
 
         coords = cute.make_tensor(
             thr_s.partition_C(cute.make_identity_tensor((R, C))).iterator,
@@ -321,6 +372,11 @@ class HstuAttentionBackwardSm90:
         if s_max > s_min:
             fixed_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_fixed.consumer_wait(fixed_state)
+            if const_expr(self.fused):
+                if r0 + R > len_k:
+                    # dQ sums dS K over the tile's keys: K rows past the sequence (another
+                    # sequence's, maybe NaN) must be zeros, not just multiplied by zero.
+                    self.zero_fixed_rows(sX[None, None, 0], len_k - r0, consumer_tidx)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             tiles = s_max - s_min
             for i in cutlass.range(tiles * self.stream_heads(), unroll=1):
@@ -344,12 +400,25 @@ class HstuAttentionBackwardSm90:
                               accumulate=True)
                 if const_expr(self.want_ds):
                     self.apply_keep(ds_regs, keep)
+                    if const_expr(self.fused):
+                        self.stage_ds(ds_regs, mma_s, sdS[None, None, i % 2], consumer_tidx)
                     self.gemm(mma_g, acc_a, tGrdS, tGrUt[None, None, None, state.index],
                               accumulate=True)
+                if const_expr(self.fused):
+                    acc_dq, tQrdSt, tQrKt, tQsdQ, sdQ_full = dq_parts
+                    self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, i % 2],
+                              tQrKt[None, None, None, 0], accumulate=False)
                 warpgroup.wait_group(0)
                 cute.arch.sync_warp()
                 pipe_stream.consumer_release(state)
                 state = _advanced(state)
+                if const_expr(self.fused):
+                    stream_head = head * self.group + i // tiles
+                    self.reduce_dq(dq_parts, mdQacc, tma_dq, sdQ, stream_head, q_start, s,
+                                   scale_ds, consumer_tidx)
+            if const_expr(self.fused):
+                if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
 
         len_fixed = len_k if const_expr(self.keys_fixed) else len_q
         fixed_start = k_start if const_expr(self.keys_fixed) else q_start
@@ -368,6 +437,19 @@ class HstuAttentionBackwardSm90:
             if row >= first_row:
                 sU[row, idx % D] = self.dtype(0.0)
                 sW[row, idx % D] = self.dtype(0.0)
+        # Generic-proxy stores read next by wgmma (async proxy).
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=ZERO_BARRIER, number_of_threads=threads)
+
+    @cute.jit
+    def zero_fixed_rows(self, sX, first_row: Int32, consumer_tidx: Int32):
+        """fused: zeroes rows first_row.. of the fixed K tile (all consumer warpgroups)."""
+        D, R = self.head_dim, self.fixed_rows
+        threads = self.nwg * THREADS_PER_WG
+        for idx in cutlass.range(consumer_tidx, R * D, threads, unroll=1):
+            row = idx // D
+            if row >= first_row:
+                sX[row, idx % D] = self.dtype(0.0)
         # Generic-proxy stores read next by wgmma (async proxy).
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=ZERO_BARRIER, number_of_threads=threads)
@@ -488,3 +570,62 @@ class HstuAttentionBackwardSm90:
             if r0 + c_mn[r, 0][0] < length:
                 for c in cutlass.range_constexpr(cute.size(g_mn, mode=[1])):
                     g_mn[r, c] = out_mn[r, c]
+
+    # ---------------------------------------------------------------- fused dQ
+    @cute.jit
+    def dq_partitions(self, mma_dq, sX, sdS, sdQ, consumer_tidx: Int32):
+        """The dQ accumulator, its operands (dS = sdS^T, K^T = sX^T, both MN-major views)
+        and this thread's slots of the fp32 staging buffer (viewed as one C x D tile)."""
+        D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
+        wg = consumer_tidx // THREADS_PER_WG
+        wg_dq = mma_dq.get_slice(wg * THREADS_PER_WG)
+        thr_dq = mma_dq.get_slice(consumer_tidx)
+        sdSt = cute.composition(sdS, cute.make_ordered_layout((C, R, 2), order=(1, 0, 2)))
+        sKt = cute.composition(sX, cute.make_ordered_layout((D, R, 1), order=(1, 0, 2)))
+        tQrdSt = wg_dq.make_fragment_A(wg_dq.partition_A(sdSt))
+        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
+        acc_dq = cute.make_rmem_tensor(wg_dq.partition_shape_C((C, D)), Float32)
+        sdQ_full = cute.group_modes(sdQ, 1, 3)  # (C, (D / 2, warpgroup)) = (C, D)
+        tQsdQ = thr_dq.partition_C(sdQ_full)
+        return acc_dq, tQrdSt, tQrKt, tQsdQ, sdQ_full
+
+    @cute.jit
+    def stage_ds(self, ds_regs, mma_s, sdS, consumer_tidx: Int32):
+        """This warpgroup's dS^T rows -> shared memory (stmatrix); then both warpgroups'
+        halves must be there before either multiplies."""
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        st = cute.make_tiled_copy_C(st_atom, mma_s).get_slice(consumer_tidx)
+        cute.copy(st_atom, st.retile(ds_regs), st.partition_D(sdS))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=DS_READY_BARRIER,
+                          number_of_threads=self.nwg * THREADS_PER_WG)
+
+    @cute.jit
+    def reduce_dq(self, dq_parts, mdQacc, tma_dq, sdQ, stream_head: Int32, q_start: Int32,
+                  s: Int32, scale_ds: Float32, consumer_tidx: Int32):
+        """alpha / L * (dS K)[:, this warpgroup's half of D] -> staging buffer -> TMA
+        reduce-add into the fp32 accumulator rows of query tile s. Rows past the sequence
+        add exact zeros (their dS columns are masked and K has no NaN)."""
+        acc_dq, tQrdSt, tQrKt, tQsdQ, sdQ_full = dq_parts
+        D, C = self.head_dim, STREAM_ROWS
+        wg = consumer_tidx // THREADS_PER_WG
+        issuer = consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE
+        if issuer:  # the previous reduce has finished reading the buffer
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=DQ_STAGED_BARRIER + wg, number_of_threads=THREADS_PER_WG)
+        for e in cutlass.range_constexpr(cute.size(acc_dq)):
+            tQsdQ[e] = acc_dq[e] * scale_ds
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=DQ_STAGED_BARRIER + wg, number_of_threads=THREADS_PER_WG)
+        if issuer:
+            half = D // self.nwg
+            g = cute.local_tile(cute.domain_offset((q_start, 0), mdQacc[None, None, stream_head]),
+                                (C, half), (s, wg))
+            t_s, t_g = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1),
+                                             cute.group_modes(sdQ, 0, 2),
+                                             cute.group_modes(g, 0, 2))
+            # One thread issues (bulk groups are per thread; its warp waits with it).
+            with cute.arch.elect_one():
+                cute.copy(tma_dq, t_s[None, wg], t_g)
+                cute.arch.cp_async_bulk_commit_group()

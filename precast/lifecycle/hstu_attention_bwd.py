@@ -4,11 +4,15 @@ Given dO, writes dQ, dK, dV of o = (M * SiLU(alpha q k^T)) v / scaling_seqlen fo
 packed batch, masks and scalars as the forward (paged KV is forward only). Semantics:
 precast/reference/hstu_attention.py (hstu_attention_backward_reference).
 
-Two kernels, no atomics: dQ with the query tiles fixed (K, V streamed), dK and dV with the
-key tiles fixed (Q, dO streamed; at D = 256 dK and dV are separate passes). Every gradient
-row is summed by one CTA in a fixed order, so results are bitwise identical run after run
-whatever ``deterministic`` says; the flag is part of the static configuration so that a
-faster atomic variant can serve ``deterministic=False`` without changing callers.
+Every configuration today: two kernels, no atomics: dQ with the query tiles fixed (K, V
+streamed), dK and dV with the key tiles fixed (Q, dO streamed; at D = 256 dK and dV are
+separate passes). Every gradient row is summed by one CTA in a fixed order: bitwise
+identical run after run, at the price of recomputing S and dP for dQ (7 matmuls instead
+of 5), so ``deterministic=True`` costs nothing extra yet.
+Written but switched off (``fused_dq_enabled``): for D <= 128 and deterministic=False, one
+fused kernel computing dK, dV and adding each query tile's dQ part into an fp32 workspace
+with TMA reduce-adds (execute() converts it into dq and zeroes it again). It is right on
+one-tile batches and hangs on ragged multi-tile ones (docs/NOTES.md).
 """
 from __future__ import annotations
 
@@ -19,13 +23,14 @@ import torch
 from ..reference.hstu_attention import FUNC_PAD_COLUMNS
 from .cache import KernelBuilder
 from .hstu_attention import (ATTENTION_DTYPES, DATA_ALIGN, FLOAT32_MAX, INDEX_ALIGN,
-                             ROW_MULTIPLE, WINDOW_CAP, _AttentionRules, check_offsets,
+                             ROW_MULTIPLE, TMA_SPAN_LIMIT, WINDOW_CAP, _AttentionRules,
+                             check_offsets,
                              check_tokens)
-from .launch import device_guard, stream_handle
+from .launch import device_guard, stream_handle, stream_is_capturing
 from .op import Op
 from .tensor_desc import TensorDesc, dtype_name, parse_dtype
 from .validation import (check_bool, check_int, check_no_overlap, check_same_device,
-                         check_value)
+                         check_tensor, check_value)
 
 KERNEL_SOURCES = ("precast.kernels.hstu_attention_bwd_sm90",
                   "precast.kernels.hstu_attention_fwd_sm90", "precast.kernels.fake")
@@ -73,6 +78,10 @@ class HSTUBwdSm90(_AttentionRules, Op):
         self.window_size = window_size
         self.alpha, self.scaling_seqlen = alpha, scaling_seqlen
         self.deterministic = deterministic
+        # fp32 dQ accumulators this op made, per (device, stream): see _own_workspace. Ones
+        # that were outgrown stay alive: a graph captured earlier may still use them.
+        self._workspaces: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._outgrown: list = []
         self._samples = dict(do=sample_do, q=sample_q, k=sample_k, v=sample_v, dq=sample_dq,
                              dk=sample_dk, dv=sample_dv, cu_seqlens_q=sample_cu_seqlens_q,
                              cu_seqlens_k=sample_cu_seqlens_k, func_tensor=sample_func)
@@ -153,9 +162,10 @@ class HSTUBwdSm90(_AttentionRules, Op):
     def _work_tiles(self, max_q: int, max_k: int, batch: int) -> Tuple[int, str]:
         # Each kernel numbers its CTAs (sequence, head, fixed tile) in one int32 grid axis.
         rows = fixed_rows(self.head_dim)
-        longest = max(max_q, max_k)
+        name, longest = max(("max_seqlen_k", max_k), ("max_seqlen_q", max_q),
+                            key=lambda item: item[1])
         return (self.num_heads * -(-longest // rows) * batch,
-                f"max_seqlen_k = {longest}: H x ceil(max_seqlen / {rows}) x B")
+                f"{name} = {longest}: H x ceil({name} / {rows}) x B")
 
     def _kernel_scalars(self, alpha, scaling_seqlen, max_q: int) -> Tuple[float, float, float]:
         """(alpha / 2, alpha / scaling_seqlen, 1 / scaling_seqlen) as the kernels take them."""
@@ -169,11 +179,25 @@ class HSTUBwdSm90(_AttentionRules, Op):
     def _check_relations(named: Mapping[str, object]) -> None:
         """One device; dq, dk, dv alias nothing (disjoint views of one buffer are fine)."""
         check_same_device(list(named.items()))
-        check_no_overlap([(k, named.get(k)) for k in GRADIENTS],
-                         [(k, t) for k, t in named.items() if k not in GRADIENTS])
+        written = GRADIENTS + ("workspace",)
+        check_no_overlap([(k, named.get(k)) for k in written],
+                         [(k, t) for k, t in named.items() if k not in written])
 
     # --- compile ------------------------------------------------------------------------------
+    # The kernel's "fused" mode is right on one-tile batches but hangs on ragged multi-tile
+    # ones on the H200 (2026-11-29, docs/NOTES.md): until that is found it stays off and
+    # every configuration runs the deterministic kernels. A development switch: it is not
+    # part of the cache key, so set it (in the source) before any op compiles.
+    fused_dq_enabled = False
+
+    @property
+    def fused(self) -> bool:
+        """One pass with dQ reduced through an fp32 workspace (D <= 128, not deterministic)."""
+        return self.fused_dq_enabled and not self.deterministic and self.head_dim <= 128
+
     def kernel_modes(self) -> Tuple[str, ...]:
+        if self.fused:
+            return ("fused",)
         # D = 256: the dK and dV accumulators do not fit in registers together.
         return ("dq", "dkdv") if self.head_dim <= 128 else ("dq", "dk", "dv")
 
@@ -206,10 +230,14 @@ class HSTUBwdSm90(_AttentionRules, Op):
                 kernel = HstuAttentionBackwardSm90(dt, d, h, h_kv, left >= 0, right >= 0,
                                                    self.func_intervals, mode)
                 grad_a = {"dq": tokens(t_q, h), "dkdv": tokens(t_k, h_kv),
-                          "dk": tokens(t_k, h_kv), "dv": None}[mode]
-                grad_b = tokens(t_k, h_kv) if mode in ("dkdv", "dv") else None
+                          "fused": tokens(t_k, h_kv), "dk": tokens(t_k, h_kv), "dv": None}[mode]
+                grad_b = tokens(t_k, h_kv) if mode in ("dkdv", "dv", "fused") else None
+                dq_acc = None
+                if mode == "fused":  # the op's compact fp32 workspace, (T_q, H, D)
+                    dq_acc = cute.runtime.make_fake_tensor(
+                        cutlass.Float32, (t_q, h, d), (h * d, d, 1), assumed_align=DATA_ALIGN)
                 args = (tokens(t_q, h), tokens(t_k, h_kv), tokens(t_k, h_kv), tokens(t_q, h),
-                        grad_a, grad_b, packed((entries,)), packed((entries,)), func,
+                        grad_a, grad_b, dq_acc, packed((entries,)), packed((entries,)), func,
                         scalar(cutlass.Int32, 0), scalar(cutlass.Int32, -1),
                         scalar(cutlass.Int32, -1), scalar(cutlass.Float32, 0.5),
                         scalar(cutlass.Float32, 1.0), scalar(cutlass.Float32, 1.0),
@@ -219,18 +247,39 @@ class HSTUBwdSm90(_AttentionRules, Op):
         return {mode: builder(mode) for mode in self.kernel_modes()}
 
     # --- run ----------------------------------------------------------------------------------
-    @staticmethod
-    def workspace_shape(total_q: int = 0) -> Tuple[int, ...]:
-        """Shape of the workspace ``execute`` needs for T_q query tokens: none (the kernels
-        sum every gradient row in one CTA)."""
-        return (0,)
+    def workspace_shape(self, total_q: int) -> Tuple[int, ...]:
+        """Shape of the float32 workspace ``execute(workspace=...)`` takes for T_q query
+        tokens: (T_q, H, D) for the fused kernel (zero it once; every execute leaves it
+        zero), else (0,): no workspace (deterministic, D = 256, or fused_dq_enabled off)."""
+        t_q = check_int("total_q", total_q, lo=0)
+        return (t_q, self.num_heads, self.head_dim) if self.fused else (0,)
+
+    def _own_workspace(self, index: int, handle: int, total_q: int) -> torch.Tensor:
+        """This op's dQ accumulator for (device, stream), grown on demand (never while the
+        stream captures a graph); a view of its first T_q rows."""
+        ws = self._workspaces.get((index, handle))
+        if ws is None or ws.shape[0] < total_q:
+            check_value(not stream_is_capturing(handle), RuntimeError,
+                        "HSTUBwdSm90.execute: the stream is capturing a CUDA graph and this op "
+                        f"has no workspace of {total_q} rows for it; pass workspace= (float32, "
+                        f"shape workspace_shape({total_q}), zeroed) or execute once on this "
+                        "stream with as many query tokens before capturing")
+            rows = total_q if ws is None else max(total_q, 2 * ws.shape[0])
+            if ws is not None:
+                self._outgrown.append(ws)
+            with torch.cuda.stream(torch.cuda.ExternalStream(handle, device=index)):
+                ws = torch.zeros(self.workspace_shape(rows), dtype=torch.float32,
+                                 device=f"cuda:{index}")
+            self._workspaces[(index, handle)] = ws
+        return ws[:total_q]
 
     def execute(self, do, q, k, v, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, func_tensor=None,
                 stream=None, *, alpha: Optional[float] = None,
                 scaling_seqlen: Optional[float] = None, max_seqlen_q: Optional[int] = None,
-                max_seqlen_k: Optional[int] = None):
+                max_seqlen_k: Optional[int] = None, workspace: Optional[torch.Tensor] = None):
         """Overwrites dq, dk, dv (every row of every sequence; all of them when T_q or T_k is
-        0). Never reads device memory, allocates nothing.
+        0). Never reads device memory; allocates nothing when ``workspace`` is given or not
+        needed (see workspace_shape; else the op keeps one per device and stream).
 
         alpha, scaling_seqlen and max_seqlen_q/k default to the constructor's; an omitted
         scaling_seqlen (there and here) means max_seqlen_q of this call.
@@ -241,7 +290,11 @@ class HSTUBwdSm90(_AttentionRules, Op):
                      cu_seqlens_k=cu_seqlens_k, func_tensor=func_tensor)
         t_q, t_k, entries = self._validate(do, q, k, v, dq, dk, dv, cu_seqlens_q,
                                            cu_seqlens_k, func_tensor)
-        self._check_relations(named)
+        if workspace is not None and self.fused:
+            check_tensor("workspace", workspace, dtypes=(torch.float32,),
+                         shape=self.workspace_shape(t_q), align=DATA_ALIGN, contiguous=True,
+                         max_span=TMA_SPAN_LIMIT)
+        self._check_relations(dict(named, workspace=workspace if self.fused else None))
         max_q, max_k = self._seqlens(self.max_seqlen_q if max_seqlen_q is None else max_seqlen_q,
                                      self.max_seqlen_k if max_seqlen_k is None else max_seqlen_k,
                                      t_q, t_k, entries)
@@ -259,11 +312,21 @@ class HSTUBwdSm90(_AttentionRules, Op):
                     grad.zero_()
             return
         left, right = min(self.window[0], WINDOW_CAP), min(self.window[1], WINDOW_CAP)
+        dq_acc = None
+        if self.fused:
+            dq_acc = workspace if workspace is not None else self._own_workspace(index, handle,
+                                                                                 t_q)
         launches = {"dq": (dq, None, max_q), "dkdv": (dk, dv, max_k), "dk": (dk, None, max_k),
-                    "dv": (None, dv, max_k)}
+                    "dv": (None, dv, max_k), "fused": (dk, dv, max_k)}
         with device_guard(index):
             for mode in self.kernel_modes():
                 grad_a, grad_b, longest = launches[mode]
-                kernels[mode](q, k, v, do, grad_a, grad_b, cu_seqlens_q, cu_seqlens_k,
+                kernels[mode](q, k, v, do, grad_a, grad_b, dq_acc, cu_seqlens_q, cu_seqlens_k,
                               func_tensor, longest, left, right, half_alpha, scale_ds, scale_p,
                               handle)
+            if dq_acc is not None:
+                # The accumulator holds dQ (scaled in the kernel): convert it into dq and leave
+                # it zero for the next launch (two stream-ordered passes, no allocation).
+                with torch.cuda.stream(torch.cuda.ExternalStream(handle, device=index)):
+                    dq.copy_(dq_acc)
+                    dq_acc.zero_()
