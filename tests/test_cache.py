@@ -535,5 +535,6 @@ def test_plan_malformed(tmp_path):
 
 def test_default_plan_loads():
     entries = load_plan(precast.cli.DEFAULT_PLAN)
-    assert len(entries) == len(set(entries)) == 36
-    assert {e.op for e in entries} == {"HstuLmsdFwdSm90", "HstuLmsdBwdSm90", "HSTUFwdSm90"}
+    assert len(entries) == len(set(entries)) == 44
+    assert {e.op for e in entries} == {"HstuLmsdFwdSm90", "HstuLmsdBwdSm90", "HSTUFwdSm90",
+                                       "HSTUBwdSm90"}

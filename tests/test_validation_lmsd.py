@@ -464,12 +464,15 @@ def test_check_no_overlap_with_cpu_views():
     check_no_overlap([("y", None)], [("x", a)])
 
 
-def test_check_no_overlap_uses_byte_ranges_of_strided_views():
+def test_check_no_overlap_compares_elements_of_strided_views():
     buf = torch.zeros(8, 16, dtype=torch.float32)
     left, right = buf[:, :8], buf[:, 8:]
-    # interleaved columns: the address ranges intersect though elements do not
+    # interleaved columns: the address ranges intersect but no element is shared
+    check_no_overlap([("dx", left), ("du", right)], [])
     with pytest.raises(ValueError, match="dx overlaps du"):
-        check_no_overlap([("dx", left), ("du", right)], [])
+        check_no_overlap([("dx", left), ("du", buf[:, 4:12])], [])
+    with pytest.raises(ValueError, match="dx overlaps x"):  # an output over an input too
+        check_no_overlap([("dx", left)], [("x", buf[1:3, 6:10])])
     lo, hi = byte_range(left)
     assert lo == left.data_ptr() and hi == left.data_ptr() + (7 * 16 + 8) * 4
     assert byte_range(buf[:0]) is None

@@ -19,7 +19,8 @@ streams 64-row tiles of the other side through a TMA ring:
   into a (T_q, H, D) fp32 workspace by a TMA reduce-add. One pass instead of two, but the
   order of the additions varies from run to run (not bitwise reproducible).
 In the other modes each output row is owned by exactly one CTA and summed in a fixed order,
-so the gradients are bitwise reproducible. GQA: a kv head's CTA streams the queries of all its query heads.
+so the gradients are bitwise reproducible. GQA: a kv head's CTA streams the queries of all
+its query heads.
 Masks are bits ANDed on the packed 16-bit P and dS (exact zeros whatever S was); streamed
 rows past a sequence's end are zeroed in shared memory (0 * NaN is NaN).
 """
@@ -450,6 +451,8 @@ class HstuAttentionBackwardSm90:
             row = idx // D
             if row >= first_row:
                 sX[row, idx % D] = self.dtype(0.0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=ZERO_BARRIER, number_of_threads=threads)
         # Generic-proxy stores read next by wgmma (async proxy).
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=ZERO_BARRIER, number_of_threads=threads)
