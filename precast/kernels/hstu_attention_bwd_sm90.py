@@ -628,7 +628,9 @@ class HstuAttentionBackwardSm90:
             t_s, t_g = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1),
                                              cute.group_modes(sdQ, 0, 2),
                                              cute.group_modes(g, 0, 2))
-            # One thread issues (bulk groups are per thread; its warp waits with it).
-            with cute.arch.elect_one():
-                cute.copy(tma_dq, t_s[None, wg], t_g)
-                cute.arch.cp_async_bulk_commit_group()
+            # The whole warp calls the copy: the TMA copy elects its one issuing lane itself
+            # (an elect_one around it nests elect.sync inside a one-lane branch: undefined,
+            # and it hung multi-tile CTAs). Bulk groups are per thread; the warp commits and
+            # later waits together, the lanes without a copy on empty groups.
+            cute.copy(tma_dq, t_s[None, wg], t_g)
+            cute.arch.cp_async_bulk_commit_group()

@@ -11,8 +11,9 @@ identical run after run, at the price of recomputing S and dP for dQ (7 matmuls 
 of 5), so ``deterministic=True`` costs nothing extra yet.
 Written but switched off (``fused_dq_enabled``): for D <= 128 and deterministic=False, one
 fused kernel computing dK, dV and adding each query tile's dQ part into an fp32 workspace
-with TMA reduce-adds (execute() converts it into dq and zeroes it again). It is right on
-one-tile batches and hangs on ragged multi-tile ones (docs/NOTES.md).
+with TMA reduce-adds (execute() converts it into dq and zeroes it again). It was right on
+one-tile batches and hung on ragged multi-tile ones; the probable cause (a nested elect.sync)
+is fixed but not yet run on a GPU (docs/NOTES.md).
 """
 from __future__ import annotations
 
@@ -184,10 +185,10 @@ class HSTUBwdSm90(_AttentionRules, Op):
                          [(k, t) for k, t in named.items() if k not in written])
 
     # --- compile ------------------------------------------------------------------------------
-    # The kernel's "fused" mode is right on one-tile batches but hangs on ragged multi-tile
-    # ones on the H200 (2026-11-29, docs/NOTES.md): until that is found it stays off and
-    # every configuration runs the deterministic kernels. A development switch: it is not
-    # part of the cache key, so set it (in the source) before any op compiles.
+    # The kernel's "fused" mode hung on ragged multi-tile batches on the H200 (2026-11-29);
+    # the probable cause is fixed but unverified (docs/NOTES.md), so it stays off and every
+    # configuration runs the deterministic kernels. A development switch: it is not part of
+    # the cache key, so set it (in the source) before any op compiles.
     fused_dq_enabled = False
 
     @property
