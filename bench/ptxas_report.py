@@ -39,15 +39,20 @@ def find_ptxas(explicit: str | None) -> str:
 
 
 def compile_ptx(entry, out_dir: Path) -> list[Path]:
+    """The PTX of every kernel the entry's op builds (one folder per kernel: the DSL names
+    the file after the function, which two kernels of one op may share)."""
     import cutlass.cute as cute
-    for old in out_dir.glob("*"):
-        old.unlink()
+    shutil.rmtree(out_dir, ignore_errors=True)
     op = OP_REGISTRY[entry.op].from_config(**dict(entry.config)).check_support()
-    for build in op._kernel_builders().values():
+    ptxs = []
+    for name, build in op._kernel_builders().items():
         fn, args = build()
+        folder = out_dir / name
+        folder.mkdir(parents=True)
         cute.compile(fn, *args, options=f"--enable-tvm-ffi --gpu-arch sm_90a --keep-ptx "
-                                        f"--dump-dir {out_dir}")
-    return sorted(out_dir.glob("*.ptx"))
+                                        f"--dump-dir {folder}")
+        ptxs += sorted(folder.glob("*.ptx"))
+    return ptxs
 
 
 def ptxas_verdict(ptxas: str, ptx: Path) -> dict:
