@@ -4,5 +4,5 @@
 #   run: source .gpuhost/prelude.sh && bash bench/device_all.sh  (carry .gpuhost .artifacts .peer)
 export PRECAST_CACHE_DIR=${PRECAST_CACHE_DIR:-$PWD/.artifacts/cache}
 OUT=${OUT:-/tmp/precast-out}; mkdir -p "$OUT"
-python3 -m pytest -q -rf -p no:cacheprovider tests/test_lmsd_gpu.py 2>&1 | tee "$OUT/pytest_lmsd.log" | tail -3
+timeout 180 python3 -m pytest -q -rf -p no:cacheprovider tests/test_lmsd_gpu.py 2>&1 | tee "$OUT/pytest_lmsd.log" | tail -3
 bash bench/device_attention.sh
