@@ -192,6 +192,9 @@ class HstuAttentionBackwardSm90:
         if warp_idx == 0:
             for atom in (tma_x, tma_y, tma_u, tma_w):
                 cpasync.prefetch_descriptor(atom)
+        if const_expr(self.fused):
+            if warp_idx == 4:  # the first consumer warp issues the reduce-adds
+                cpasync.prefetch_descriptor(tma_dq)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.storage)
@@ -418,8 +421,10 @@ class HstuAttentionBackwardSm90:
                     self.reduce_dq(dq_parts, mdQacc, tma_dq, sdQ, stream_head, q_start, s,
                                    scale_ds, consumer_tidx)
             if const_expr(self.fused):
+                # The staging buffer must outlive the last reduce's read of it (the adds
+                # themselves complete without us).
                 if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
         len_fixed = len_k if const_expr(self.keys_fixed) else len_q
         fixed_start = k_start if const_expr(self.keys_fixed) else q_start
@@ -451,8 +456,6 @@ class HstuAttentionBackwardSm90:
             row = idx // D
             if row >= first_row:
                 sX[row, idx % D] = self.dtype(0.0)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=ZERO_BARRIER, number_of_threads=threads)
         # Generic-proxy stores read next by wgmma (async proxy).
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=ZERO_BARRIER, number_of_threads=threads)
