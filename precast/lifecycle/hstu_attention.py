@@ -7,9 +7,8 @@ never read on the host: every rule here reads shapes, strides, dtypes and addres
 """
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, NamedTuple, Optional, Tuple
 
-import numpy as np
 import torch
 
 from ..reference.hstu_attention import FUNC_PAD_COLUMNS, PAGE_SIZE
@@ -18,8 +17,8 @@ from .cache import KernelBuilder
 from .launch import device_guard, sm_count, stream_handle, stream_is_capturing
 from .op import Op
 from .tensor_desc import TensorDesc, dtype_name, parse_dtype
-from .validation import (INT32_MAX, check_bool, check_finite, check_int, check_no_overlap,
-                         check_same_device, check_tensor, check_value)
+from .validation import (FLOAT32_MAX, INT32_MAX, check_bool, check_finite, check_int,
+                         check_no_overlap, check_same_device, check_tensor, check_value)
 
 ATTENTION_DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (32, 64, 128, 256)
@@ -32,7 +31,6 @@ MAX_WORK_TILES = INT32_MAX
 # Scheduler workspace: int32 (next tile, finished CTAs), zero before a launch and left zero
 # by it (the last CTA resets it), so one buffer serves every launch on one stream.
 WORKSPACE_SHAPE = (2,)
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Windows wider than any sequence act as unbounded on that side; capping them keeps the
 # kernel's int32 bound arithmetic (row + offset + window) from overflowing.
 WINDOW_CAP = 2**30
@@ -107,6 +105,17 @@ def kernel_scalars(alpha, scaling_seqlen) -> Tuple[float, float]:
     return a / 2, 1.0 / s
 
 
+class ConfigBatch(NamedTuple):
+    dtype: torch.dtype
+    window: Tuple[int, int]
+    seqlen: int
+    tokens: int
+    cu_seqlens: TensorDesc
+    q: TensorDesc
+    kv: TensorDesc
+    func: Optional[TensorDesc]
+
+
 class _AttentionRules:
     """Static configuration and rules shared by the HSTU attention forward and backward ops
     (they read q, k, func, paged_kv, window_size, alpha, scaling_seqlen off the op)."""
@@ -140,6 +149,31 @@ class _AttentionRules:
     @property
     def window(self) -> Tuple[int, int]:
         return check_window(self.window_size)
+
+    def _attention_config(self) -> Dict[str, object]:
+        """The static configuration both directions share."""
+        left, right = self.window
+        return {"dtype": dtype_name(self.dtype), "head_dim": self.head_dim,
+                "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+                "window_left_bounded": left >= 0, "window_right_bounded": right >= 0,
+                "func_intervals": self.func_intervals}
+
+    @staticmethod
+    def _config_batch(dtype, head_dim, num_heads, num_kv_heads, window_left_bounded,
+                      window_right_bounded, func_intervals) -> "ConfigBatch":
+        """Descriptors of a small batch with a static configuration (for from_config)."""
+        dt = parse_dtype(dtype)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        window = (64 if check_bool("window_left_bounded", window_left_bounded) else -1,
+                  0 if check_bool("window_right_bounded", window_right_bounded) else -1)
+        n = check_int("func_intervals", func_intervals, lo=0)
+        batch, seqlen = 8, 128
+        tokens = batch * seqlen
+        return ConfigBatch(
+            dt, window, seqlen, tokens, TensorDesc(torch.int32, (batch + 1,)),
+            TensorDesc(dt, (tokens, num_heads, head_dim)),
+            TensorDesc(dt, (tokens, num_kv_heads, head_dim)),
+            TensorDesc(torch.int32, (1, n, tokens + FUNC_PAD_COLUMNS)) if n else None)
 
     def _check_static(self) -> None:
         """dtype, ranks and the static extents the other rules compare against."""
@@ -258,35 +292,24 @@ class HSTUFwdSm90(_AttentionRules, Op):
                              page_ids=sample_page_ids, page_indptrs=sample_page_indptrs)
 
     def static_config(self) -> Dict[str, object]:
-        left, right = self.window
-        return {"dtype": dtype_name(self.dtype), "head_dim": self.head_dim,
-                "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
-                "window_left_bounded": left >= 0, "window_right_bounded": right >= 0,
-                "func_intervals": self.func_intervals, "paged": self.paged}
+        return dict(self._attention_config(), paged=self.paged)
 
     @classmethod
     def from_config(cls, dtype="bfloat16", head_dim=128, num_heads=4, num_kv_heads=None,
                     window_left_bounded=False, window_right_bounded=True, func_intervals=0,
                     paged=False):
         """Descriptors of a small batch with this static configuration (for precompile)."""
-        dt = parse_dtype(dtype)
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        window = (64 if check_bool("window_left_bounded", window_left_bounded) else -1,
-                  0 if check_bool("window_right_bounded", window_right_bounded) else -1)
-        n = check_int("func_intervals", func_intervals, lo=0)
-        batch, seqlen = 8, 128
-        tokens = batch * seqlen
-        cu = TensorDesc(torch.int32, (batch + 1,))
-        q = TensorDesc(dt, (tokens, num_heads, head_dim))
-        func = TensorDesc(torch.int32, (1, n, tokens + FUNC_PAD_COLUMNS)) if n else None
+        b = cls._config_batch(dtype, head_dim, num_heads, num_kv_heads, window_left_bounded,
+                              window_right_bounded, func_intervals)
         if check_bool("paged", paged):
-            pages = tokens // PAGE_SIZE
-            paged_kv = TensorDesc(dt, (pages, 2, PAGE_SIZE, num_kv_heads, head_dim))
-            return cls(q, None, None, None, cu, cu, seqlen, seqlen, window, sample_func=func,
-                       sample_paged_kv=paged_kv, sample_page_ids=TensorDesc(torch.int32, (pages,)),
-                       sample_page_indptrs=cu)
-        kv = TensorDesc(dt, (tokens, num_kv_heads, head_dim))
-        return cls(q, kv, kv, None, cu, cu, seqlen, seqlen, window, sample_func=func)
+            pages = b.tokens // PAGE_SIZE
+            paged_kv = TensorDesc(b.dtype, (pages, 2, PAGE_SIZE) + b.kv.shape[1:])
+            return cls(b.q, None, None, None, b.cu_seqlens, b.cu_seqlens, b.seqlen, b.seqlen,
+                       b.window, sample_func=b.func, sample_paged_kv=paged_kv,
+                       sample_page_ids=TensorDesc(torch.int32, (pages,)),
+                       sample_page_indptrs=b.cu_seqlens)
+        return cls(b.q, b.kv, b.kv, None, b.cu_seqlens, b.cu_seqlens, b.seqlen, b.seqlen,
+                   b.window, sample_func=b.func)
 
     # --- rules ------------------------------------------------------------------------------
     def _check(self) -> None:

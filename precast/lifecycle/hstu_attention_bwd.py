@@ -23,13 +23,12 @@ import torch
 
 from ..reference.hstu_attention import FUNC_PAD_COLUMNS
 from .cache import KernelBuilder
-from .hstu_attention import (ATTENTION_DTYPES, DATA_ALIGN, FLOAT32_MAX, INDEX_ALIGN,
-                             ROW_MULTIPLE, TMA_SPAN_LIMIT, WINDOW_CAP, _AttentionRules,
-                             check_offsets,
+from .hstu_attention import (DATA_ALIGN, FLOAT32_MAX, INDEX_ALIGN, ROW_MULTIPLE,
+                             TMA_SPAN_LIMIT, WINDOW_CAP, _AttentionRules, check_offsets,
                              check_tokens)
 from .launch import device_guard, stream_handle, stream_is_capturing
 from .op import Op
-from .tensor_desc import TensorDesc, dtype_name, parse_dtype
+from .tensor_desc import TensorDesc, dtype_name
 from .validation import (check_bool, check_int, check_no_overlap, check_same_device,
                          check_tensor, check_value)
 
@@ -88,31 +87,17 @@ class HSTUBwdSm90(_AttentionRules, Op):
                              cu_seqlens_k=sample_cu_seqlens_k, func_tensor=sample_func)
 
     def static_config(self) -> Dict[str, object]:
-        left, right = self.window
-        return {"dtype": dtype_name(self.dtype), "head_dim": self.head_dim,
-                "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
-                "window_left_bounded": left >= 0, "window_right_bounded": right >= 0,
-                "func_intervals": self.func_intervals,
-                "deterministic": bool(self.deterministic)}
+        return dict(self._attention_config(), deterministic=bool(self.deterministic))
 
     @classmethod
     def from_config(cls, dtype="bfloat16", head_dim=128, num_heads=4, num_kv_heads=None,
                     window_left_bounded=False, window_right_bounded=True, func_intervals=0,
                     deterministic=False):
         """Descriptors of a small batch with this static configuration (for precompile)."""
-        dt = parse_dtype(dtype)
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        window = (64 if check_bool("window_left_bounded", window_left_bounded) else -1,
-                  0 if check_bool("window_right_bounded", window_right_bounded) else -1)
-        n = check_int("func_intervals", func_intervals, lo=0)
-        batch, seqlen = 8, 128
-        tokens = batch * seqlen
-        cu = TensorDesc(torch.int32, (batch + 1,))
-        q = TensorDesc(dt, (tokens, num_heads, head_dim))
-        kv = TensorDesc(dt, (tokens, num_kv_heads, head_dim))
-        func = TensorDesc(torch.int32, (1, n, tokens + FUNC_PAD_COLUMNS)) if n else None
-        return cls(q, q, kv, kv, None, None, None, cu, cu, seqlen, seqlen, window,
-                   sample_func=func,
+        b = cls._config_batch(dtype, head_dim, num_heads, num_kv_heads, window_left_bounded,
+                              window_right_bounded, func_intervals)
+        return cls(b.q, b.q, b.kv, b.kv, None, None, None, b.cu_seqlens, b.cu_seqlens,
+                   b.seqlen, b.seqlen, b.window, sample_func=b.func,
                    deterministic=check_bool("deterministic", deterministic))
 
     # --- rules ------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 from .tensor_desc import TensorDesc, dtype_name
 
 INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # kernels take float scalars
 
 
 def _facts(t):
