@@ -45,8 +45,10 @@ def _check_and_time_attention() -> None:
     import torch
 
     from .benchmarking import do_bench, matmul_rate
-    from .hstu_attention import hstu_attention_forward
-    from .reference.hstu_attention import attention_flops, hstu_attention_reference
+    from .hstu_attention import hstu_attention_backward, hstu_attention_forward
+    from .reference.hstu_attention import (BACKWARD_FLOPS_FACTOR, attention_flops,
+                                           hstu_attention_backward_reference,
+                                           hstu_attention_reference)
 
     def batch(lens, d=128, heads=4):
         cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
@@ -64,13 +66,28 @@ def _check_and_time_attention() -> None:
     o = hstu_attention_forward(q, k, v, cu, cu, max(lens), max(lens), alpha=alpha).o_tensor
     ref = hstu_attention_reference(q, k, v, cu, cu, max(lens), max(lens), alpha=alpha)
     err = ((o.float() - ref).abs().max() / ref.abs().max()).item()
+    do = torch.randn_like(q)
+    grads = hstu_attention_backward(do, q, k, v, cu, cu, max(lens), max(lens), alpha=alpha)
+    refs = hstu_attention_backward_reference(do, q, k, v, cu, cu, max(lens), max(lens),
+                                             alpha=alpha)
+    err_bwd = max(((g.float() - r).abs().max() / r.abs().max()).item()
+                  for g, r in zip(grads, refs))
     seqlen = 4096
     q, k, v, cu = batch([seqlen] * 16)
-    out = torch.empty_like(q)
+    out, do = torch.empty_like(q), torch.randn_like(q)
+    buffers = dict(dq_tensor=torch.empty_like(q), dk_tensor=torch.empty_like(k),
+                   dv_tensor=torch.empty_like(v))
+    flops = attention_flops(cu.cpu(), cu.cpu(), 4, 128, (-1, 0))
+    case = "causal 16 x 4096, D 128"
     ms = do_bench(lambda: hstu_attention_forward(q, k, v, cu, cu, seqlen, seqlen, o_tensor=out))
-    rate = attention_flops(cu.cpu(), cu.cpu(), 4, 128, (-1, 0)) / (ms * 1e-3)
-    print(f"{'hstu_attention_forward':<24}{'causal 16 x 4096, D 128':>22}{ms * 1e3:>9.1f}"
+    rate = flops / (ms * 1e-3)
+    print(f"{'hstu_attention_forward':<24}{case:>22}{ms * 1e3:>9.1f}"
           f"{rate / 1e12:>9.1f}{rate / mm:>9.2f}{err:>13.1e}")
+    ms = do_bench(lambda: hstu_attention_backward(do, q, k, v, cu, cu, seqlen, seqlen,
+                                                  **buffers))
+    rate = BACKWARD_FLOPS_FACTOR * flops / (ms * 1e-3)
+    print(f"{'hstu_attention_backward':<24}{case:>22}{ms * 1e3:>9.1f}"
+          f"{rate / 1e12:>9.1f}{rate / mm:>9.2f}{err_bwd:>13.1e}")
 
 
 def run(plan: Path, arch=None, jobs=None) -> int:
