@@ -11,7 +11,8 @@ Design points (each a variant below):
 - T = (I + A)^-1 handed to the U/W matmuls as bf16, fp16 or fp32 (tf32-like);
 - Delta = U - W S formed in fp32 or rounded to bf16 before it feeds two matmuls;
 - the state S rounded to bf16 (or kept fp32) as the operand of W S and Q S;
-- q and k L2-normalized in fp32 before rounding (use_qk_l2norm_in_kernel).
+- q and k L2-normalized in fp32 before rounding (use_qk_l2norm_in_kernel), or the norms
+  folded into fp32-side factors while the matmuls read the raw bf16 q and k.
 Results go into docs/NOTES.md with the date; the script is the record of how.
 """
 from __future__ import annotations
@@ -69,6 +70,45 @@ def kernel_model(q, k, v, g, beta, scale, *, t_dtype, delta_dtype, state_dtype):
     return torch.cat(outs, dim=1).transpose(0, 1), S
 
 
+def folded_model(q, k, v, g, beta, scale, *, t_dtype, delta_dtype, state_dtype):
+    """kernel_model with the L2 norms folded instead of applied: the matmuls read the raw
+    bf16 q and k (exact operands) and 1/|q|, 1/|k| (fp32) go where a kernel can put them
+    for free: into the fp32 scores, into T's columns (T diag(beta gamma rk) before T is
+    rounded), onto Q S's rows, and into Delta's rows for the state update."""
+    L, H, K = k.shape
+    V = v.shape[-1]
+    C = CHUNK_SIZE
+    rq = torch.rsqrt(q.to(F32).pow(2).sum(-1).clamp_min(1e-24)).t()  # [H, L]
+    rk = torch.rsqrt(k.to(F32).pow(2).sum(-1).clamp_min(1e-24)).t()
+    S = torch.zeros(H, K, V, dtype=F32)
+    outs = []
+    for c0 in range(0, L, C):
+        c1 = min(c0 + C, L)
+        qc, kc, vc = (x[c0:c1].to(F32).transpose(0, 1) for x in (q, k, v))  # raw, exact
+        gc, bc = g[c0:c1].to(F32).t(), beta[c0:c1].to(F32).t()
+        rqc, rkc = rq[:, c0:c1], rk[:, c0:c1]
+        n = c1 - c0
+        G = torch.cumsum(gc, dim=-1)
+        incl = torch.ones(n, n, dtype=torch.bool).tril()
+        Gamma = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~incl, float("-inf")))
+        KK = rkc[..., :, None] * rkc[..., None, :] * (kc @ kc.transpose(-1, -2))
+        A = (bc[..., :, None] * Gamma * KK).masked_fill(~incl.tril(-1), 0.0)
+        eye = torch.eye(n, dtype=F32)
+        T = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False,
+                                          unitriangular=True)
+        U = rounded(T * bc[..., None, :], t_dtype) @ vc
+        W = rounded(T * (bc * torch.exp(G) * rkc)[..., None, :], t_dtype) @ kc
+        S_op = rounded(S, state_dtype)
+        delta = U - rounded(W, BF) @ S_op  # fp32
+        P = rounded(Gamma * rqc[..., :, None] * rkc[..., None, :]
+                    * (qc @ kc.transpose(-1, -2)), BF)
+        QS = (torch.exp(G) * rqc)[..., None] * (qc @ S_op)
+        outs.append(scale * (QS + P @ rounded(delta, delta_dtype)))
+        dk = rounded((torch.exp(G[..., -1:] - G) * rkc)[..., None] * delta, delta_dtype)
+        S = torch.exp(G[..., -1])[..., None, None] * S + kc.transpose(-1, -2) @ dk
+    return torch.cat(outs, dim=1).transpose(0, 1), S
+
+
 def rms_ratio(got: torch.Tensor, want: torch.Tensor) -> float:
     want = want.to(torch.float64)
     return ((got.to(torch.float64) - want).pow(2).mean().sqrt()
@@ -105,8 +145,13 @@ def main(argv=None) -> int:
     ]
     print(f"L={L} H={H} K=V={D}, bf16 inputs, l2norm on; RMS error ratio vs float64 recurrence")
     print(f"{'variant':34s} {'o':>10s} {'final state':>12s}")
-    for name, kw in variants:
-        o, S = kernel_model(qn, kn, v, g, beta, scale, **kw)
+    runs = [(name, kernel_model, qn, kn, kw) for name, kw in variants]
+    runs += [("folded norms: T bf16, Delta bf16", folded_model, q, k,
+              dict(t_dtype=BF, delta_dtype=BF, state_dtype=BF)),
+             ("folded norms: T bf16, Delta fp32", folded_model, q, k,
+              dict(t_dtype=BF, delta_dtype=F32, state_dtype=BF))]
+    for name, model, qq, kk, kw in runs:
+        o, S = model(qq, kk, v, g, beta, scale, **kw)
         # The reference stores states V-major ([N, H, V, K]); ours is [H, K, V].
         print(f"{name:34s} {rms_ratio(o.to(BF), ref['o']):10.2e} "
               f"{rms_ratio(S.transpose(-1, -2), ref['final_state'][0]):12.2e}", flush=True)
