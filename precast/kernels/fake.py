@@ -26,6 +26,21 @@ def fake_rows(dtype, rows, cols: int, packed: bool = False):
     return cute.runtime.make_fake_tensor(dtype, (rows, cols), (stride, 1), assumed_align=16)
 
 
+def fake_tokens(dtype, tokens, heads: int, head_dim: int):
+    """(T, H, D) with the last dimension contiguous and runtime token (64-bit) and head
+    strides: strided views of a fused projection compile into the same kernel."""
+    strides = (cute.sym_int(width=64, divisibility=ROW_STRIDE_DIVISIBILITY),
+               cute.sym_int(divisibility=ROW_STRIDE_DIVISIBILITY), 1)
+    return cute.runtime.make_fake_tensor(dtype, (tokens, heads, head_dim), strides,
+                                         assumed_align=16)
+
+
+def fake_packed(dtype, shape, align: int):
+    """A contiguous row-major tensor (the default order of compact fakes is column-major)."""
+    return cute.runtime.make_fake_compact_tensor(
+        dtype, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align)
+
+
 def fake_vector(dtype, length, align: int = 16):
     return cute.runtime.make_fake_compact_tensor(dtype, (length,), assumed_align=align)
 

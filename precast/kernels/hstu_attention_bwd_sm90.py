@@ -34,8 +34,9 @@ from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .hstu_attention_fwd_sm90 import (PRODUCER_REGS, THREADS_PER_WG, WG_ROWS, _acc_as_operand_a,
-                                      _acc_mn_layout, _advanced, _select)
+from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
+                             select_modes)
+from .hstu_attention_fwd_sm90 import PRODUCER_REGS, THREADS_PER_WG, WG_ROWS
 
 STREAM_ROWS = 64
 CONSUMER_REGS = 240
@@ -55,7 +56,7 @@ def stream_stages(head_dim: int, fused: bool) -> int:
     return {32: 4, 64: 4, 128: 2 if fused else 3, 256: 2}[head_dim]
 
 
-class HstuAttentionBackwardSm90:
+class HstuAttentionBackwardSm90(AttentionTileOps):
     def __init__(self, dtype, head_dim: int, num_heads: int, num_kv_heads: int,
                  window_left_bounded: bool, window_right_bounded: bool, func_intervals: int,
                  mode: str):
@@ -78,6 +79,7 @@ class HstuAttentionBackwardSm90:
         self.nwg = consumer_warpgroups(head_dim)
         assert not self.fused or self.nwg == 2, "fused needs two consumer warpgroups (D <= 128)"
         self.fixed_rows = WG_ROWS * self.nwg
+        self.mask_width = STREAM_ROWS  # masks cover a streamed tile's columns
         self.stages = stream_stages(head_dim, self.fused)
         self.num_threads = (self.nwg + 1) * THREADS_PER_WG
 
@@ -93,7 +95,7 @@ class HstuAttentionBackwardSm90:
         fp32 (T_q, H, D) dQ accumulator (fused: zero before, dQ * 1 after). Unused: None."""
         dt = self.dtype
         D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
-        mQ, mK, mV, mdO = [_select(t, [0, 2, 1]) for t in (mQ, mK, mV, mdO)]  # (T, D, H)
+        mQ, mK, mV, mdO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mdO)]  # (T, D, H)
         if const_expr(self.keys_fixed):
             mX, mY, mU, mW = mK, mV, mQ, mdO
         else:
@@ -129,33 +131,24 @@ class HstuAttentionBackwardSm90:
         mdQacc_tma = None
         if const_expr(self.fused):
             tma_dq, mdQacc_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), _select(mdQacc, [0, 2, 1]),
+                cpasync.CopyReduceBulkTensorTileS2GOp(), select_modes(mdQacc, [0, 2, 1]),
                 one(sdQ_layout), (C, D // self.nwg))
+        # Only the fused mode has dS and dQ buffers.
+        sdS_size = cute.cosize(sdS_layout) if const_expr(self.fused) else 0
+        sdQ_size = cute.cosize(sdQ_layout) if const_expr(self.fused) else 0
 
-            @cute.struct
-            class SharedStorage:
-                fixed_bars: cute.struct.MemRange[cutlass.Int64, 2]
-                stream_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-                sX: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
-                sY: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
-                sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
-                sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
-                sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
-                sdQ: cute.struct.Align[
-                    cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+        @cute.struct
+        class SharedStorage:
+            fixed_bars: cute.struct.MemRange[cutlass.Int64, 2]
+            stream_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sX: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
+            sY: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, sdS_size], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, sdQ_size], 1024]
 
-            self.storage = SharedStorage
-        else:
-            @cute.struct
-            class SharedStorage:
-                fixed_bars: cute.struct.MemRange[cutlass.Int64, 2]
-                stream_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-                sX: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
-                sY: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
-                sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
-                sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
-
-            self.storage = SharedStorage
+        self.storage = SharedStorage
         num_batches = mCuSeqlensQ.shape[0] - 1
         heads = self.num_kv_heads if const_expr(self.keys_fixed) else self.num_heads
         tiles = cutlass.max((max_seqlen_fixed + R - 1) // R, 1)
@@ -314,7 +307,7 @@ class HstuAttentionBackwardSm90:
                                                    cute.group_modes(smem_t, 0, 2),
                                                    cute.group_modes(g, 0, 2))
                     cute.copy(atom, tg, ts[None, state.index], tma_bar_ptr=bar)
-                state = _advanced(state)
+                state = advanced(state)
 
     @cute.jit
     def consume(self, mma_s, mma_g, mma_dq, sX, sY, sU, sW, sdS, sdQ, pipe_fixed, pipe_stream,
@@ -341,8 +334,8 @@ class HstuAttentionBackwardSm90:
         acc_dp = cute.make_rmem_tensor(wg_s.partition_shape_C((R, C)), Float32)
         ds_regs = cute.make_rmem_tensor(acc_s.layout, self.dtype)
         p_regs = cute.make_rmem_tensor(acc_s.layout, self.dtype)
-        tGrdS = cute.make_tensor(ds_regs.iterator, _acc_as_operand_a(acc_s.layout))
-        tGrP = cute.make_tensor(p_regs.iterator, _acc_as_operand_a(acc_s.layout))
+        tGrdS = cute.make_tensor(ds_regs.iterator, acc_as_operand_a(acc_s.layout))
+        tGrP = cute.make_tensor(p_regs.iterator, acc_as_operand_a(acc_s.layout))
         acc_a = None
         acc_b = None
         if const_expr(self.want_ds):
@@ -355,9 +348,8 @@ class HstuAttentionBackwardSm90:
         if const_expr(self.fused):
             dq_parts = self.dq_partitions(mma_dq, sX, sdS, sdQ, consumer_tidx)
 
-        coords = cute.make_tensor(
-            thr_s.partition_C(cute.make_identity_tensor((R, C))).iterator,
-            _acc_mn_layout(thr_s.partition_C(cute.make_identity_tensor((R, C))).layout))
+        c_s = thr_s.partition_C(cute.make_identity_tensor((R, C)))
+        coords = cute.make_tensor(c_s.iterator, acc_mn_layout(c_s.layout))
         r0 = block * R
         row_i = (r0 + coords[0, 0][0], r0 + coords[1, 0][0])  # local fixed-side indices
         first_col = coords[0, 0][1]
@@ -399,11 +391,13 @@ class HstuAttentionBackwardSm90:
                 keep = self.keep_bits(row_i, first_col + s * C, func, mFunc, q_start, len_q,
                                       len_k, off, window_left, window_right)
                 if const_expr(self.want_p):
-                    self.apply_keep(p_regs, keep)
+                    for h in cutlass.range_constexpr(2):
+                        self.and_keep_bits(p_regs, h, keep[h])
                     self.gemm(mma_g, acc_b, tGrP, tGrWt[None, None, None, state.index],
                               accumulate=True)
                 if const_expr(self.want_ds):
-                    self.apply_keep(ds_regs, keep)
+                    for h in cutlass.range_constexpr(2):
+                        self.and_keep_bits(ds_regs, h, keep[h])
                     if const_expr(self.fused):
                         self.stage_ds(ds_regs, mma_s, sdS[None, None, i % 2], consumer_tidx)
                     self.gemm(mma_g, acc_a, tGrdS, tGrUt[None, None, None, state.index],
@@ -415,7 +409,7 @@ class HstuAttentionBackwardSm90:
                 warpgroup.wait_group(0)
                 cute.arch.sync_warp()
                 pipe_stream.consumer_release(state)
-                state = _advanced(state)
+                state = advanced(state)
                 if const_expr(self.fused):
                     stream_head = head * self.group + i // tiles
                     self.reduce_dq(dq_parts, mdQacc, tma_dq, sdQ, stream_head, q_start, s,
@@ -497,17 +491,8 @@ class HstuAttentionBackwardSm90:
                     bits = Uint32(0)
                 keep[r] = bits
             else:
-                bits = self.cols_below(len_k, first)
-                if const_expr(self.right_bounded):
-                    bits = bits & self.cols_below(i + off + window_right + 1, first)
-                if const_expr(self.left_bounded):
-                    bits = bits & ~self.cols_below(i + off - window_left, first)
-                if const_expr(self.func_intervals > 0):
-                    union = self.cols_below(func[r, 0], first)
-                    for t in cutlass.range_constexpr(1, self.func_intervals, 2):
-                        union = union | (self.cols_below(func[r, t + 1], first)
-                                         & ~self.cols_below(func[r, t], first))
-                    bits = bits & union
+                bits = self.keys_seen_by_query(i, first, func, r, len_k, off, window_left,
+                                               window_right)
                 if i >= len_q:
                     bits = Uint32(0)
                 keep[r] = bits
@@ -531,47 +516,20 @@ class HstuAttentionBackwardSm90:
         return bits
 
     @cute.jit
-    def cols_below(self, limit: Int32, first: Int32) -> Uint32:
-        """Bits of this thread's columns (first + 8 g + e) that are < limit."""
-        rel = cutlass.min(cutlass.max(limit - first, 0), STREAM_ROWS)
-        count = 2 * (rel >> 3) + cutlass.min(rel & 7, 2)
-        return Uint32((cutlass.Uint64(1) << cutlass.Uint64(count)) - cutlass.Uint64(1))
-
-    @cute.jit
-    def apply_keep(self, regs, keep):
-        """ANDs the keep bits onto the packed 16-bit pairs (register h + 2 g holds columns
-        8 g + {0, 1} of row h)."""
-        pairs = cute.recast_tensor(regs, Uint32)
-        for h in cutlass.range_constexpr(2):
-            for g in cutlass.range_constexpr(STREAM_ROWS // 8):
-                two = (keep[h] >> (2 * g)) & Uint32(3)
-                pairs[h + 2 * g] = pairs[h + 2 * g] & (((two & Uint32(1)) * Uint32(0xFFFF))
-                                                       | ((two & Uint32(2)) * Uint32(0x7FFF8000)))
-
-    @cute.jit
-    def gemm(self, tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr):
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its ACCUMULATE flag is mutated
-        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-            atom.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
-            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        warpgroup.commit_group()
-
-    @cute.jit
     def store_rows(self, mOut, acc, thr_g, head: Int32, r0: Int32, start: Int32, length: Int32,
                    scale: Float32):
         """acc * scale -> the fixed tile's rows of this sequence (pairs of 16-bit values)."""
         D, R = self.head_dim, self.fixed_rows
-        mOut = _select(mOut, [0, 2, 1])
+        mOut = select_modes(mOut, [0, 2, 1])
         g = cute.local_tile(cute.domain_offset((start, 0), mOut[None, None, head]), (R, D),
                             (r0 // R, 0))
         t_g = thr_g.partition_C(g)
         t_c = thr_g.partition_C(cute.make_identity_tensor((R, D)))
-        g_mn = cute.make_tensor(t_g.iterator, _acc_mn_layout(t_g.layout))
-        c_mn = cute.make_tensor(t_c.iterator, _acc_mn_layout(t_c.layout))
+        g_mn = cute.make_tensor(t_g.iterator, acc_mn_layout(t_g.layout))
+        c_mn = cute.make_tensor(t_c.iterator, acc_mn_layout(t_c.layout))
         out = cute.make_rmem_tensor(acc.layout, self.dtype)
         out.store((acc.load() * scale).to(self.dtype))
-        out_mn = cute.make_tensor(out.iterator, _acc_mn_layout(out.layout))
+        out_mn = cute.make_tensor(out.iterator, acc_mn_layout(out.layout))
         for r in cutlass.range_constexpr(cute.size(g_mn, mode=[0])):
             if r0 + c_mn[r, 0][0] < length:
                 for c in cutlass.range_constexpr(cute.size(g_mn, mode=[1])):

@@ -27,9 +27,12 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Boolean, Float32, Int32, Uint32, Uint64, const_expr
+from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
+
+from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
+                             select_modes)
 
 TILE_M = 128  # query rows of a work tile (two consumer warpgroups of 64)
 WG_ROWS = 64
@@ -49,37 +52,7 @@ ZERO_V_BARRIER = 3  # both consumer warpgroups cleared the rows past a sequence'
 EPILOGUE_BARRIER = 4  # 4 and 5: a warpgroup's output rows are staged in shared memory
 
 
-def _select(t: cute.Tensor, modes) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
-
-
-def _acc_mn_layout(acc_layout: cute.Layout) -> cute.Layout:
-    """wgmma accumulator ((2 cols, 2 rows, N/8), M, N) viewed as (rows, cols)."""
-    s, d = acc_layout.shape, acc_layout.stride
-    return cute.make_layout(((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
-                            stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])))
-
-
-def _acc_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
-    """Accumulator registers ((2, 2, N/8), M, N) read as a 16-bit A operand
-    ((2, 2, 2), M, (N/16, N)): two 8-column groups make one k16 slice."""
-    s, d = acc_layout.shape, acc_layout.stride
-    groups = s[0][2]
-    return cute.make_layout(((s[0][0], s[0][1], 2), s[1], (groups // 2, s[2])),
-                            stride=((d[0][0], d[0][1], d[0][2]), d[1],
-                                    (d[0][2] * 2, d[2])))
-
-
-@cute.jit
-def _advanced(state):
-    # A new state one stage on; assigning it (rather than mutating in place) carries the
-    # state out of dynamic branches.
-    nxt = state.clone()
-    nxt.advance()
-    return nxt
-
-
-class HstuAttentionForwardSm90:
+class HstuAttentionForwardSm90(AttentionTileOps):
     def __init__(self, dtype, head_dim: int, num_heads: int, num_kv_heads: int,
                  window_left_bounded: bool, window_right_bounded: bool, func_intervals: int,
                  paged: bool, pingpong: bool = True):
@@ -99,6 +72,7 @@ class HstuAttentionForwardSm90:
         # while the other's matmuls keep the tensor cores busy.
         self.pingpong = pingpong
         self.tile_n = TILE_N[head_dim]
+        self.mask_width = self.tile_n  # masks cover a whole key tile
         self.stages = STAGES[head_dim]
         # A second Q buffer lets the producer load the next tile's Q during this tile
         # (shared memory allows it up to D = 128).
@@ -123,14 +97,14 @@ class HstuAttentionForwardSm90:
         dt = self.dtype
         D, tn = self.head_dim, self.tile_n
         # (T, H, D) -> (T, D, H): rows and head dim first, as TMA tiles them.
-        mQ, mO = [_select(t, [0, 2, 1]) for t in (mQ, mO)]
+        mQ, mO = [select_modes(t, [0, 2, 1]) for t in (mQ, mO)]
         if const_expr(self.paged):
             # (pages, 2, 128, H_kv, D) -> K rows (128, D, H_kv, 2, pages), V^T (D, 128, ...)
-            mK = _select(mPagedKV, [2, 4, 3, 1, 0])
-            mVt = _select(mPagedKV, [4, 2, 3, 1, 0])
+            mK = select_modes(mPagedKV, [2, 4, 3, 1, 0])
+            mVt = select_modes(mPagedKV, [4, 2, 3, 1, 0])
         else:
-            mK = _select(mK, [0, 2, 1])
-            mVt = _select(mV, [2, 0, 1])  # (D, T_k, H_kv): V^T, MN-major B operand
+            mK = select_modes(mK, [0, 2, 1])
+            mVt = select_modes(mV, [2, 0, 1])  # (D, T_k, H_kv): V^T, MN-major B operand
 
         mma_qk = sm90_utils.make_trivial_tiled_mma(
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
@@ -398,7 +372,7 @@ class HstuAttentionForwardSm90:
                                                cute.group_modes(sQ, 0, 2),
                                                cute.group_modes(gQ, 0, 2))
             cute.copy(tma_q, tQgQ, tQsQ[None, stage], tma_bar_ptr=full)
-        return _advanced(q_state)
+        return advanced(q_state)
 
     @cute.jit
     def claim_next(self, mQ, tma_q, sQ, work, pipe_q, q_state, mTileCounter, group: Int32,
@@ -463,7 +437,7 @@ class HstuAttentionForwardSm90:
             pipe_v.producer_acquire(state)
             cute.copy(tma_v, tVgV[None, n], tVsV[None, state.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(state))
-        return _advanced(state)
+        return advanced(state)
 
     @cute.jit
     def consume(self, mma_qk, mma_pv, mO, sQ, sK, sVt, work, pipe_q, pipe_k, pipe_v, tidx: Int32,
@@ -484,7 +458,7 @@ class HstuAttentionForwardSm90:
         acc_s = cute.make_rmem_tensor(wg_qk.partition_shape_C((TILE_M, tn)), Float32)
         acc_o = cute.make_rmem_tensor(wg_pv.partition_shape_C((TILE_M, D)), Float32)
         p_regs = cute.make_rmem_tensor(acc_s.layout, self.dtype)
-        tOrP = cute.make_tensor(p_regs.iterator, _acc_as_operand_a(acc_s.layout))
+        tOrP = cute.make_tensor(p_regs.iterator, acc_as_operand_a(acc_s.layout))
 
         rows = 2  # accumulator rows per thread (r and r + 8 of its warp's 16)
         row_i = cute.make_rmem_tensor(cute.make_layout(rows), Int32)
@@ -537,7 +511,7 @@ class HstuAttentionForwardSm90:
             else:
                 self.release_q(pipe_q, q_state)
                 self.store_output(mO, None, thr_pv, head, m0, q_start, len_q, out_scale)
-            q_state = _advanced(q_state)
+            q_state = advanced(q_state)
             pipe_q.consumer_wait(q_state)
             batch = work[W_BATCH, q_state.count % self.work_slots]
 
@@ -636,15 +610,6 @@ class HstuAttentionForwardSm90:
                                      number_of_threads=2 * THREADS_PER_WG)
 
     @cute.jit
-    def gemm(self, tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr):
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its ACCUMULATE flag is mutated
-        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-            atom.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
-            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        warpgroup.commit_group()
-
-    @cute.jit
     def tile_needs_mask(self, n: Int32, m0_wg: Int32, len_k: Int32, off: Int32,
                         window_left: Int32, window_right: Int32) -> Boolean:
         """Whether any score of this warpgroup's 64 rows x key tile n is masked."""
@@ -668,49 +633,16 @@ class HstuAttentionForwardSm90:
     @cute.jit
     def mask_p(self, p_regs, row_i, func, first: Int32, len_k: Int32, off: Int32,
                window_left: Int32, window_right: Int32):
-        """Zeroes the hidden keys of P (16-bit pairs, bitwise: exact zeros whatever S was).
-
-        P holds per thread 2 rows h x (tile_n / 8) column pairs g; the register h + 2 g packs
-        columns first + 8 g + {0, 1} of row h, i.e. bits 2 g, 2 g + 1 of the row's mask."""
-        pairs = cute.recast_tensor(p_regs, Uint32)
-        groups = self.tile_n // 8
+        """Zeroes the hidden keys of P (both of the thread's rows)."""
         for h in cutlass.range_constexpr(2):
-            keep = self.row_keep_bits(row_i[h], first, func, h, len_k, off, window_left,
-                                      window_right)
-            for g in cutlass.range_constexpr(groups):
-                two = (keep >> (2 * g)) & Uint32(3)
-                pairs[h + 2 * g] = pairs[h + 2 * g] & (((two & Uint32(1)) * Uint32(0xFFFF))
-                                                       | ((two & Uint32(2)) * Uint32(0x7FFF8000)))
-
-    @cute.jit
-    def cols_below(self, limit: Int32, first: Int32) -> Uint32:
-        """Bits of this thread's columns (first + 8 g + e) that are < limit."""
-        rel = cutlass.min(cutlass.max(limit - first, 0), self.tile_n)
-        count = 2 * (rel >> 3) + cutlass.min(rel & 7, 2)
-        return Uint32((Uint64(1) << Uint64(count)) - Uint64(1))
-
-    @cute.jit
-    def row_keep_bits(self, i: Int32, first: Int32, func, r: cutlass.Constexpr, len_k: Int32,
-                      off: Int32, window_left: Int32, window_right: Int32) -> Uint32:
-        """Visible keys of local query row i among this thread's columns of the tile."""
-        keep = self.cols_below(len_k, first)
-        if const_expr(self.right_bounded):
-            keep = keep & self.cols_below(i + off + window_right + 1, first)
-        if const_expr(self.left_bounded):
-            keep = keep & ~self.cols_below(i + off - window_left, first)
-        if const_expr(self.func_intervals > 0):
-            union = self.cols_below(func[r, 0], first)
-            for t in cutlass.range_constexpr(1, self.func_intervals, 2):
-                union = union | (self.cols_below(func[r, t + 1], first)
-                                 & ~self.cols_below(func[r, t], first))
-            keep = keep & union
-        return keep
+            self.and_keep_bits(p_regs, h, self.keys_seen_by_query(
+                row_i[h], first, func, h, len_k, off, window_left, window_right))
 
     @cute.jit
     def score_coords(self, thr_qk):
         """(row, col) in the CTA tile of each score this thread holds, as (rows, cols)."""
         c_s = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n)))
-        return cute.make_tensor(c_s.iterator, _acc_mn_layout(c_s.layout))
+        return cute.make_tensor(c_s.iterator, acc_mn_layout(c_s.layout))
 
     @cute.jit
     def silu_half(self, acc: Float32, half_alpha: Float32) -> Float32:
@@ -729,8 +661,8 @@ class HstuAttentionForwardSm90:
                              (TILE_M, D), (m0 // TILE_M, 0))
         tOgO = thr_pv.partition_C(gO)
         coords = thr_pv.partition_C(cute.make_identity_tensor((TILE_M, D)))
-        g_mn = cute.make_tensor(tOgO.iterator, _acc_mn_layout(tOgO.layout))
-        c_mn = cute.make_tensor(coords.iterator, _acc_mn_layout(coords.layout))
+        g_mn = cute.make_tensor(tOgO.iterator, acc_mn_layout(tOgO.layout))
+        c_mn = cute.make_tensor(coords.iterator, acc_mn_layout(coords.layout))
         if const_expr(acc_o is None):  # no visible key: zeros
             for r in cutlass.range_constexpr(cute.size(g_mn, mode=[0])):
                 if m0 + c_mn[r, 0][0] < len_q:
@@ -739,7 +671,7 @@ class HstuAttentionForwardSm90:
         else:
             out = cute.make_rmem_tensor(acc_o.layout, self.dtype)
             out.store((acc_o.load() * out_scale).to(self.dtype))
-            out_mn = cute.make_tensor(out.iterator, _acc_mn_layout(out.layout))
+            out_mn = cute.make_tensor(out.iterator, acc_mn_layout(out.layout))
             for r in cutlass.range_constexpr(cute.size(g_mn, mode=[0])):
                 if m0 + c_mn[r, 0][0] < len_q:
                     for c in cutlass.range_constexpr(cute.size(g_mn, mode=[1])):

@@ -37,7 +37,8 @@ WINDOW_CAP = 2**30
 KV_REQUIRED = "k and v are required (or paged_kv, page_ids and page_indptrs for paged KV)"
 # Everything the compiled code depends on besides this module (fingerprinted into the cache
 # key); extend it when the kernel imports more of precast.kernels.
-KERNEL_SOURCES = ("precast.kernels.hstu_attention_fwd_sm90", "precast.kernels.fake")
+KERNEL_SOURCES = ("precast.kernels.hstu_attention_fwd_sm90", "precast.kernels.attention_sm90",
+                  "precast.kernels.fake")
 
 
 def _desc(t) -> Optional[TensorDesc]:
@@ -388,21 +389,15 @@ class HSTUFwdSm90(_AttentionRules, Op):
         def build():
             import cutlass
             import cutlass.cute as cute
-            from ..kernels.fake import cute_dtype, fake_stream, scalar
+            from ..kernels.fake import (cute_dtype, fake_packed, fake_stream, fake_tokens,
+                                        scalar)
             from ..kernels.hstu_attention_fwd_sm90 import HstuAttentionForwardSm90
             dt = cute_dtype(dtype_name(self.dtype))
             h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+            packed = fake_packed
 
-            def tokens(count, heads):  # strided views: runtime token and head strides
-                strides = (cute.sym_int(width=64, divisibility=ROW_MULTIPLE),
-                           cute.sym_int(divisibility=ROW_MULTIPLE), 1)
-                return cute.runtime.make_fake_tensor(dt, (count, heads, d), strides,
-                                                     assumed_align=DATA_ALIGN)
-
-            def packed(kind, shape, align):  # row-major (the default order is column-major)
-                return cute.runtime.make_fake_compact_tensor(
-                    kind, shape, stride_order=tuple(reversed(range(len(shape)))),
-                    assumed_align=align)
+            def tokens(count, heads):
+                return fake_tokens(dt, count, heads, d)
 
             t_q, entries = cute.sym_int(), cute.sym_int()  # o has q's tokens; B + 1 offsets
             k = v = paged_kv = page_ids = page_indptrs = func = None

@@ -23,9 +23,8 @@ import torch
 
 from ..reference.hstu_attention import FUNC_PAD_COLUMNS
 from .cache import KernelBuilder
-from .hstu_attention import (DATA_ALIGN, FLOAT32_MAX, INDEX_ALIGN, ROW_MULTIPLE,
-                             TMA_SPAN_LIMIT, WINDOW_CAP, _AttentionRules, check_offsets,
-                             check_tokens)
+from .hstu_attention import (DATA_ALIGN, FLOAT32_MAX, INDEX_ALIGN, TMA_SPAN_LIMIT, WINDOW_CAP,
+                             _AttentionRules, _desc, check_offsets, check_tokens)
 from .launch import device_guard, stream_handle, stream_is_capturing
 from .op import Op
 from .tensor_desc import TensorDesc, dtype_name
@@ -33,12 +32,9 @@ from .validation import (check_bool, check_int, check_no_overlap, check_same_dev
                          check_tensor, check_value)
 
 KERNEL_SOURCES = ("precast.kernels.hstu_attention_bwd_sm90",
-                  "precast.kernels.hstu_attention_fwd_sm90", "precast.kernels.fake")
+                  "precast.kernels.hstu_attention_fwd_sm90", "precast.kernels.attention_sm90",
+                  "precast.kernels.fake")
 GRADIENTS = ("dq", "dk", "dv")
-
-
-def _desc(t) -> Optional[TensorDesc]:
-    return None if t is None else TensorDesc.from_tensor(t)
 
 
 def fixed_rows(head_dim: int) -> int:
@@ -192,21 +188,17 @@ class HSTUBwdSm90(_AttentionRules, Op):
             def build():
                 import cutlass
                 import cutlass.cute as cute
-                from ..kernels.fake import cute_dtype, fake_stream, scalar
+                from ..kernels.fake import (cute_dtype, fake_packed, fake_stream, fake_tokens,
+                                            scalar)
                 from ..kernels.hstu_attention_bwd_sm90 import HstuAttentionBackwardSm90
                 dt = cute_dtype(dtype_name(self.dtype))
                 h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
 
-                def tokens(count, heads):  # strided views: runtime token and head strides
-                    strides = (cute.sym_int(width=64, divisibility=ROW_MULTIPLE),
-                               cute.sym_int(divisibility=ROW_MULTIPLE), 1)
-                    return cute.runtime.make_fake_tensor(dt, (count, heads, d), strides,
-                                                         assumed_align=DATA_ALIGN)
+                def tokens(count, heads):
+                    return fake_tokens(dt, count, heads, d)
 
                 def packed(shape):
-                    return cute.runtime.make_fake_compact_tensor(
-                        cutlass.Int32, shape, stride_order=tuple(reversed(range(len(shape)))),
-                        assumed_align=INDEX_ALIGN)
+                    return fake_packed(cutlass.Int32, shape, INDEX_ALIGN)
 
                 t_q, t_k, entries = cute.sym_int(), cute.sym_int(), cute.sym_int()
                 func = None

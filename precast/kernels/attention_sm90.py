@@ -1,0 +1,91 @@
+"""Pieces shared by the HSTU attention forward and backward kernels (SM90, CuTe DSL):
+layout views of wgmma accumulators, the wgmma issue loop, and the per-thread bit masks
+that zero hidden scores of packed 16-bit operands."""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Uint32, Uint64, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+
+def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def acc_mn_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """wgmma accumulator ((2 cols, 2 rows, N/8), M, N) viewed as (rows, cols)."""
+    s, d = acc_layout.shape, acc_layout.stride
+    return cute.make_layout(((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
+                            stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])))
+
+
+def acc_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
+    """Accumulator registers ((2, 2, N/8), M, N) read as a 16-bit A operand
+    ((2, 2, 2), M, (N/16, N)): two 8-column groups make one k16 slice."""
+    s, d = acc_layout.shape, acc_layout.stride
+    groups = s[0][2]
+    return cute.make_layout(((s[0][0], s[0][1], 2), s[1], (groups // 2, s[2])),
+                            stride=((d[0][0], d[0][1], d[0][2]), d[1],
+                                    (d[0][2] * 2, d[2])))
+
+
+@cute.jit
+def advanced(state):
+    # A new state one stage on; assigning it (rather than mutating in place) carries the
+    # state out of dynamic branches.
+    nxt = state.clone()
+    nxt.advance()
+    return nxt
+
+
+class AttentionTileOps:
+    """Mixin of the kernel classes. Uses ``self.mask_width`` (columns of a masked score
+    tile), ``self.left_bounded``, ``self.right_bounded`` and ``self.func_intervals``.
+
+    A thread's scores of one tile are 2 rows h x (mask_width / 8) column pairs g: the 16-bit
+    register pair h + 2 g packs columns first + 8 g + {0, 1} of row h, which are bits 2 g and
+    2 g + 1 of that row's keep mask."""
+
+    @cute.jit
+    def gemm(self, tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr):
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its ACCUMULATE flag is mutated
+        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+            atom.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
+            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def cols_below(self, limit: Int32, first: Int32) -> Uint32:
+        """Bits of this thread's columns (first + 8 g + e) that are < limit."""
+        rel = cutlass.min(cutlass.max(limit - first, 0), self.mask_width)
+        count = 2 * (rel >> 3) + cutlass.min(rel & 7, 2)
+        return Uint32((Uint64(1) << Uint64(count)) - Uint64(1))
+
+    @cute.jit
+    def keys_seen_by_query(self, i: Int32, first: Int32, func, r: cutlass.Constexpr,
+                           len_k: Int32, off: Int32, window_left: Int32,
+                           window_right: Int32) -> Uint32:
+        """Keep bits of local query row i over key columns first + 8 g + e (window edges,
+        the sequence end, func intervals from ``func[r, :]``)."""
+        keep = self.cols_below(len_k, first)
+        if const_expr(self.right_bounded):
+            keep = keep & self.cols_below(i + off + window_right + 1, first)
+        if const_expr(self.left_bounded):
+            keep = keep & ~self.cols_below(i + off - window_left, first)
+        if const_expr(self.func_intervals > 0):
+            union = self.cols_below(func[r, 0], first)
+            for t in cutlass.range_constexpr(1, self.func_intervals, 2):
+                union = union | (self.cols_below(func[r, t + 1], first)
+                                 & ~self.cols_below(func[r, t], first))
+            keep = keep & union
+        return keep
+
+    @cute.jit
+    def and_keep_bits(self, regs, h: cutlass.Constexpr, keep: Uint32):
+        """Zeroes row h's hidden columns of packed 16-bit registers (bitwise: exact zeros
+        whatever the scores were)."""
+        pairs = cute.recast_tensor(regs, Uint32)
+        for g in cutlass.range_constexpr(self.mask_width // 8):
+            two = (keep >> (2 * g)) & Uint32(3)
+            pairs[h + 2 * g] = pairs[h + 2 * g] & (((two & Uint32(1)) * Uint32(0xFFFF))
+                                                   | ((two & Uint32(2)) * Uint32(0x7FFF8000)))
