@@ -18,13 +18,12 @@ import torch
 from common import do_bench, environment, matmul_rate, write_json
 from precast import HSTUFwdSm90
 from precast.reference.hstu_attention import attention_flops
+from precast.reference.offsets import offsets_from_lengths
 
 HEADS = 4
 TOKENS = 65536  # per batch, as in the issue
 
 
-def lengths_to_offsets(lengths) -> torch.Tensor:
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
 
 
 def heavy_tailed_lengths(total: int, longest: int, seed: int = 0):
@@ -61,7 +60,7 @@ def cases(quick: bool):
 
 
 def make_inputs(lens_q, lens_k, head_dim, dtype=torch.bfloat16):
-    cu_q, cu_k = lengths_to_offsets(lens_q), lengths_to_offsets(lens_k)
+    cu_q, cu_k = offsets_from_lengths(lens_q), offsets_from_lengths(lens_k)
     q = torch.randn(sum(lens_q), HEADS, head_dim, device="cuda", dtype=dtype)
     k = torch.randn(sum(lens_k), HEADS, head_dim, device="cuda", dtype=dtype)
     v = torch.randn_like(k)

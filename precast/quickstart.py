@@ -46,13 +46,13 @@ def _check_and_time_attention() -> None:
 
     from .benchmarking import do_bench, matmul_rate
     from .hstu_attention import hstu_attention_backward, hstu_attention_forward
+    from .reference.offsets import offsets_from_lengths
     from .reference.hstu_attention import (BACKWARD_FLOPS_FACTOR, attention_flops,
                                            hstu_attention_backward_reference,
                                            hstu_attention_reference)
 
     def batch(lens, d=128, heads=4):
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
-                          device="cuda")
+        cu = offsets_from_lengths(lens, device="cuda")
         q, k, v = (torch.randn(sum(lens), heads, d, device="cuda", dtype=torch.bfloat16)
                    for _ in range(3))
         return q, k, v, cu

@@ -21,6 +21,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def fp32_matmuls():
+    """References' einsums on the GPU in true fp32 (no TF32), for a whole test module."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.fixture
+def fixed_sources(monkeypatch):
+    """Cache keys that differ by static configuration only (the kernel-source fingerprint
+    pinned)."""
+    from precast.lifecycle import op as op_mod
+    monkeypatch.setattr(op_mod, "source_fingerprint", lambda modules: "sources")
+
+
+def key_of(op):
+    return op.check_support().cache_key("sm_90a")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _default_arch():
     # CPU machines compile for Hopper unless told otherwise.

@@ -21,6 +21,7 @@ import torch
 from precast import HSTUFwdSm90
 from precast.reference.hstu_attention import (PAGE_SIZE, hstu_attention_reference,
                                               random_func_tensor, visible_mask)
+from precast.reference.offsets import offsets_from_lengths
 
 DEV = "cuda"
 H = 4
@@ -31,10 +32,7 @@ failures = []
 
 
 def cu(lens):
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32, device=DEV)
+    return offsets_from_lengths(lens, device=DEV)
 
 
 def pages_for(k, v, lens_k, g):

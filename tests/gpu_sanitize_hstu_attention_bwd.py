@@ -16,6 +16,7 @@ import torch
 
 from precast import HSTUBwdSm90
 from precast.reference.hstu_attention import hstu_attention_backward_reference, random_func_tensor
+from precast.reference.offsets import offsets_from_lengths
 
 DEV = "cuda"
 H = 4
@@ -25,10 +26,7 @@ failures = []
 
 
 def cu(lens):
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32, device=DEV)
+    return offsets_from_lengths(lens, device=DEV)
 
 
 def case(name, d, window, *, hkv=H, func_n=0, seed=0, deterministic=False):

@@ -21,18 +21,10 @@ from precast import HSTUBwdSm90, TensorDesc, hstu_attention, hstu_attention_back
 from precast.reference.hstu_attention import (FUNC_PAD_COLUMNS, hstu_attention_backward_reference,
                                               visible_mask)
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_matmuls")]
 TOL = {BF: 4e-2, FP: 2e-2}
 WINDOWS = [(-1, -1), (-1, 0), (256, 0), (7, 33), (64, -1), (-1, 5)]
 _OPS = {}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fp32_reference():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def get_op(dtype, d, *, hkv=H, window=(-1, 0), func=0, deterministic=False) -> HSTUBwdSm90:

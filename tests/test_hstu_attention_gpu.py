@@ -21,8 +21,9 @@ from precast import HSTUFwdSm90, TensorDesc, hstu_attention_forward
 from precast.reference.hstu_attention import (FUNC_PAD_COLUMNS, PAGE_SIZE, gather_paged_kv,
                                               hstu_attention_reference, random_func_tensor,
                                               visible_mask)
+from precast.reference.offsets import offsets_from_lengths
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_matmuls")]
 DEV = "cuda"
 BF, FP = torch.bfloat16, torch.float16
 DTYPES = (BF, FP)
@@ -36,15 +37,6 @@ RAGGED_K = [lq + extra for lq, extra in zip(RAGGED_Q, [3, 200, 0, 17, 5, 1, 128,
 EQUAL = [300] * 4
 WINDOWS = [(-1, -1), (-1, 0), (256, 0), (7, 33), (0, 0), (64, -1), (-1, 5)]
 _OPS = {}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fp32_reference():
-    """The reference's einsums run in true fp32 (no TF32)."""
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 # --- helpers --------------------------------------------------------------------------------------
@@ -79,10 +71,7 @@ def get_op(dtype, d, *, hkv=H, window=(-1, 0), func=0, paged=False) -> HSTUFwdSm
 
 
 def cu_seqlens(lens: List[int]) -> torch.Tensor:
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32, device=DEV)
+    return offsets_from_lengths(lens, device=DEV)
 
 
 @dataclass

@@ -1,6 +1,5 @@
 """CPU tests of the HSTU attention reference (the oracle of the GPU kernels)."""
 
-import itertools
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from precast.reference.hstu_attention import (
     visible_mask,
     visible_pairs,
 )
+from precast.reference.offsets import offsets_from_lengths
 
 F64, F32, I32 = torch.float64, torch.float32, torch.int32
 WINDOWS = [(-1, -1), (-1, 0), (3, 0), (2, 5), (0, 0)]
@@ -30,7 +30,7 @@ LENS_K = [0, 1, 5, 7, 3, 2, 6, 0]
 
 
 def cu(lens):
-    return torch.tensor([0] + list(itertools.accumulate(lens)), dtype=I32)
+    return offsets_from_lengths(lens, dtype=I32)
 
 
 def make_qkv(lens_q, lens_k, H, H_kv, D, dtype=F64, seed=0):

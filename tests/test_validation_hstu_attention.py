@@ -7,9 +7,9 @@ import types
 
 import pytest
 import torch
+from conftest import key_of
 
 from precast import HSTUFwdSm90, TensorDesc, hstu_attention_forward
-from precast.lifecycle import op as op_mod
 from precast.lifecycle.hstu_attention import (QUERY_TILE_ROWS, TMA_SPAN_LIMIT, WORKSPACE_SHAPE,
                                               kernel_scalars)
 from precast.lifecycle.op import Op
@@ -416,16 +416,6 @@ def test_from_config_types(config, exc, match):
 def test_from_config_invalid_combinations(config, exc, match):
     with pytest.raises(exc, match=match):
         HSTUFwdSm90.from_config(**config).check_support()
-
-
-@pytest.fixture
-def fixed_sources(monkeypatch):
-    # The cache key fingerprints the kernel sources; pin it so keys differ by config only.
-    monkeypatch.setattr(op_mod, "source_fingerprint", lambda modules: "sources")
-
-
-def key_of(op):
-    return op.check_support().cache_key("sm_90a")
 
 
 STATIC_CHANGES = {

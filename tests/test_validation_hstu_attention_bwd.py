@@ -19,6 +19,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from conftest import key_of
 
 import precast
 from precast import HSTUBwdSm90, HSTUFwdSm90, TensorDesc, hstu_attention_backward
@@ -704,16 +705,6 @@ def test_from_config_types(config, exc, match):
 def test_from_config_invalid_combinations(config, exc, match):
     with pytest.raises(exc, match=match):
         HSTUBwdSm90.from_config(**config).check_support()
-
-
-@pytest.fixture
-def fixed_sources(monkeypatch):
-    # The cache key fingerprints the kernel sources; pin it so keys differ by config only.
-    monkeypatch.setattr(op_mod, "source_fingerprint", lambda modules: "sources")
-
-
-def key_of(op):
-    return op.check_support().cache_key("sm_90a")
 
 
 STATIC_CHANGES = {

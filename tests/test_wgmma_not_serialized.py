@@ -1,7 +1,6 @@
 """ptxas must not serialize the HSTU attention kernel's wgmma (it only warns, and the kernel
 then runs 20-30 % slower): a representative set of variants through bench/ptxas_report.py.
 Needs a local ptxas (any CUDA toolkit); skipped without one."""
-import shutil
 import sys
 from pathlib import Path
 

@@ -1,4 +1,5 @@
-"""Validation of packed-sequence offsets (cu_seqlens), shared by the references."""
+"""Packed-sequence offsets (cu_seqlens): built from lengths, and validated, for the
+references, tests and benchmarks."""
 from __future__ import annotations
 
 import torch
@@ -23,3 +24,11 @@ def sequence_offsets(cu: torch.Tensor, what: str, dtypes) -> list[int]:
                 f"{what} must be non-decreasing, got {what}[{b}]={offsets[b]} > "
                 f"{what}[{b + 1}]={offsets[b + 1]}")
     return offsets
+
+
+def offsets_from_lengths(lengths, *, dtype=torch.int32, device="cpu") -> torch.Tensor:
+    """cu_seqlens (B + 1,) of sequences with these lengths: [0, l0, l0 + l1, ...]."""
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + int(n))
+    return torch.tensor(out, dtype=dtype, device=device)
