@@ -239,9 +239,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         len_k = mCuSeqlensK[batch + 1] - k_start
         off = len_k - len_q
         r0 = block * self.fixed_rows
-        len_fixed, len_stream = len_q, len_k
-        if const_expr(self.keys_fixed):
-            len_fixed, len_stream = len_k, len_q
+        _, len_fixed, _, len_stream = self.sides(q_start, len_q, k_start, len_k)
         r_last = cutlass.min(r0 + self.fixed_rows, len_fixed) - 1
         lo = Int32(0)
         hi = len_stream - 1
@@ -262,6 +260,12 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             s_max = s_min
         return q_start, len_q, k_start, len_k, s_min, s_max
 
+    def sides(self, q_start, len_q, k_start, len_k):
+        """(start, length) of the fixed side's sequence, then of the streamed side's."""
+        if const_expr(self.keys_fixed):
+            return k_start, len_k, q_start, len_q
+        return q_start, len_q, k_start, len_k
+
     def stream_heads(self) -> int:
         """Heads streamed per fixed tile: all query heads of a kv head when keys are fixed."""
         return self.group if self.keys_fixed else 1
@@ -271,9 +275,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                 pipe_stream, block: Int32, head: Int32, span):
         q_start, len_q, k_start, len_k, s_min, s_max = span
         D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
-        fixed_start, stream_start = q_start, k_start
-        if const_expr(self.keys_fixed):
-            fixed_start, stream_start = k_start, q_start
+        fixed_start, _, stream_start, _ = self.sides(q_start, len_q, k_start, len_k)
         if s_max > s_min:
             fixed_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipe_fixed.producer_acquire(fixed_state)
@@ -354,7 +356,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         row_i = (r0 + coords[0, 0][0], r0 + coords[1, 0][0])  # local fixed-side indices
         first_col = coords[0, 0][1]
         off = len_k - len_q
-        len_stream = len_q if const_expr(self.keys_fixed) else len_k
+        fixed_start, len_fixed, _, len_stream = self.sides(q_start, len_q, k_start, len_k)
         nf = self.func_intervals
         func = None
         if const_expr(nf > 0 and not self.keys_fixed):
@@ -420,8 +422,6 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                 if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-        len_fixed = len_k if const_expr(self.keys_fixed) else len_q
-        fixed_start = k_start if const_expr(self.keys_fixed) else q_start
         if const_expr(self.want_ds):
             self.store_rows(mdA, acc_a, thr_g, head, r0, fixed_start, len_fixed, scale_ds)
         if const_expr(self.want_p):
