@@ -33,6 +33,22 @@ def _in_place_or_copy(t: Optional[torch.Tensor], check: Callable) -> Optional[to
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _output_buffer(given: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The caller's output where the kernel can write it in place, else a fresh compact one
+    (handed back through _delivered)."""
+    if given is not None and _readable(given, _tokens_layout):
+        return given
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+
+def _delivered(given: Optional[torch.Tensor], written: torch.Tensor) -> torch.Tensor:
+    """The caller's output holding the result (copied in when the kernel wrote elsewhere)."""
+    if given is None or given is written:
+        return written
+    given.copy_(written)
+    return given
+
+
 def _readable(t: torch.Tensor, check: Callable) -> bool:
     try:
         check(t)
@@ -96,18 +112,14 @@ def hstu_attention_forward(q: torch.Tensor, k: Optional[torch.Tensor], v: Option
             _in_place_or_copy(t, _packed_layout(INDEX_ALIGN))
             for t in (cu_seqlens_q, cu_seqlens_k, func_tensor, page_ids, page_indptrs))
         paged_kv = _in_place_or_copy(paged_kv, _packed_layout(DATA_ALIGN))
-        o = o_tensor
-        if o is None or not _readable(o, tokens):
-            o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # written back below
+        o = _output_buffer(o_tensor, q)
         op = compiled_op(key, lambda: HSTUFwdSm90(
             q, k, v, o, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_size,
             alpha, scaling_seqlen, func_tensor, paged_kv, page_ids, page_indptrs))
         op.execute(q, k, v, o, cu_seqlens_q, cu_seqlens_k, func_tensor, paged_kv, page_ids,
                    page_indptrs, stream, alpha=alpha, scaling_seqlen=scaling_seqlen,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, workspace=workspace)
-        if o_tensor is not None and o is not o_tensor:
-            o_tensor.copy_(o)
-            o = o_tensor
+        o = _delivered(o_tensor, o)
     return HstuAttentionForwardResults(o)
 
 
@@ -161,19 +173,14 @@ def hstu_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
             _in_place_or_copy(t, _packed_layout(INDEX_ALIGN))
             for t in (cu_seqlens_q, cu_seqlens_k, func_tensor))
         given = (dq_tensor, dk_tensor, dv_tensor)
-        grads = [g if g is not None and _readable(g, tokens)
-                 else torch.empty(like.shape, dtype=like.dtype, device=like.device)
-                 for g, like in zip(given, (q, k, v))]
+        grads = [_output_buffer(g, like) for g, like in zip(given, (q, k, v))]
         op = compiled_op(key, lambda: HSTUBwdSm90(
             do, q, k, v, *grads, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             window_size, alpha, scaling_seqlen, func_tensor, deterministic))
         op.execute(do, q, k, v, *grads, cu_seqlens_q, cu_seqlens_k, func_tensor, stream,
                    alpha=alpha, scaling_seqlen=scaling_seqlen, max_seqlen_q=max_seqlen_q,
                    max_seqlen_k=max_seqlen_k, workspace=workspace)
-        for i, g in enumerate(given):
-            if g is not None and grads[i] is not g:
-                g.copy_(grads[i])
-                grads[i] = g
+        grads = [_delivered(g, written) for g, written in zip(given, grads)]
     return HstuAttentionBackwardResults(*grads)
 
 
