@@ -5,4 +5,5 @@
 export PRECAST_CACHE_DIR=${PRECAST_CACHE_DIR:-$PWD/.artifacts/cache}
 OUT=${OUT:-/tmp/precast-out}; mkdir -p "$OUT"
 timeout 180 python3 -m pytest -q -rf -p no:cacheprovider tests/test_lmsd_gpu.py 2>&1 | tee "$OUT/pytest_lmsd.log" | tail -3
+timeout 240 python3 -m precast quickstart > "$OUT/quickstart.log" 2>&1; tail -12 "$OUT/quickstart.log"
 bash bench/device_attention.sh

@@ -9,7 +9,7 @@ set -o pipefail
 export PRECAST_CACHE_DIR=${PRECAST_CACHE_DIR:-$PWD/.artifacts/cache}
 export PYTHONPATH="$PWD/.peer${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/precast-out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/sanitizers.log"
 # -v: the log shows how far a hung run got.
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rf -p no:cacheprovider \
   tests/test_hstu_attention_gpu.py tests/test_hstu_attention_bwd_gpu.py ${PYTEST_ARGS:-} \
@@ -31,7 +31,7 @@ fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   # (stderr: the peer's autotuning warnings)
   timeout "${BENCH_TIMEOUT:-300}" python3 bench/bench_hstu_attention.py ${BENCH_ARGS:-} \
-    2>"$OUT/bench_stderr.log" | tee "$OUT/bench_attention.log"
+    2>/tmp/bench_stderr.log | tee "$OUT/bench_attention.log"
   timeout "${BENCH_TIMEOUT:-300}" python3 bench/bench_hstu_attention_bwd.py ${BENCH_ARGS:-} \
-    2>>"$OUT/bench_stderr.log" | tee -a "$OUT/bench_attention.log"
+    2>>/tmp/bench_stderr.log | tee -a "$OUT/bench_attention.log"
 fi

@@ -14,7 +14,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .lifecycle.launch import stream_handle
+from .lifecycle.launch import stream_handle, torch_stream
 from .lifecycle.hstu_attention import (DATA_ALIGN, INDEX_ALIGN, HSTUFwdSm90, check_packed,
                                        check_tokens, check_window)
 from .lifecycle.hstu_attention_bwd import HSTUBwdSm90
@@ -73,7 +73,7 @@ def _in_stream_order(stream, device: torch.device):
     if stream is None or device.type != "cuda":
         return contextlib.nullcontext()
     if not isinstance(stream, torch.cuda.Stream):
-        stream = torch.cuda.ExternalStream(stream_handle(stream, device.index), device=device)
+        stream = torch_stream(stream_handle(stream, device.index), device.index)
     return torch.cuda.stream(stream)
 
 

@@ -35,9 +35,12 @@ def test_all_planned_kernels_cross_compile(tmp_path_factory):
     for _, manifest in listed:
         kernels = set(manifest["kernels"])
         key = manifest["key"]
-        if key["op"] == "HSTUBwdSm90":  # D = 256 splits dK and dV into two kernels
-            expected = ({"dq", "dkdv"} if key["config"]["head_dim"] <= 128
-                        else {"dq", "dk", "dv"})
+        if key["op"] == "HSTUBwdSm90":
+            # fused by default at D <= 128; deterministic: dQ and dK/dV apart; D = 256 (never
+            # fused) splits dK and dV into two kernels
+            cfg = key["config"]
+            expected = ({"dq", "dk", "dv"} if cfg["head_dim"] > 128
+                        else {"dq", "dkdv"} if cfg["deterministic"] else {"fused"})
         else:
             expected = {"HstuLmsdFwdSm90": {"fwd"}, "HstuLmsdBwdSm90": {"rows", "reduce"},
                         "HSTUFwdSm90": {"fwd"}}[key["op"]]

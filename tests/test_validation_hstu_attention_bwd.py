@@ -1,9 +1,9 @@
 """Every check_support() and execute() rule of HSTUBwdSm90, its static configuration and
-cache key, kernel modes (by default never fused: HSTUBwdSm90.fused_dq_enabled is False while
-the fused kernel hangs on ragged batches, so every configuration runs the deterministic
-kernels and ignores a workspace; the fused host-side logic is still tested with the flag
-switched on by the ``fused_on`` fixture), the dQ workspace (given: validated and passed as
-dq_acc; the op's own: per device and stream, grown, refused while capturing), the
+cache key, kernel modes (the configuration decides: deterministic=False with D <= 128 -- the
+default -- runs the one fused kernel with dQ reduced through an fp32 workspace;
+deterministic=True or D = 256 runs the two (three at D = 256) kernels and ignores a
+workspace), the dQ workspace (given: validated and passed as dq_acc; the op's own: per
+device and stream, grown, refused while capturing), the
 overlap rule it relies on (check_no_overlap / _share_elements: disjoint views of one
 allocation are accepted), the allocating function and the custom ops' fakes -- all on a CPU
 machine (ops are built from TensorDescs, meta or CPU tensors; kernels are never built or
@@ -50,21 +50,6 @@ def _isolated(monkeypatch, tmp_path):
         raise AssertionError("validation test reached kernel loading")
     monkeypatch.setattr(Op, "_ready", no_kernels)
     monkeypatch.setattr(COMPILED_OPS, "_ops", {})
-    # every test starts with the fused path off (fused_on switches it on for one test)
-    assert HSTUBwdSm90.__dict__["fused_dq_enabled"] is False
-
-
-@pytest.fixture
-def fused_on(monkeypatch):
-    """Switches the fused kernel on (it is off by default until its hang on ragged batches is
-    fixed), so that its host-side logic is still tested."""
-    monkeypatch.setattr(HSTUBwdSm90, "fused_dq_enabled", True)
-
-
-def set_fused(monkeypatch, enabled):
-    if enabled:
-        monkeypatch.setattr(HSTUBwdSm90, "fused_dq_enabled", True)
-    assert HSTUBwdSm90.fused_dq_enabled is enabled
 
 
 def desc(shape, dtype=BF, stride=None, alignment=16, device="cuda"):
@@ -153,27 +138,23 @@ def not_fused_modes(head_dim):
     return ("dq", "dkdv") if head_dim <= 128 else ("dq", "dk", "dv")
 
 
-def test_fused_is_off_by_default():
-    """The fused kernel hangs on ragged batches on the GPU: until that is fixed no
-    configuration uses it, takes a workspace or makes one."""
-    assert HSTUBwdSm90.fused_dq_enabled is False
+def test_fused_by_default_for_head_dims_up_to_128():
+    """The default (deterministic=False) runs the fused kernel and takes a workspace for
+    D <= 128; deterministic=True and D = 256 (no fused kernel) never do."""
     for head_dim, deterministic in itertools.product([32, 64, 128, 256], [False, True]):
+        fused = not deterministic and head_dim <= 128
+        modes = ("fused",) if fused else not_fused_modes(head_dim)
         op = bwd(**dims(head_dim), deterministic=deterministic)
-        assert op.fused_dq_enabled is False
-        assert op.fused is False, (head_dim, deterministic)
-        assert op.kernel_modes() == not_fused_modes(head_dim)
-        assert op.workspace_shape(T) == op.workspace_shape(0) == (0,)
+        assert op.fused is fused, (head_dim, deterministic)
+        assert op.kernel_modes() == modes
+        assert op.workspace_shape(T) == ((T, H, head_dim) if fused else (0,))
+        assert op.workspace_shape(0) == ((0, H, head_dim) if fused else (0,))
         op = HSTUBwdSm90.from_config(head_dim=head_dim, deterministic=deterministic)
-        assert not op.check_support().fused
-        assert op.kernel_modes() == not_fused_modes(head_dim)
-
-
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_kernel_modes(head_dim, deterministic):
-    op = bwd(**dims(head_dim), deterministic=deterministic)
-    assert op.kernel_modes() == not_fused_modes(head_dim) and not op.fused
-    assert fixed_rows(head_dim) == (128 if head_dim <= 128 else 64)
+        assert op.check_support().fused is fused
+        assert op.kernel_modes() == modes
+    # deterministic defaults to False: the default op is fused
+    assert bwd().fused and bwd().kernel_modes() == ("fused",)
+    assert HSTUBwdSm90.from_config().check_support().fused
 
 
 @pytest.mark.parametrize("head_dim,deterministic,modes", [
@@ -182,16 +163,18 @@ def test_kernel_modes(head_dim, deterministic):
     (32, True, ("dq", "dkdv")), (64, True, ("dq", "dkdv")), (128, True, ("dq", "dkdv")),
     (256, True, ("dq", "dk", "dv")),
 ])
-def test_kernel_modes_with_fused_enabled(fused_on, head_dim, deterministic, modes):
+def test_kernel_modes(head_dim, deterministic, modes):
     op = bwd(**dims(head_dim), deterministic=deterministic)
     assert op.kernel_modes() == modes
     assert op.fused is (modes == ("fused",))
+    if not op.fused:
+        assert modes == not_fused_modes(head_dim)
     assert fixed_rows(head_dim) == (128 if head_dim <= 128 else 64)
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(H, HKV), (8, 1), (1, 1)])
-def test_workspace_shape_when_fused(fused_on, head_dim, heads, kv_heads):
+def test_workspace_shape_when_fused(head_dim, heads, kv_heads):
     op = bwd(**dims(head_dim, heads=heads, kv_heads=kv_heads))
     assert op.fused
     assert op.workspace_shape(T) == (T, heads, head_dim)  # fp32 dQ of every query token
@@ -202,22 +185,19 @@ def test_workspace_shape_when_fused(fused_on, head_dim, heads, kv_heads):
     assert shape == (7, heads, head_dim) and type(shape[0]) is int
 
 
-NEVER_FUSED = [dict(deterministic=True), dict(dims(256)), dict(dims(256), deterministic=True),
-               dict(dims(32), deterministic=True)]  # not fused even with the flag on
-NOT_FUSED_BY_DEFAULT = [{}, dims(32), dims(128)]      # fused only with the flag on
+NOT_FUSED = [dict(deterministic=True), dict(dims(256)), dict(dims(256), deterministic=True),
+             dict(dims(32), deterministic=True), dict(dims(128), deterministic=True)]
 
 
-@pytest.mark.parametrize("kw,enabled", [(kw, False) for kw in NEVER_FUSED + NOT_FUSED_BY_DEFAULT]
-                         + [(kw, True) for kw in NEVER_FUSED])
-def test_workspace_shape_when_not_fused(monkeypatch, kw, enabled):
-    set_fused(monkeypatch, enabled)
+@pytest.mark.parametrize("kw", NOT_FUSED)
+def test_workspace_shape_when_not_fused(kw):
     op = bwd(**kw)
     assert not op.fused
     assert op.workspace_shape(0) == op.workspace_shape(T) == op.workspace_shape(12345) == (0,)
 
 
-@pytest.mark.parametrize("enabled", [False, True], ids=["default", "fused-enabled"])
-@pytest.mark.parametrize("kw", [{}, dict(deterministic=True), dims(256)])
+@pytest.mark.parametrize("kw", [{}, dict(deterministic=True), dims(256)],
+                         ids=["fused", "deterministic", "d256"])
 @pytest.mark.parametrize("total_q,exc,match", [
     (-1, ValueError, "total_q must be >= 0, got -1"),
     (-(2**40), ValueError, "total_q must be >= 0"),
@@ -226,9 +206,8 @@ def test_workspace_shape_when_not_fused(monkeypatch, kw, enabled):
     ("64", TypeError, "total_q must be an int, got str"),
     (None, TypeError, "total_q must be an int, got NoneType"),
 ])
-def test_workspace_shape_validates_total_q(monkeypatch, kw, enabled, total_q, exc, match):
+def test_workspace_shape_validates_total_q(kw, total_q, exc, match):
     """Whether or not the op takes a workspace."""
-    set_fused(monkeypatch, enabled)
     with pytest.raises(exc, match=match):
         bwd(**kw).workspace_shape(total_q)
 
@@ -663,9 +642,7 @@ def test_static_config_reads_the_samples():
     dict(dtype="float16", head_dim=256, deterministic=True, window_right_bounded=False,
          func_intervals=3),
 ])
-@pytest.mark.parametrize("enabled", [False, True], ids=["default", "fused-enabled"])
-def test_from_config_round_trip(monkeypatch, config, enabled):
-    set_fused(monkeypatch, enabled)
+def test_from_config_round_trip(config):
     op = HSTUBwdSm90.from_config(**config).check_support()
     cfg = op.static_config()
     assert set(cfg) == STATIC_KEYS
@@ -676,7 +653,7 @@ def test_from_config_round_trip(monkeypatch, config, enabled):
     assert dict(entry.config) == cfg
     if cfg["head_dim"] == 256:
         assert op.kernel_modes() == ("dq", "dk", "dv") and not op.fused
-    elif cfg["deterministic"] or not enabled:
+    elif cfg["deterministic"]:
         assert op.kernel_modes() == ("dq", "dkdv") and not op.fused
     else:
         assert op.kernel_modes() == ("fused",) and op.fused
@@ -845,7 +822,7 @@ def test_execute_refuses(op_kw, changes, exc, match):
 def launches(monkeypatch):
     """Stands in for what execute() does on the device and records it, in order, in
     ``events``: each kernel launch (mode and arguments also in ``calls``; ``effects[mode]``
-    runs inside it), the stream context of its memsets and copies (torch.cuda.ExternalStream
+    runs inside it), the stream context of its memsets and copies (launch.torch_stream
     and torch.cuda.stream as the op's module sees them), the allocation of the op's own
     workspace (torch.zeros for cuda:N, made on ``alloc_device`` here; the requested device
     goes to ``alloc_devices``), Tensor.copy_ and Tensor.zero_. stream_is_capturing answers
@@ -880,12 +857,13 @@ def launches(monkeypatch):
         return torch.zeros(shape, dtype=dtype, device=rec.alloc_device)
 
     class ModuleTorch:  # torch as precast.lifecycle.hstu_attention_bwd sees it
-        cuda = types.SimpleNamespace(stream=stream, ExternalStream=ExternalStream)
+        cuda = types.SimpleNamespace(stream=stream)
 
         def __getattr__(self, name):
             return getattr(torch, name)
     ModuleTorch.zeros = staticmethod(zeros)
     monkeypatch.setattr(bwd_module, "torch", ModuleTorch())
+    monkeypatch.setattr(bwd_module, "torch_stream", ExternalStream)
 
     def is_capturing(handle):
         rec.capture_queries.append(handle)
@@ -925,10 +903,9 @@ def kinds(rec):
     return [e[0] for e in rec.events]
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_execute_launch_arguments_not_fused(launches, deterministic):
-    """deterministic=True, and by default (fused kernel off) deterministic=False too."""
-    op = bwd(window_size=(16, 0), alpha=0.5, deterministic=deterministic).check_support()
+def test_execute_launch_arguments_not_fused(launches):
+    """deterministic=True (D <= 128): the dq and the dkdv kernel."""
+    op = bwd(window_size=(16, 0), alpha=0.5, deterministic=True).check_support()
     assert not op.fused
     a = meta_args()
     op.execute(**a, stream=7)
@@ -954,8 +931,10 @@ def test_execute_launch_arguments_not_fused(launches, deterministic):
     assert launches.calls[1][1][10:] == (80, 16, 0, -1.5, -0.75, 0.25, 7)   # dk, dv: max_k
 
 
-def test_execute_launch_arguments_fused(fused_on, launches):
+def test_execute_launch_arguments_fused(launches):
+    """The default (deterministic=False, D <= 128): the one fused kernel."""
     op = bwd(window_size=(16, 0), alpha=0.5).check_support()
+    assert op.fused
     a = meta_args()
     op.execute(**a, stream=7)
     ((mode, call),) = launches.calls
@@ -983,8 +962,9 @@ def test_execute_launch_arguments_fused(fused_on, launches):
     assert call[10:] == (80, 16, 0, -1.5, -0.75, 0.25, 7)
 
 
-def test_execute_fused_with_a_workspace(fused_on, launches):
+def test_execute_fused_with_a_workspace(launches):
     op = bwd().check_support()
+    assert op.fused
     a = meta_args()
     ws = meta(*op.workspace_shape(T), dtype=F32)
     op.execute(**a, stream=3, workspace=ws)
@@ -1008,7 +988,7 @@ def test_execute_fused_with_a_workspace(fused_on, launches):
 
 
 WORKSPACE_RULES = [
-    # (id, workspace for meta_args() with the default op, fused_on, exception, match)
+    # (id, workspace for meta_args() with the default (fused) op, exception, match)
     ("dtype-bf16", meta(T, H, D), TypeError,
      "workspace: dtype bfloat16 is not supported; expected float32"),
     ("dtype-fp64", meta(T, H, D, dtype=torch.float64), TypeError, "workspace: dtype float64"),
@@ -1045,7 +1025,7 @@ WORKSPACE_RULES = [
 
 @pytest.mark.parametrize("workspace,exc,match", [r[1:] for r in WORKSPACE_RULES],
                          ids=[r[0] for r in WORKSPACE_RULES])
-def test_execute_refuses_bad_workspaces(fused_on, launches, workspace, exc, match):
+def test_execute_refuses_bad_workspaces(launches, workspace, exc, match):
     op = bwd().check_support()
     with pytest.raises(exc, match=match):
         op.execute(**meta_args(), stream=1, workspace=workspace)
@@ -1053,7 +1033,7 @@ def test_execute_refuses_bad_workspaces(fused_on, launches, workspace, exc, matc
     assert launches.events == [] and op._workspaces == {}
 
 
-def test_execute_workspace_is_sized_for_this_calls_t_q(fused_on, launches):
+def test_execute_workspace_is_sized_for_this_calls_t_q(launches):
     op = bwd().check_support()
     with pytest.raises(ValueError, match=r"workspace: extent 64 on axis 0 does not match "
                                          r"\(128, 4, 64\)"):
@@ -1066,22 +1046,16 @@ def test_execute_workspace_is_sized_for_this_calls_t_q(fused_on, launches):
     assert launches.calls[-1][1][6] is ws
 
 
-@pytest.mark.parametrize("kw,modes,enabled", [
-    ({}, ("dq", "dkdv"), False),  # the default: not fused
-    (dims(128), ("dq", "dkdv"), False),
-    (dict(deterministic=True), ("dq", "dkdv"), False),
-    (dict(deterministic=True), ("dq", "dkdv"), True),
-    (dims(256), ("dq", "dk", "dv"), False),
-    (dims(256), ("dq", "dk", "dv"), True),
-    (dict(dims(256), deterministic=True), ("dq", "dk", "dv"), False),
-    (dict(dims(256), deterministic=True), ("dq", "dk", "dv"), True),
-])
+@pytest.mark.parametrize("kw,modes", [
+    (dict(deterministic=True), ("dq", "dkdv")),
+    (dict(dims(128), deterministic=True), ("dq", "dkdv")),
+    (dims(256), ("dq", "dk", "dv")),  # never fused at D = 256
+    (dict(dims(256), deterministic=True), ("dq", "dk", "dv")),
+], ids=["deterministic", "d128-deterministic", "d256", "d256-deterministic"])
 @pytest.mark.parametrize("workspace", [meta(T, H, D, dtype=F32), meta(3, dtype=BF),
                                        torch.zeros(T, H, D, dtype=F32)],
                          ids=["fused-shape", "invalid", "cpu"])
-def test_execute_ignores_the_workspace_when_not_fused(monkeypatch, launches, kw, modes, enabled,
-                                                      workspace):
-    set_fused(monkeypatch, enabled)
+def test_execute_ignores_the_workspace_when_not_fused(launches, kw, modes, workspace):
     op = bwd(**kw).check_support()
     assert not op.fused
     op.execute(**meta_args(head_dim=op.head_dim), stream=2, workspace=workspace)
@@ -1092,7 +1066,7 @@ def test_execute_ignores_the_workspace_when_not_fused(monkeypatch, launches, kw,
 
 
 # --- the op's own workspace -----------------------------------------------------------------------
-def test_own_workspace_made_on_first_use_then_reused(fused_on, launches):
+def test_own_workspace_made_on_first_use_then_reused(launches):
     op = bwd().check_support()
     assert op._workspaces == {}
     op.execute(**meta_args(), stream=7)
@@ -1120,7 +1094,7 @@ def test_own_workspace_made_on_first_use_then_reused(fused_on, launches):
         ("end stream",)]
 
 
-def test_own_workspace_grows_with_t_q(fused_on, launches):
+def test_own_workspace_grows_with_t_q(launches):
     op = bwd().check_support()
     op.execute(**meta_args(), stream=7)
     small = op._workspaces[(None, 7)]
@@ -1140,7 +1114,7 @@ def test_own_workspace_grows_with_t_q(fused_on, launches):
     assert kinds(launches).count("zeros") == 2 and launches.capture_queries == [7, 7]
 
 
-def test_own_workspace_per_stream(fused_on, launches):
+def test_own_workspace_per_stream(launches):
     op = bwd().check_support()
     op.execute(**meta_args(), stream=7)
     op.execute(**meta_args(), stream=8)
@@ -1160,7 +1134,7 @@ def test_own_workspace_per_stream(fused_on, launches):
     assert other._workspaces[(None, 7)] is not ws7
 
 
-def test_own_workspace_is_made_on_the_ops_device_in_stream_order(fused_on, launches):
+def test_own_workspace_is_made_on_the_ops_device_in_stream_order(launches):
     op = bwd(**dims(128, heads=8, kv_heads=1)).check_support()
     view = op._own_workspace(1, 99, 40)
     ws = op._workspaces[(1, 99)]
@@ -1176,7 +1150,7 @@ def test_own_workspace_is_made_on_the_ops_device_in_stream_order(fused_on, launc
     assert set(op._workspaces) == {(1, 99), (0, 99)}
 
 
-def test_own_workspace_refused_while_capturing(fused_on, launches):
+def test_own_workspace_refused_while_capturing(launches):
     op = bwd().check_support()
     launches.capturing = True
     with pytest.raises(RuntimeError, match=r"^HSTUBwdSm90\.execute: the stream is capturing a "
@@ -1210,12 +1184,12 @@ def test_own_workspace_refused_while_capturing(fused_on, launches):
     assert launches.calls[-1][1][6] is ws8 and set(op._workspaces) == {(None, 7)}
 
 
-@pytest.mark.parametrize("enabled", [False, True], ids=["default", "fused-enabled"])
-def test_own_workspace_not_needed_when_not_fused(monkeypatch, launches, enabled):
-    set_fused(monkeypatch, enabled)
+def test_own_workspace_not_needed_when_not_fused(launches):
     launches.capturing = True  # would refuse to allocate
-    for kw in [dict(deterministic=True), dims(256)] + ([] if enabled else [{}, dims(32)]):
+    for kw in [dict(deterministic=True), dict(dims(32), deterministic=True), dims(256),
+               dict(dims(256), deterministic=True)]:
         op = bwd(**kw).check_support()
+        assert not op.fused
         op.execute(**meta_args(head_dim=op.head_dim), stream=7)
         assert op._workspaces == {}
     assert launches.capture_queries == [] and "zeros" not in kinds(launches)
@@ -1248,8 +1222,9 @@ def cpu_args(t_q=T, t_k=T, batch=B):
 
 
 @pytest.mark.parametrize("given", [True, False], ids=["given-workspace", "own-workspace"])
-def test_execute_fused_converts_the_workspace_into_dq_and_leaves_it_zero(fused_on, on_cpu, given):
+def test_execute_fused_converts_the_workspace_into_dq_and_leaves_it_zero(on_cpu, given):
     op = bwd().check_support()
+    assert op.fused
     a = cpu_args()
     contribution = torch.randn(T, H, D, generator=torch.Generator().manual_seed(1))
     seen = []
@@ -1279,7 +1254,7 @@ def test_execute_fused_converts_the_workspace_into_dq_and_leaves_it_zero(fused_o
         assert kinds(on_cpu).count("zeros") == 1
 
 
-def test_execute_fused_workspace_rows_beyond_t_q_stay_untouched(fused_on, on_cpu):
+def test_execute_fused_workspace_rows_beyond_t_q_stay_untouched(on_cpu):
     """The own workspace grown for more tokens: a call with fewer uses (and zeroes) only its
     first rows."""
     op = bwd().check_support()
@@ -1308,7 +1283,7 @@ def overlapping(name, dtype, shape):
     ("k", BF, (T, HKV, D), "workspace overlaps k in memory"),
     ("cu_seqlens_q", I32, (B + 1,), "workspace overlaps cu_seqlens_q in memory"),
 ])
-def test_execute_refuses_a_workspace_overlapping(fused_on, on_cpu, name, dtype, shape, match):
+def test_execute_refuses_a_workspace_overlapping(on_cpu, name, dtype, shape, match):
     op = bwd().check_support()
     ws, alias = overlapping(name, dtype, shape)
     with pytest.raises(ValueError, match=match):
@@ -1316,7 +1291,7 @@ def test_execute_refuses_a_workspace_overlapping(fused_on, on_cpu, name, dtype, 
     assert on_cpu.events == [] and op._workspaces == {}
 
 
-def test_execute_accepts_a_workspace_beside_the_gradients_in_one_buffer(fused_on, on_cpu):
+def test_execute_accepts_a_workspace_beside_the_gradients_in_one_buffer(on_cpu):
     op = bwd().check_support()
     buf = torch.zeros(2 * T * H * D, dtype=F32)
     ws = buf[:T * H * D].view(T, H, D)
@@ -1328,11 +1303,8 @@ def test_execute_accepts_a_workspace_beside_the_gradients_in_one_buffer(fused_on
     assert torch.equal(dq, torch.full((T, H, D), 3.0, dtype=BF)) and not ws.any()
 
 
-@pytest.mark.parametrize("deterministic,enabled", [(False, False), (True, False), (True, True)])
-def test_execute_not_fused_ignores_an_overlapping_workspace(monkeypatch, on_cpu, deterministic,
-                                                            enabled):
-    set_fused(monkeypatch, enabled)
-    op = bwd(deterministic=deterministic).check_support()
+def test_execute_not_fused_ignores_an_overlapping_workspace(on_cpu):
+    op = bwd(deterministic=True).check_support()
     assert not op.fused
     a = cpu_args()
     ws, alias = overlapping("dq", BF, (T, H, D))
@@ -1345,11 +1317,10 @@ def test_execute_not_fused_ignores_an_overlapping_workspace(monkeypatch, on_cpu,
     assert torch.equal(ws, torch.full((T, H, D), 5.0))
 
 
-@pytest.mark.parametrize("enabled", [False, True], ids=["default", "fused-enabled"])
-def test_execute_head_dim_256_runs_three_kernels(monkeypatch, launches, enabled):
-    set_fused(monkeypatch, enabled)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_execute_head_dim_256_runs_three_kernels(launches, deterministic):
     a = meta_args(head_dim=256)
-    op = bwd(**dims(256)).check_support()
+    op = bwd(**dims(256), deterministic=deterministic).check_support()
     assert not op.fused
     op.execute(**a, stream=1)
     assert [mode for mode, _ in launches.calls] == ["dq", "dk", "dv"]
@@ -1362,25 +1333,21 @@ def test_execute_head_dim_256_runs_three_kernels(monkeypatch, launches, enabled)
     assert kinds(launches) == ["launch"] * 3 and op._workspaces == {}
 
 
-@pytest.mark.parametrize("enabled", [False, True], ids=["default", "fused-enabled"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_execute_writes_disjoint_views_in_place(monkeypatch, launches, deterministic, enabled):
-    set_fused(monkeypatch, enabled)
+def test_execute_writes_disjoint_views_in_place(launches, deterministic):
     kv = meta(T, 2, HKV, D)
     a = {**meta_args(), "dk": kv[:, 0], "dv": kv[:, 1]}
     op = HSTUBwdSm90(*(a[n] for n in ("do", "q", "k", "v", "dq", "dk", "dv", "cu_seqlens_q",
                                       "cu_seqlens_k")), MAXS, MAXS,
                      deterministic=deterministic).check_support()
     op.execute(**a, stream=0)
-    assert launches.calls[-1][0] == ("fused" if enabled and not deterministic else "dkdv")
+    assert launches.calls[-1][0] == ("dkdv" if deterministic else "fused")
     assert launches.calls[-1][1][4] is a["dk"] and launches.calls[-1][1][5] is a["dv"]
 
 
-@pytest.mark.parametrize("enabled", [False, True], ids=["default", "fused-enabled"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_execute_caps_wide_windows_and_passes_func(monkeypatch, launches, deterministic, enabled):
-    set_fused(monkeypatch, enabled)
-    fused = enabled and not deterministic
+def test_execute_caps_wide_windows_and_passes_func(launches, deterministic):
+    fused = not deterministic
     bwd(window_size=(2**31 - 1, 2**30 + 5), deterministic=deterministic).check_support().execute(
         **meta_args(), stream=1)
     assert launches.calls[-1][1][11:13] == (WINDOW_CAP, WINDOW_CAP)
@@ -1388,22 +1355,20 @@ def test_execute_caps_wide_windows_and_passes_func(monkeypatch, launches, determ
     func = meta(1, 3, 2 * L, dtype=I32)  # wider than needed is fine
     bwd(**FUNC, deterministic=deterministic).check_support().execute(
         **meta_args(), func_tensor=func, stream=3)
-    assert len(launches.calls) == (1 if fused else 2)
+    assert [m for m, _ in launches.calls] == (["fused"] if fused else ["dq", "dkdv"])
     assert all(call[9] is func for _, call in launches.calls)
     assert all(call[11:13] == (-1, -1) for _, call in launches.calls)
 
 
-@pytest.mark.parametrize("enabled", [False, True], ids=["default", "fused-enabled"])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("args,max_q,max_k", [
     (meta_args(t_q=0, t_k=0), 0, 0),
     (meta_args(t_q=0, t_k=T), 0, MAXS),     # dk, dv must still be written (zeros)
     (meta_args(t_q=T, t_k=0), MAXS, MAXS),  # dq must still be written (zeros)
 ])
-def test_execute_empty_tokens_zero_every_gradient(monkeypatch, launches, args, max_q, max_k,
-                                                  deterministic, enabled):
-    set_fused(monkeypatch, enabled)
+def test_execute_empty_tokens_zero_every_gradient(launches, args, max_q, max_k, deterministic):
     op = bwd(deterministic=deterministic).check_support()
+    assert op.fused is not deterministic
     op.execute(**args, stream=5, max_seqlen_q=max_q, max_seqlen_k=max_k)
     # no kernel and no workspace: a memset on the stream
     assert trace(launches, **args) == [("stream", 5, None), ("zero", "dq"), ("zero", "dk"),
@@ -1417,10 +1382,10 @@ def test_execute_empty_tokens_zero_every_gradient(monkeypatch, launches, args, m
                                               ("zero", "dk"), ("zero", "dv"), ("end stream",)]
 
 
-@pytest.mark.parametrize("enabled", [False, True], ids=["default", "fused-enabled"])
-def test_execute_no_sequence_writes_nothing(monkeypatch, launches, enabled):
-    set_fused(monkeypatch, enabled)
-    op = bwd().check_support()
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_execute_no_sequence_writes_nothing(launches, deterministic):
+    op = bwd(deterministic=deterministic).check_support()
+    assert op.fused is not deterministic
     op.execute(**meta_args(batch=0), stream=0)
     assert launches.events == [] and op._workspaces == {}
 
@@ -1448,29 +1413,21 @@ def stub_kernel(monkeypatch):
     return made
 
 
-@pytest.mark.parametrize("config,none_args,enabled", [
+@pytest.mark.parametrize("config,none_args", [
     # None at 4/5 (grad_a/grad_b unused), 6 (dq_acc, fused only), 9 (func_tensor)
-    ({}, {"dq": (5, 6, 9), "dkdv": (6, 9)}, False),  # the default: not fused
-    ({}, {"fused": (9,)}, True),
-    (dict(deterministic=True), {"dq": (5, 6, 9), "dkdv": (6, 9)}, False),
-    (dict(deterministic=True), {"dq": (5, 6, 9), "dkdv": (6, 9)}, True),
-    (dict(head_dim=32, num_kv_heads=1), {"dq": (5, 6, 9), "dkdv": (6, 9)}, False),
-    (dict(head_dim=32, num_kv_heads=1), {"fused": (9,)}, True),
-    (dict(head_dim=256, num_kv_heads=1), {"dq": (5, 6, 9), "dk": (5, 6, 9), "dv": (4, 6, 9)},
-     False),
-    (dict(head_dim=256, num_kv_heads=1), {"dq": (5, 6, 9), "dk": (5, 6, 9), "dv": (4, 6, 9)},
-     True),
+    ({}, {"fused": (9,)}),  # the default: fused
+    (dict(deterministic=True), {"dq": (5, 6, 9), "dkdv": (6, 9)}),
+    (dict(head_dim=32, num_kv_heads=1, deterministic=True), {"dq": (5, 6, 9), "dkdv": (6, 9)}),
+    (dict(head_dim=32, num_kv_heads=1), {"fused": (9,)}),
+    (dict(head_dim=256, num_kv_heads=1), {"dq": (5, 6, 9), "dk": (5, 6, 9), "dv": (4, 6, 9)}),
     (dict(head_dim=256, deterministic=True), {"dq": (5, 6, 9), "dk": (5, 6, 9),
-                                              "dv": (4, 6, 9)}, False),
-    (dict(window_right_bounded=False, func_intervals=3, num_kv_heads=2),
-     {"dq": (5, 6), "dkdv": (6,)}, False),
-    (dict(window_right_bounded=False, func_intervals=3, num_kv_heads=2), {"fused": ()}, True),
+                                              "dv": (4, 6, 9)}),
+    (dict(window_right_bounded=False, func_intervals=3, num_kv_heads=2), {"fused": ()}),
     (dict(window_right_bounded=False, func_intervals=3, num_kv_heads=2, deterministic=True),
-     {"dq": (5, 6), "dkdv": (6,)}, False),
+     {"dq": (5, 6), "dkdv": (6,)}),
 ])
-def test_kernel_builder_arguments(monkeypatch, stub_kernel, config, none_args, enabled):
+def test_kernel_builder_arguments(stub_kernel, config, none_args):
     import cutlass
-    set_fused(monkeypatch, enabled)
     op = HSTUBwdSm90.from_config(dtype="float16", **config).check_support()
     builders = op._kernel_builders()
     assert tuple(builders) == op.kernel_modes() == tuple(none_args)
@@ -1521,14 +1478,13 @@ def backward_args(**kw):
     return {**a, "max_seqlen_q": MAXS, "max_seqlen_k": MAXS, "stream": 0, **kw}
 
 
-def test_allocating_backward(no_compile):
-    r = hstu_attention_backward(**backward_args(alpha=2.0))
+def test_allocating_backward_deterministic(no_compile):
+    r = hstu_attention_backward(**backward_args(alpha=2.0, deterministic=True))
     dq, dk, dv = r
     assert r.dq_tensor is dq and r["dk_tensor"] is dk and r.dv_tensor is dv
     assert dq.shape == (T, H, D) and dk.shape == dv.shape == (T, HKV, D)
     assert dq.dtype == dk.dtype == dv.dtype == BF
-    # not deterministic by default, but the fused kernel is off: the two kernels, dq written
-    # by its own, no workspace, no copy
+    # deterministic: the two kernels, dq written by its own, no workspace, no copy
     assert [m for m, _ in no_compile.calls] == ["dq", "dkdv"]
     (_, dq_call), (_, dkdv_call) = no_compile.calls
     assert dq_call[4] is dq and dq_call[5] is None and dq_call[6] is None
@@ -1537,28 +1493,36 @@ def test_allocating_backward(no_compile):
     assert kinds(no_compile) == ["launch", "launch"]
     (op,) = COMPILED_OPS._ops.values()
     assert not op.fused and op._workspaces == {} and no_compile.capture_queries == []
-    # runtime values reuse the op; deterministic is static (a second op, the same kernels)
-    hstu_attention_backward(**backward_args(alpha=0.5, scaling_seqlen=2.0))
-    assert len(COMPILED_OPS._ops) == 1
+    # runtime values reuse the op
     no_compile.calls.clear()
-    r = hstu_attention_backward(**backward_args(deterministic=True))
-    assert len(COMPILED_OPS._ops) == 2
+    r = hstu_attention_backward(**backward_args(alpha=0.5, scaling_seqlen=2.0,
+                                                deterministic=True))
+    assert len(COMPILED_OPS._ops) == 1
     assert [m for m, _ in no_compile.calls] == ["dq", "dkdv"]
     assert no_compile.calls[0][1][4] is r.dq_tensor and no_compile.calls[0][1][6] is None
     assert "zeros" not in kinds(no_compile) and "copy" not in kinds(no_compile)
+    # deterministic is static: the default (not deterministic) is a second op, fused
+    no_compile.calls.clear()
+    hstu_attention_backward(**backward_args())
+    assert len(COMPILED_OPS._ops) == 2
+    assert [m for m, _ in no_compile.calls] == ["fused"]
     # supplied gradient buffers (dk, dv split from one packed buffer) are written in place
     kv = meta(T, 2, HKV, D)
-    r = hstu_attention_backward(**backward_args(), dk_tensor=kv[:, 0], dv_tensor=kv[:, 1])
+    r = hstu_attention_backward(**backward_args(deterministic=True), dk_tensor=kv[:, 0],
+                                dv_tensor=kv[:, 1])
+    assert no_compile.calls[-1][0] == "dkdv"
     dk, dv = no_compile.calls[-1][1][4:6]
     assert dk is r.dk_tensor and dv is r.dv_tensor
     assert dk.shape == dv.shape == (T, HKV, D) and dk.stride() == kv[:, 0].stride()
 
 
-def test_allocating_backward_fused(fused_on, no_compile):
+def test_allocating_backward_fused(no_compile):
     r = hstu_attention_backward(**backward_args(alpha=2.0))
     dq, dk, dv = r
+    assert r.dq_tensor is dq and r["dk_tensor"] is dk and r.dv_tensor is dv
     assert dq.shape == (T, H, D) and dk.shape == dv.shape == (T, HKV, D)
-    # not deterministic: with the flag on, the fused kernel, dq through the op's own workspace
+    assert dq.dtype == dk.dtype == dv.dtype == BF
+    # not deterministic by default: the fused kernel, dq through the op's own workspace
     assert [m for m, _ in no_compile.calls] == ["fused"]
     call = no_compile.calls[0][1]
     assert call[4] is dk and call[5] is dv
@@ -1580,6 +1544,7 @@ def test_allocating_backward_fused(fused_on, no_compile):
     # supplied gradient buffers (dk, dv split from one packed buffer) are written in place
     kv = meta(T, 2, HKV, D)
     r = hstu_attention_backward(**backward_args(), dk_tensor=kv[:, 0], dv_tensor=kv[:, 1])
+    assert no_compile.calls[-1][0] == "fused"
     dk, dv = no_compile.calls[-1][1][4:6]
     assert dk is r.dk_tensor and dv is r.dv_tensor
     assert dk.shape == dv.shape == (T, HKV, D) and dk.stride() == kv[:, 0].stride()

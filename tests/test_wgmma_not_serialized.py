@@ -44,18 +44,25 @@ def test_attention_wgmma_is_not_serialized(needles):
     assert 0 < verdict["registers"] <= 255
 
 
-BACKWARD_VARIANTS = [  # (needles, fused): both kernels of every head dim, masks, GQA, fused
-    (("head_dim=32,", "window_left_bounded=True", "window_right_bounded=True"), False),
-    (("head_dim=64,", "window_left_bounded=False", "window_right_bounded=True", "float16"),
-     False),
-    (("head_dim=128,", "func_intervals=3", "bfloat16"), False),
-    (("head_dim=128,", "num_kv_heads=1", "window_right_bounded=True"), False),
-    (("head_dim=256,", "window_left_bounded=False", "window_right_bounded=True",
-      "bfloat16"), False),
+BACKWARD_VARIANTS = [  # (needles, fused): every head dim, masks, GQA, both paths
+    # fused (the default: not deterministic, D <= 128): one kernel
+    (("head_dim=32,", "window_left_bounded=True", "window_right_bounded=True"), True),
+    (("head_dim=64,", "window_left_bounded=False", "window_right_bounded=True",
+      "dtype=float16"), True),  # not "float16": "bfloat16" contains it
     (("head_dim=64,", "window_left_bounded=False", "window_right_bounded=True", "bfloat16",
       "num_kv_heads=4"), True),
+    (("head_dim=128,", "func_intervals=3", "bfloat16"), True),
+    (("head_dim=128,", "num_kv_heads=1", "window_right_bounded=True"), True),
     (("head_dim=128,", "window_left_bounded=False", "window_right_bounded=False", "bfloat16",
       "num_kv_heads=4"), True),
+    # two kernels (deterministic=True; the plan has it causal, bf16, 4 heads, D = 64 and 128)
+    (("deterministic=True", "head_dim=64,", "window_left_bounded=False",
+      "window_right_bounded=True", "bfloat16", "num_kv_heads=4"), False),
+    (("deterministic=True", "head_dim=128,", "window_left_bounded=False",
+      "window_right_bounded=True", "bfloat16", "num_kv_heads=4"), False),
+    # three kernels: D = 256 is never fused
+    (("head_dim=256,", "window_left_bounded=False", "window_right_bounded=True",
+      "bfloat16"), False),
 ]
 # A few spilled bytes (4-40) appear in some backward variants and no wgmma serialization; a
 # larger number means the register budget broke.
@@ -67,13 +74,14 @@ BACKWARD_SPILL_LIMIT = 64
 @pytest.mark.parametrize("needles,fused", BACKWARD_VARIANTS,
                          ids=lambda v: "-".join(v).replace(",", "") if isinstance(v, tuple)
                          else ("fused" if v else "two-kernel"))
-def test_attention_backward_wgmma_is_not_serialized(needles, fused, monkeypatch):
+def test_attention_backward_wgmma_is_not_serialized(needles, fused):
     from precast import HSTUBwdSm90
-    monkeypatch.setattr(HSTUBwdSm90, "fused_dq_enabled", fused)
+    # the configuration picks the path: deterministic entries only where a needle asks
     entries = [e for e in ptxas_report.load_plan(ptxas_report.DEFAULT_PLAN)
                if e.op == "HSTUBwdSm90" and all(n in e.describe() + "," for n in needles)
-               and "deterministic=True" not in e.describe()]
+               and ("deterministic=True" in e.describe()) == ("deterministic=True" in needles)]
     assert entries, needles
+    assert HSTUBwdSm90.from_config(**dict(entries[0].config)).fused is fused, needles
     ptxs = ptxas_report.compile_ptx(entries[0], ptxas_report.DUMP_DIR)
     expected = 1 if fused else (3 if "head_dim=256," in needles else 2)
     assert len(ptxs) == expected

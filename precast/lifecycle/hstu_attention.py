@@ -14,7 +14,7 @@ import torch
 from ..reference.hstu_attention import FUNC_PAD_COLUMNS, PAGE_SIZE
 from ..reference.hstu_attention import _check_window as check_window
 from .cache import KernelBuilder
-from .launch import device_guard, sm_count, stream_handle, stream_is_capturing
+from .launch import device_guard, sm_count, stream_handle, stream_is_capturing, torch_stream
 from .op import Op
 from .tensor_desc import TensorDesc, dtype_name, parse_dtype
 from .validation import (FLOAT32_MAX, INT32_MAX, check_bool, check_finite, check_int,
@@ -441,7 +441,7 @@ class HSTUFwdSm90(_AttentionRules, Op):
                         "has no workspace for it yet; pass workspace= (int32, shape "
                         f"{WORKSPACE_SHAPE}, zeroed) or execute once on this stream before "
                         "capturing")
-            with torch.cuda.stream(torch.cuda.ExternalStream(handle, device=index)):
+            with torch.cuda.stream(torch_stream(handle, index)):
                 ws = torch.zeros(WORKSPACE_SHAPE, dtype=torch.int32, device=f"cuda:{index}")
             self._workspaces[(index, handle)] = ws
         return ws

@@ -4,16 +4,18 @@ Given dO, writes dQ, dK, dV of o = (M * SiLU(alpha q k^T)) v / scaling_seqlen fo
 packed batch, masks and scalars as the forward (paged KV is forward only). Semantics:
 precast/reference/hstu_attention.py (hstu_attention_backward_reference).
 
-Every configuration today: two kernels, no atomics: dQ with the query tiles fixed (K, V
-streamed), dK and dV with the key tiles fixed (Q, dO streamed; at D = 256 dK and dV are
-separate passes). Every gradient row is summed by one CTA in a fixed order: bitwise
-identical run after run, at the price of recomputing S and dP for dQ (7 matmuls instead
-of 5), so ``deterministic=True`` costs nothing extra yet.
-Written but switched off (``fused_dq_enabled``): for D <= 128 and deterministic=False, one
-fused kernel computing dK, dV and adding each query tile's dQ part into an fp32 workspace
-with TMA reduce-adds (execute() converts it into dq and zeroes it again). It was right on
-one-tile batches and hung on ragged multi-tile ones; the probable cause (a nested elect.sync)
-is fixed but not yet run on a GPU (docs/NOTES.md).
+Two paths, chosen by the static configuration:
+
+* default (deterministic=False, D <= 128): one fused kernel with the key tiles fixed computes
+  dK and dV and adds each query tile's dQ part into an fp32 workspace (T_q, H, D) with TMA
+  reduce-adds; execute() then converts the workspace into dq and zeroes it again, both on
+  the launch stream. The reduce-adds land in a varying order: dq may differ in the last
+  bits from run to run (dk and dv do not).
+* deterministic=True, or D = 256: two kernels, no atomics: dQ with the query tiles fixed
+  (K, V streamed), dK and dV with the key tiles fixed (Q, dO streamed; at D = 256 dK and dV
+  are separate passes, their accumulators do not fit in registers together). Every
+  gradient row is summed by one CTA in a fixed order: bitwise identical run after run, at
+  the price of recomputing S and dP for dQ (7 matmuls instead of 5).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from ..reference.hstu_attention import FUNC_PAD_COLUMNS
 from .cache import KernelBuilder
 from .hstu_attention import (DATA_ALIGN, FLOAT32_MAX, INDEX_ALIGN, TMA_SPAN_LIMIT, WINDOW_CAP,
                              _AttentionRules, _desc, check_offsets, check_tokens)
-from .launch import device_guard, stream_handle, stream_is_capturing
+from .launch import device_guard, stream_handle, stream_is_capturing, torch_stream
 from .op import Op
 from .tensor_desc import TensorDesc, dtype_name
 from .validation import (check_bool, check_int, check_no_overlap, check_same_device,
@@ -166,16 +168,10 @@ class HSTUBwdSm90(_AttentionRules, Op):
                          [(k, t) for k, t in named.items() if k not in written])
 
     # --- compile ------------------------------------------------------------------------------
-    # The kernel's "fused" mode hung on ragged multi-tile batches on the H200 (2026-11-29);
-    # the probable cause is fixed but unverified (docs/NOTES.md), so it stays off and every
-    # configuration runs the deterministic kernels. A development switch: it is not part of
-    # the cache key, so set it (in the source) before any op compiles.
-    fused_dq_enabled = False
-
     @property
     def fused(self) -> bool:
         """One pass with dQ reduced through an fp32 workspace (D <= 128, not deterministic)."""
-        return self.fused_dq_enabled and not self.deterministic and self.head_dim <= 128
+        return not self.deterministic and self.head_dim <= 128
 
     def kernel_modes(self) -> Tuple[str, ...]:
         if self.fused:
@@ -228,7 +224,7 @@ class HSTUBwdSm90(_AttentionRules, Op):
     def workspace_shape(self, total_q: int) -> Tuple[int, ...]:
         """Shape of the float32 workspace ``execute(workspace=...)`` takes for T_q query
         tokens: (T_q, H, D) for the fused kernel (zero it once; every execute leaves it
-        zero), else (0,): no workspace (deterministic, D = 256, or fused_dq_enabled off)."""
+        zero), else (0,): no workspace (deterministic=True or D = 256)."""
         t_q = check_int("total_q", total_q, lo=0)
         return (t_q, self.num_heads, self.head_dim) if self.fused else (0,)
 
@@ -245,7 +241,7 @@ class HSTUBwdSm90(_AttentionRules, Op):
             rows = total_q if ws is None else max(total_q, 2 * ws.shape[0])
             if ws is not None:
                 self._outgrown.append(ws)
-            with torch.cuda.stream(torch.cuda.ExternalStream(handle, device=index)):
+            with torch.cuda.stream(torch_stream(handle, index)):
                 ws = torch.zeros(self.workspace_shape(rows), dtype=torch.float32,
                                  device=f"cuda:{index}")
             self._workspaces[(index, handle)] = ws
@@ -285,7 +281,7 @@ class HSTUBwdSm90(_AttentionRules, Op):
         if t_q == 0 or t_k == 0:
             # No query or no key token: every gradient is zero (and TMA cannot describe an
             # empty tensor). A memset on the stream, capturable like the kernels.
-            with torch.cuda.stream(torch.cuda.ExternalStream(handle, device=index)):
+            with torch.cuda.stream(torch_stream(handle, index)):
                 for grad in (dq, dk, dv):
                     grad.zero_()
             return
@@ -305,6 +301,6 @@ class HSTUBwdSm90(_AttentionRules, Op):
             if dq_acc is not None:
                 # The accumulator holds dQ (scaled in the kernel): convert it into dq and leave
                 # it zero for the next launch (two stream-ordered passes, no allocation).
-                with torch.cuda.stream(torch.cuda.ExternalStream(handle, device=index)):
+                with torch.cuda.stream(torch_stream(handle, index)):
                     dq.copy_(dq_acc)
                     dq_acc.zero_()

@@ -90,6 +90,21 @@ def stream_handle(stream: Any = None, device_index: Optional[int] = None) -> int
         "torch.cuda.Stream, a cuda.bindings.driver.CUstream, a cuda.core Stream or an int handle")
 
 
+def torch_stream(handle: int, device_index: int):
+    """The torch stream object for raw stream ``handle``, so torch work (memsets, copies,
+    allocations) made current with ``torch.cuda.stream(...)`` is ordered with our launches
+    on that handle. Not ``torch.cuda.ExternalStream(0)`` for the null stream: on the H200
+    (torch 2.x) a copy made under it raced with a kernel just launched on handle 0, so the
+    null handle maps to torch's own default stream (or the current one, when it is it)."""
+    import torch
+    current = torch.cuda.current_stream(device_index)
+    if current.cuda_stream == handle:
+        return current
+    if handle == 0:
+        return torch.cuda.default_stream(device_index)
+    return torch.cuda.ExternalStream(handle, device=device_index)
+
+
 def device_guard(device_index: Optional[int]):
     """Makes the tensors' device current for a launch (a no-op when it already is)."""
     import contextlib
