@@ -20,7 +20,10 @@ grep -E "^FAILED" "$OUT/pytest_attention.log" | head -20
 if [ -z "${SKIP_SANITIZER:-}" ]; then
   for script in gpu_sanitize_hstu_attention gpu_sanitize_hstu_attention_bwd; do
     for tool in memcheck racecheck; do
+      # API errors not reported: torch/cuBLAS probe driver entry points with
+      # cuGetProcAddress and count as ~34 "errors"; kernel access errors still do.
       timeout "${SANITIZER_TIMEOUT:-120}" compute-sanitizer --tool $tool --error-exitcode 3 \
+        --report-api-errors no \
         python3 tests/$script.py 2>&1 | tail -100 > "$OUT/sanitize_tmp.log"
       echo "compute-sanitizer $tool $script exit code: ${PIPESTATUS[0]}" | tee -a "$OUT/sanitizers.log"
       tail -3 "$OUT/sanitize_tmp.log" | tee -a "$OUT/sanitizers.log"

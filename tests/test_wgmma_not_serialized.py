@@ -64,9 +64,10 @@ BACKWARD_VARIANTS = [  # (needles, fused): every head dim, masks, GQA, both path
     (("head_dim=256,", "window_left_bounded=False", "window_right_bounded=True",
       "bfloat16"), False),
 ]
-# A few spilled bytes (4-40) appear in some backward variants and no wgmma serialization; a
-# larger number means the register budget broke.
-BACKWARD_SPILL_LIMIT = 64
+# Backward variants spill a little and never serialize wgmma: 4-60 bytes for the plain masks,
+# up to 160 for func masks and GQA (the fused kernel issues the next tile's S and dP before
+# staging dQ, so three accumulators are live together). More means the register budget broke.
+BACKWARD_SPILL_LIMIT = 192
 
 
 @pytest.mark.compile

@@ -17,7 +17,9 @@ streams 64-row tiles of the other side through a TMA ring:
 - "fused" (D <= 128): "dkdv" plus dQ in the same pass: dS goes to shared memory, both
   warpgroups multiply it by K (each its half of D) and the 64 x D/2 fp32 partial is added
   into a (T_q, H, D) fp32 workspace by a TMA reduce-add. One pass instead of two, but the
-  order of the additions varies from run to run (not bitwise reproducible).
+  order of the additions varies from run to run (not bitwise reproducible). The next
+  streamed tile's S and dP are issued before a tile's dQ partial is staged and sent, and
+  CTAs are scheduled a few (sequence, head) pairs at a time so the reduce-adds hit L2.
 In the other modes each output row is owned by exactly one CTA and summed in a fixed order,
 so the gradients are bitwise reproducible. GQA: a kv head's CTA streams the queries of all
 its query heads.
@@ -44,6 +46,7 @@ ZERO_BARRIER = 1  # the consumer warpgroups cleared the streamed rows past a seq
 DS_READY_BARRIER = 2  # fused: both warpgroups' dS^T of this tile are in shared memory
 DQ_STAGED_BARRIER = 3  # 3 and 4: a warpgroup's dQ buffer is free / staged (fused)
 MODES = ("dq", "dkdv", "dk", "dv", "fused")
+L2_GROUP_BYTES = 32 << 20  # streamed data of the (sequence, head) pairs scheduled together
 
 
 def consumer_warpgroups(head_dim: int) -> int:
@@ -82,6 +85,9 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         self.mask_width = STREAM_ROWS  # masks cover a streamed tile's columns
         self.stages = stream_stages(head_dim, self.fused)
         self.num_threads = (self.nwg + 1) * THREADS_PER_WG
+        # fused: dQ staging buffers. Two let a reduce still read one while the next is
+        # written: +2 % at D = 64; at D = 128 (2 x 32 KB, shared memory full) -5 % (H200).
+        self.dq_buffers = 2 if head_dim <= 64 else 1
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -136,6 +142,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         # Only the fused mode has dS and dQ buffers.
         sdS_size = cute.cosize(sdS_layout) if const_expr(self.fused) else 0
         sdQ_size = cute.cosize(sdQ_layout) if const_expr(self.fused) else 0
+        sdQ2_size = sdQ_size if const_expr(self.dq_buffers == 2) else 0
 
         @cute.struct
         class SharedStorage:
@@ -147,6 +154,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, sdS_size], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, sdQ_size], 1024]
+            sdQ2: cute.struct.Align[cute.struct.MemRange[Float32, sdQ2_size], 1024]
 
         self.storage = SharedStorage
         num_batches = mCuSeqlensQ.shape[0] - 1
@@ -176,9 +184,23 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         heads = self.num_kv_heads if const_expr(self.keys_fixed) else self.num_heads
-        head = cta % heads
-        batch = cta // heads % num_batches
-        order = cta // heads // num_batches
+        # CTAs run in groups of (sequence, head) pairs, heaviest tiles first within a group:
+        # the CTAs in flight share few pairs, so the tiles they stream and the fp32 dQ rows
+        # they add into stay in L2. (All pairs in flight at once, the fused kernel's dQ
+        # reduce-adds missed L2: 396 -> 437 TFLOP/s at causal 16 x 4096 on the H200.) A group
+        # holds about L2_GROUP_BYTES of streamed data (8 bytes per element of a pair's
+        # longest side: fp32 dQ plus two 16-bit tiles).
+        pairs = heads * cutlass.max(num_batches, 1)
+        per_tile = self.fixed_rows * self.head_dim * 8
+        pair_group = cutlass.max(cutlass.min(L2_GROUP_BYTES // per_tile // tiles, pairs), 1)
+        group_ctas = pair_group * tiles
+        group = cta // group_ctas
+        in_group = cutlass.min(pair_group, pairs - group * pair_group)
+        rank = cta - group * group_ctas
+        pair = group * pair_group + rank % in_group
+        order = rank // in_group
+        head = pair % heads
+        batch = pair // heads
         # Under a causal mask the first key tiles and the last query tiles see the most.
         block = order if const_expr(self.keys_fixed) else tiles - 1 - order
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -212,7 +234,10 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         sdQ = None
         if const_expr(self.fused):
             sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+            # dQ staging buffers: a reduce may still be reading one while the next is written.
+            sdQ = (storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner),)
+            if const_expr(self.dq_buffers == 2):
+                sdQ = sdQ + (storage.sdQ2.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner),)
 
         span = self.work_span(block, batch, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
         if warp_idx == 0:
@@ -377,45 +402,21 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                     self.zero_fixed_rows(sX[None, None, 0], len_k - r0, consumer_tidx)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             tiles = s_max - s_min
-            for i in cutlass.range(tiles * self.stream_heads(), unroll=1):
-                s = s_min + i % tiles
-                pipe_stream.consumer_wait(state)
-                if (s + 1) * C > len_stream:
-                    self.zero_rows(sU[None, None, state.index], sW[None, None, state.index],
-                                   len_stream - s * C, consumer_tidx)
-                if const_expr(self.mode != "dv"):
-                    self.gemm(mma_s, acc_dp, tSrY[None, None, None, 0],
-                              tSrW[None, None, None, state.index], accumulate=False)
-                self.gemm(mma_s, acc_s, tSrX[None, None, None, 0],
-                          tSrU[None, None, None, state.index], accumulate=False)
-                warpgroup.wait_group(0)
-                self.scores_to_operands(acc_s, acc_dp, p_regs, ds_regs, half_alpha)
-                keep = self.keep_bits(row_i, first_col + s * C, func, mFunc, q_start, len_q,
-                                      len_k, off, window_left, window_right)
-                if const_expr(self.want_p):
-                    for h in cutlass.range_constexpr(2):
-                        self.and_keep_bits(p_regs, h, keep[h])
-                    self.gemm(mma_g, acc_b, tGrP, tGrWt[None, None, None, state.index],
-                              accumulate=True)
-                if const_expr(self.want_ds):
-                    for h in cutlass.range_constexpr(2):
-                        self.and_keep_bits(ds_regs, h, keep[h])
-                    if const_expr(self.fused):
-                        self.stage_ds(ds_regs, mma_s, sdS[None, None, i % 2], consumer_tidx)
-                    self.gemm(mma_g, acc_a, tGrdS, tGrUt[None, None, None, state.index],
-                              accumulate=True)
-                if const_expr(self.fused):
-                    acc_dq, tQrdSt, tQrKt, tQsdQ, sdQ_full = dq_parts
-                    self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, i % 2],
-                              tQrKt[None, None, None, 0], accumulate=False)
-                warpgroup.wait_group(0)
-                cute.arch.sync_warp()
-                pipe_stream.consumer_release(state)
-                state = advanced(state)
-                if const_expr(self.fused):
-                    stream_head = head * self.group + i // tiles
-                    self.reduce_dq(dq_parts, mdQacc, tma_dq, sdQ, stream_head, q_start, s,
-                                   scale_ds, consumer_tidx)
+            count = tiles * self.stream_heads()
+            # S and dP of the next streamed tile are issued before this tile's dQ goes out,
+            # so the tensor cores have work while the dQ partial is staged and reduced.
+            self.issue_scores(mma_s, acc_s, acc_dp, tSrX, tSrY, tSrU, tSrW, sU, sW, pipe_stream,
+                              state, s_min, len_stream, consumer_tidx)
+            # The last step is peeled: a wgmma issued under a branch serializes them all.
+            ops = (mma_s, mma_g, mma_dq, acc_s, acc_dp, acc_a, acc_b, p_regs, ds_regs, tGrP,
+                   tGrdS, tGrUt, tGrWt, tSrX, tSrY, tSrU, tSrW, dq_parts)
+            where = (row_i, first_col, func, mFunc, q_start, len_q, len_k, off, window_left,
+                     window_right, half_alpha, scale_ds, s_min, tiles, len_stream, head)
+            for i in cutlass.range(count - 1, unroll=1):
+                state = self.stream_step(i, state, ops, where, sU, sW, sdS, sdQ, pipe_stream,
+                                         mdQacc, tma_dq, consumer_tidx, True)
+            state = self.stream_step(count - 1, state, ops, where, sU, sW, sdS, sdQ,
+                                     pipe_stream, mdQacc, tma_dq, consumer_tidx, False)
             if const_expr(self.fused):
                 # The staging buffer must outlive the last reduce's read of it (the adds
                 # themselves complete without us).
@@ -426,6 +427,68 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             self.store_rows(mdA, acc_a, thr_g, head, r0, fixed_start, len_fixed, scale_ds)
         if const_expr(self.want_p):
             self.store_rows(mdB, acc_b, thr_g, head, r0, fixed_start, len_fixed, scale_p)
+
+    @cute.jit
+    def stream_step(self, i: Int32, state, ops, where, sU, sW, sdS, sdQ, pipe_stream, mdQacc,
+                    tma_dq, consumer_tidx: Int32, issue_next: cutlass.Constexpr):
+        """Streamed tile i (S and dP already issued): gradients, then the next tile's S and
+        dP (issue_next), then this tile's dQ partial (fused). Returns the next stage."""
+        (mma_s, mma_g, mma_dq, acc_s, acc_dp, acc_a, acc_b, p_regs, ds_regs, tGrP, tGrdS,
+         tGrUt, tGrWt, tSrX, tSrY, tSrU, tSrW, dq_parts) = ops
+        (row_i, first_col, func, mFunc, q_start, len_q, len_k, off, window_left, window_right,
+         half_alpha, scale_ds, s_min, tiles, len_stream, head) = where
+        C = STREAM_ROWS
+        s = s_min + i % tiles
+        warpgroup.wait_group(0)
+        self.scores_to_operands(acc_s, acc_dp, p_regs, ds_regs, half_alpha)
+        keep = self.keep_bits(row_i, first_col + s * C, func, mFunc, q_start, len_q, len_k,
+                              off, window_left, window_right)
+        if const_expr(self.want_p):
+            for h in cutlass.range_constexpr(2):
+                self.and_keep_bits(p_regs, h, keep[h])
+            self.gemm(mma_g, acc_b, tGrP, tGrWt[None, None, None, state.index],
+                      accumulate=True)
+        if const_expr(self.want_ds):
+            for h in cutlass.range_constexpr(2):
+                self.and_keep_bits(ds_regs, h, keep[h])
+            self.gemm(mma_g, acc_a, tGrdS, tGrUt[None, None, None, state.index],
+                      accumulate=True)
+        if const_expr(self.fused):
+            # dV and dK run while dS is staged for dQ (which needs both warpgroups' halves).
+            self.stage_ds(ds_regs, mma_s, sdS[None, None, i % 2], consumer_tidx)
+            acc_dq, tQrdSt, tQrKt, tQsdQ = dq_parts
+            self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, i % 2],
+                      tQrKt[None, None, None, 0], accumulate=False)
+        warpgroup.wait_group(0)
+        cute.arch.sync_warp()
+        pipe_stream.consumer_release(state)
+        state = advanced(state)
+        if const_expr(self.fused):
+            self.stage_dq(dq_parts, i % self.dq_buffers, scale_ds, consumer_tidx)
+        if const_expr(issue_next):
+            self.issue_scores(mma_s, acc_s, acc_dp, tSrX, tSrY, tSrU, tSrW, sU, sW,
+                              pipe_stream, state, s_min + (i + 1) % tiles, len_stream,
+                              consumer_tidx)
+        if const_expr(self.fused):
+            self.send_dq(mdQacc, tma_dq, sdQ, i % self.dq_buffers,
+                         head * self.group + i // tiles, q_start, s, consumer_tidx)
+        return state
+
+    @cute.jit
+    def issue_scores(self, mma_s, acc_s, acc_dp, tSrX, tSrY, tSrU, tSrW, sU, sW, pipe_stream,
+                     state, s: Int32, len_stream: Int32, consumer_tidx: Int32):
+        """Waits for streamed tile s (stage ``state``), zeroes its rows past the sequence end
+        and issues S = X U^T and dP = Y W^T (not waited for)."""
+        C = STREAM_ROWS
+        pipe_stream.consumer_wait(state)
+        if (s + 1) * C > len_stream:
+            self.zero_rows(sU[None, None, state.index], sW[None, None, state.index],
+                           len_stream - s * C, consumer_tidx)
+        if const_expr(self.mode != "dv"):
+            self.gemm(mma_s, acc_dp, tSrY[None, None, None, 0],
+                      tSrW[None, None, None, state.index], accumulate=False)
+        self.gemm(mma_s, acc_s, tSrX[None, None, None, 0],
+                  tSrU[None, None, None, state.index], accumulate=False)
 
     @cute.jit
     def zero_rows(self, sU, sW, first_row: Int32, consumer_tidx: Int32):
@@ -549,9 +612,9 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         tQrdSt = wg_dq.make_fragment_A(wg_dq.partition_A(sdSt))
         tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
         acc_dq = cute.make_rmem_tensor(wg_dq.partition_shape_C((C, D)), Float32)
-        sdQ_full = cute.group_modes(sdQ, 1, 3)  # (C, (D / 2, warpgroup)) = (C, D)
-        tQsdQ = thr_dq.partition_C(sdQ_full)
-        return acc_dq, tQrdSt, tQrKt, tQsdQ, sdQ_full
+        # each buffer viewed as one (C, (D / 2, warpgroup)) = (C, D) tile
+        tQsdQ = tuple(thr_dq.partition_C(cute.group_modes(b, 1, 3)) for b in sdQ)
+        return acc_dq, tQrdSt, tQrKt, tQsdQ
 
     @cute.jit
     def stage_ds(self, ds_regs, mma_s, sdS, consumer_tidx: Int32):
@@ -566,32 +629,42 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                           number_of_threads=self.nwg * THREADS_PER_WG)
 
     @cute.jit
-    def reduce_dq(self, dq_parts, mdQacc, tma_dq, sdQ, stream_head: Int32, q_start: Int32,
-                  s: Int32, scale_ds: Float32, consumer_tidx: Int32):
-        """alpha / L * (dS K)[:, this warpgroup's half of D] -> staging buffer -> TMA
-        reduce-add into the fp32 accumulator rows of query tile s. Rows past the sequence
-        add exact zeros (their dS columns are masked and K has no NaN)."""
-        acc_dq, tQrdSt, tQrKt, tQsdQ, sdQ_full = dq_parts
+    def stage_dq(self, dq_parts, buf: Int32, scale_ds: Float32, consumer_tidx: Int32):
+        """alpha / L * (dS K)[:, this warpgroup's half of D] -> staging buffer ``buf``, once
+        the reduce that last read it is done (the accumulator registers are free after)."""
+        acc_dq, tQrdSt, tQrKt, tQsdQ = dq_parts
+        wg = consumer_tidx // THREADS_PER_WG
+        if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:  # the issuing warp
+            # one bulk group per step: the newest dq_buffers - 1 may still be reading
+            cute.arch.cp_async_bulk_wait_group(self.dq_buffers - 1, read=True)
+        cute.arch.barrier(barrier_id=DQ_STAGED_BARRIER + wg, number_of_threads=THREADS_PER_WG)
+        for b in cutlass.range_constexpr(self.dq_buffers):
+            if buf == b:
+                for e in cutlass.range_constexpr(cute.size(acc_dq)):
+                    tQsdQ[b][e] = acc_dq[e] * scale_ds
+        cute.arch.fence_proxy("async.shared", space="cta")
+
+    @cute.jit
+    def send_dq(self, mdQacc, tma_dq, sdQ, buf: Int32, stream_head: Int32, q_start: Int32,
+                s: Int32, consumer_tidx: Int32):
+        """The staged partial -> TMA reduce-add into the fp32 accumulator rows of query
+        tile s. Rows past the sequence add exact zeros (their dS columns are masked and K
+        has no NaN)."""
         D, C = self.head_dim, STREAM_ROWS
         wg = consumer_tidx // THREADS_PER_WG
-        issuer = consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE
-        if issuer:  # the previous reduce has finished reading the buffer
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=DQ_STAGED_BARRIER + wg, number_of_threads=THREADS_PER_WG)
-        for e in cutlass.range_constexpr(cute.size(acc_dq)):
-            tQsdQ[e] = acc_dq[e] * scale_ds
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=DQ_STAGED_BARRIER + wg, number_of_threads=THREADS_PER_WG)
-        if issuer:
+        if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:
             half = D // self.nwg
             g = cute.local_tile(cute.domain_offset((q_start, 0), mdQacc[None, None, stream_head]),
                                 (C, half), (s, wg))
-            t_s, t_g = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1),
-                                             cute.group_modes(sdQ, 0, 2),
-                                             cute.group_modes(g, 0, 2))
             # The whole warp calls the copy: the TMA copy elects its one issuing lane itself
             # (an elect_one around it nests elect.sync inside a one-lane branch: undefined,
             # and it hung multi-tile CTAs). Bulk groups are per thread; the warp commits and
             # later waits together, the lanes without a copy on empty groups.
-            cute.copy(tma_dq, t_s[None, wg], t_g)
+            for b in cutlass.range_constexpr(self.dq_buffers):
+                if buf == b:
+                    t_s, t_g = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1),
+                                                     cute.group_modes(sdQ[b], 0, 2),
+                                                     cute.group_modes(g, 0, 2))
+                    cute.copy(tma_dq, t_s[None, wg], t_g)
             cute.arch.cp_async_bulk_commit_group()

@@ -1,0 +1,597 @@
+"""HSTU attention backward for SM90: TMA + wgmma, warp-specialized, varlen, no atomics.
+
+With z = alpha q.k, h = z / 2, t = tanh(h), L = scaling_seqlen and M the mask:
+    P = M SiLU(z) = M h (1 + t);   dP = dO V^T;   dS = M dP (1 + t) (1 + h (1 - t)) / 2
+    dV = P^T dO / L;   dK = alpha dS^T Q / L;   dQ = alpha dS K / L
+(SiLU'(z) = sigma(z) (1 + z (1 - sigma(z))) with sigma(z) = (1 + t) / 2.) One MUFU.TANH per
+score; no row statistics are saved by the forward.
+
+Every mode is one pattern. A CTA owns a *fixed* tile of 64 rows per consumer warpgroup and
+streams 64-row tiles of the other side through a TMA ring:
+    S = X U^T,  dP = Y W^T  (fixed X, Y from shared memory, streamed U, W; fp32 registers),
+    acc_ds += dS U,  acc_p += P W  (dS, P as 16-bit register A operands; U, W read
+    transposed from the same shared memory).
+- mode "dq":   X = Q,  Y = dO, U = K,  W = V;  acc_ds = dQ (fixed rows: queries)
+- mode "dkdv": X = K,  Y = V,  U = Q,  W = dO; acc_ds = dK, acc_p = dV (fixed rows: keys)
+- "dk" / "dv": one of the two (D = 256, where both accumulators do not fit in registers).
+- "fused" (D <= 128): "dkdv" plus dQ in the same pass: dS goes to shared memory, both
+  warpgroups multiply it by K (each its half of D) and the 64 x D/2 fp32 partial is added
+  into a (T_q, H, D) fp32 workspace by a TMA reduce-add. One pass instead of two, but the
+  order of the additions varies from run to run (not bitwise reproducible).
+In the other modes each output row is owned by exactly one CTA and summed in a fixed order,
+so the gradients are bitwise reproducible. GQA: a kv head's CTA streams the queries of all
+its query heads.
+Masks are bits ANDed on the packed 16-bit P and dS (exact zeros whatever S was); streamed
+rows past a sequence's end are zeroed in shared memory (0 * NaN is NaN).
+"""
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
+                             select_modes)
+from .hstu_attention_fwd_sm90 import PRODUCER_REGS, THREADS_PER_WG, WG_ROWS
+
+STREAM_ROWS = 64
+CONSUMER_REGS = 240
+ZERO_BARRIER = 1  # the consumer warpgroups cleared the streamed rows past a sequence's end
+DS_READY_BARRIER = 2  # fused: both warpgroups' dS^T of this tile are in shared memory
+DQ_STAGED_BARRIER = 3  # 3 and 4: a warpgroup's dQ buffer is free / staged (fused)
+MODES = ("dq", "dkdv", "dk", "dv", "fused")
+
+
+def consumer_warpgroups(head_dim: int) -> int:
+    # D = 256: one warpgroup keeps the fixed tile and two stream stages within 227 KB.
+    return 2 if head_dim <= 128 else 1
+
+
+def stream_stages(head_dim: int, fused: bool) -> int:
+    # fused: dS (2 x 16 KB) and dQ (32 KB) buffers take a stage's room at D = 128.
+    return {32: 4, 64: 4, 128: 2 if fused else 3, 256: 2}[head_dim]
+
+
+class HstuAttentionBackwardSm90(AttentionTileOps):
+    def __init__(self, dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+                 window_left_bounded: bool, window_right_bounded: bool, func_intervals: int,
+                 mode: str):
+        assert mode in MODES, mode
+        assert num_heads % num_kv_heads == 0
+        assert func_intervals == 0 or func_intervals % 2 == 1
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.left_bounded = window_left_bounded
+        self.right_bounded = window_right_bounded
+        self.func_intervals = func_intervals
+        self.mode = mode
+        self.fused = mode == "fused"
+        self.keys_fixed = mode != "dq"
+        self.want_ds = mode != "dv"  # dQ or dK
+        self.want_p = mode in ("dkdv", "dv", "fused")  # dV
+        self.nwg = consumer_warpgroups(head_dim)
+        assert not self.fused or self.nwg == 2, "fused needs two consumer warpgroups (D <= 128)"
+        self.fixed_rows = WG_ROWS * self.nwg
+        self.mask_width = STREAM_ROWS  # masks cover a streamed tile's columns
+        self.stages = stream_stages(head_dim, self.fused)
+        self.num_threads = (self.nwg + 1) * THREADS_PER_WG
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mdA: cute.Tensor, mdB: cute.Tensor, mdQacc: cute.Tensor,
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor,
+                 max_seqlen_fixed: Int32, window_left: Int32, window_right: Int32,
+                 half_alpha: Float32, scale_ds: Float32, scale_p: Float32,
+                 stream: cuda.CUstream):
+        """mdA: dQ (mode dq) or dK (dkdv, dk, fused); mdB: dV (dkdv, dv, fused); mdQacc: the
+        fp32 (T_q, H, D) dQ accumulator (fused: zero before, dQ * 1 after). Unused: None."""
+        dt = self.dtype
+        D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
+        mQ, mK, mV, mdO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mdO)]  # (T, D, H)
+        if const_expr(self.keys_fixed):
+            mX, mY, mU, mW = mK, mV, mQ, mdO
+        else:
+            mX, mY, mU, mW = mQ, mdO, mK, mV
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            (self.nwg, 1, 1), (WG_ROWS, C))
+        mma_g = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            (self.nwg, 1, 1), (WG_ROWS, D), warpgroup.OperandSource.RMEM)
+        sX_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (R, C, D), dt, 1)
+        sU_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (R, C, D), dt,
+                                                  self.stages)
+        one = lambda layout: cute.slice_(layout, (None, None, 0))
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_x, mX_tma = cpasync.make_tiled_tma_atom(g2s, mX, one(sX_layout), (R, D))
+        tma_y, mY_tma = cpasync.make_tiled_tma_atom(g2s, mY, one(sX_layout), (R, D))
+        tma_u, mU_tma = cpasync.make_tiled_tma_atom(g2s, mU, one(sU_layout), (C, D))
+        tma_w, mW_tma = cpasync.make_tiled_tma_atom(g2s, mW, one(sU_layout), (C, D))
+        fixed_tiles = 1 if const_expr(self.mode == "dv") else 2  # dV needs no dP: no Y
+        self.fixed_bytes = cute.size_in_bytes(dt, one(sX_layout)) * fixed_tiles
+        self.stream_bytes = cute.size_in_bytes(dt, one(sU_layout)) * 2
+        stages = self.stages
+        # fused: dQ = dS K with dS^T (keys x queries) double-buffered in shared memory, the two
+        # warpgroups splitting D; A = dS (MN-major view), B = K^T (MN-major view of sX).
+        mma_dq = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN, Float32,
+            (1, self.nwg, 1), (WG_ROWS, D // self.nwg))
+        sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (R, C, C), dt, 2)
+        sdQ_layout = sm90_utils.make_smem_layout_epi(Float32, LayoutEnum.ROW_MAJOR,
+                                                     (C, D // self.nwg), self.nwg)
+        tma_dq = None
+        mdQacc_tma = None
+        if const_expr(self.fused):
+            tma_dq, mdQacc_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), select_modes(mdQacc, [0, 2, 1]),
+                one(sdQ_layout), (C, D // self.nwg))
+        # Only the fused mode has dS and dQ buffers.
+        sdS_size = cute.cosize(sdS_layout) if const_expr(self.fused) else 0
+        sdQ_size = cute.cosize(sdQ_layout) if const_expr(self.fused) else 0
+
+        @cute.struct
+        class SharedStorage:
+            fixed_bars: cute.struct.MemRange[cutlass.Int64, 2]
+            stream_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sX: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
+            sY: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, sdS_size], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, sdQ_size], 1024]
+
+        self.storage = SharedStorage
+        num_batches = mCuSeqlensQ.shape[0] - 1
+        heads = self.num_kv_heads if const_expr(self.keys_fixed) else self.num_heads
+        tiles = cutlass.max((max_seqlen_fixed + R - 1) // R, 1)
+        # One grid axis (the host checks tiles x heads x B < 2^31): CTA numbers run over the
+        # heads, then the sequences, then the fixed tiles, heaviest tiles first.
+        self.kernel(mma_s, mma_g, mma_dq, mX_tma, mY_tma, mU_tma, mW_tma, mdQacc_tma, tma_x,
+                    tma_y, tma_u, tma_w, tma_dq, sX_layout, sU_layout, sdS_layout, sdQ_layout,
+                    mdA, mdB, mCuSeqlensQ, mCuSeqlensK, mFunc, tiles,
+                    num_batches, window_left, window_right, half_alpha, scale_ds,
+                    scale_p).launch(grid=[tiles * heads * cutlass.max(num_batches, 1), 1, 1],
+                                    block=[self.num_threads, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, mma_s: cute.TiledMma, mma_g: cute.TiledMma, mma_dq: cute.TiledMma,
+               mX: cute.Tensor, mY: cute.Tensor, mU: cute.Tensor, mW: cute.Tensor,
+               mdQacc: cute.Tensor, tma_x: cute.CopyAtom, tma_y: cute.CopyAtom,
+               tma_u: cute.CopyAtom, tma_w: cute.CopyAtom, tma_dq: cute.CopyAtom,
+               sX_layout: cute.ComposedLayout, sU_layout: cute.ComposedLayout,
+               sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+               mdA: cute.Tensor, mdB: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+               mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor, tiles: Int32, num_batches: Int32,
+               window_left: Int32, window_right: Int32, half_alpha: Float32, scale_ds: Float32,
+               scale_p: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        heads = self.num_kv_heads if const_expr(self.keys_fixed) else self.num_heads
+        head = cta % heads
+        batch = cta // heads % num_batches
+        order = cta // heads // num_batches
+        # Under a causal mask the first key tiles and the last query tiles see the most.
+        block = order if const_expr(self.keys_fixed) else tiles - 1 - order
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_x, tma_y, tma_u, tma_w):
+                cpasync.prefetch_descriptor(atom)
+        if const_expr(self.fused):
+            if warp_idx == 4:  # the first consumer warp issues the reduce-adds
+                cpasync.prefetch_descriptor(tma_dq)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                              self.nwg * THREADS_PER_WG // cute.arch.WARP_SIZE)
+        pipe_fixed = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.fixed_bars.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.fixed_bytes, defer_sync=True)
+        pipe_stream = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.stream_bars.data_ptr(), num_stages=self.stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.stream_bytes,
+            defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+        sY = storage.sY.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+        sU = storage.sU.get_tensor(sU_layout.outer, swizzle=sU_layout.inner)
+        sW = storage.sW.get_tensor(sU_layout.outer, swizzle=sU_layout.inner)
+        sdS = None
+        sdQ = None
+        if const_expr(self.fused):
+            sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+
+        span = self.work_span(block, batch, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
+        if warp_idx == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self.produce(mX, mY, mU, mW, tma_x, tma_y, tma_u, tma_w, sX, sY, sU, sW,
+                         pipe_fixed, pipe_stream, block, head, span)
+        elif warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consume(mma_s, mma_g, mma_dq, sX, sY, sU, sW, sdS, sdQ, pipe_fixed,
+                         pipe_stream, tidx - THREADS_PER_WG, block, head, span, mdA, mdB,
+                         mdQacc, tma_dq, mFunc, window_left, window_right, half_alpha,
+                         scale_ds, scale_p)
+
+    @cute.jit
+    def work_span(self, block: Int32, batch: Int32, mCuSeqlensQ, mCuSeqlensK,
+                  window_left: Int32, window_right: Int32):
+        """(q_start, len_q, k_start, len_k, s_min, s_max): the CTA's sequence and the streamed
+        tiles [s_min, s_max) any of its fixed rows sees (empty past the sequence end)."""
+        q_start = mCuSeqlensQ[batch]
+        len_q = mCuSeqlensQ[batch + 1] - q_start
+        k_start = mCuSeqlensK[batch]
+        len_k = mCuSeqlensK[batch + 1] - k_start
+        off = len_k - len_q
+        r0 = block * self.fixed_rows
+        _, len_fixed, _, len_stream = self.sides(q_start, len_q, k_start, len_k)
+        r_last = cutlass.min(r0 + self.fixed_rows, len_fixed) - 1
+        lo = Int32(0)
+        hi = len_stream - 1
+        # Query i sees key j when i + off - left <= j <= i + off + right.
+        if const_expr(self.keys_fixed):
+            if const_expr(self.right_bounded):
+                lo = cutlass.max(r0 - off - window_right, 0)
+            if const_expr(self.left_bounded):
+                hi = cutlass.min(r_last - off + window_left, len_q - 1)
+        else:
+            if const_expr(self.left_bounded):
+                lo = cutlass.max(r0 + off - window_left, 0)
+            if const_expr(self.right_bounded):
+                hi = cutlass.min(r_last + off + window_right, len_k - 1)
+        s_min = lo // STREAM_ROWS
+        s_max = (hi + STREAM_ROWS) // STREAM_ROWS
+        if hi < lo or r0 >= len_fixed:
+            s_max = s_min
+        return q_start, len_q, k_start, len_k, s_min, s_max
+
+    def sides(self, q_start, len_q, k_start, len_k):
+        """(start, length) of the fixed side's sequence, then of the streamed side's."""
+        if const_expr(self.keys_fixed):
+            return k_start, len_k, q_start, len_q
+        return q_start, len_q, k_start, len_k
+
+    def stream_heads(self) -> int:
+        """Heads streamed per fixed tile: all query heads of a kv head when keys are fixed."""
+        return self.group if self.keys_fixed else 1
+
+    @cute.jit
+    def produce(self, mX, mY, mU, mW, tma_x, tma_y, tma_u, tma_w, sX, sY, sU, sW, pipe_fixed,
+                pipe_stream, block: Int32, head: Int32, span):
+        q_start, len_q, k_start, len_k, s_min, s_max = span
+        D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
+        fixed_start, _, stream_start, _ = self.sides(q_start, len_q, k_start, len_k)
+        if s_max > s_min:
+            fixed_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipe_fixed.producer_acquire(fixed_state)
+            bar = pipe_fixed.producer_get_barrier(fixed_state)
+            fixed = ((tma_x, mX, sX),) if const_expr(self.mode == "dv") else (
+                (tma_x, mX, sX), (tma_y, mY, sY))
+            for f_atom, f_gmem, f_smem in fixed:
+                f_tile = cute.local_tile(
+                    cute.domain_offset((fixed_start, 0), f_gmem[None, None, head]), (R, D),
+                    (block, 0))
+                f_s, f_g = cpasync.tma_partition(f_atom, 0, cute.make_layout(1),
+                                                 cute.group_modes(f_smem, 0, 2),
+                                                 cute.group_modes(f_tile, 0, 2))
+                cute.copy(f_atom, f_g, f_s[None, 0], tma_bar_ptr=bar)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            tiles = s_max - s_min
+            for i in cutlass.range(tiles * self.stream_heads(), unroll=1):
+                stream_head = head
+                if const_expr(self.keys_fixed):
+                    stream_head = head * self.group + i // tiles
+                else:
+                    stream_head = head // self.group
+                s = s_min + i % tiles
+                pipe_stream.producer_acquire(state)
+                bar = pipe_stream.producer_get_barrier(state)
+                for atom, m, smem_t in ((tma_u, mU, sU), (tma_w, mW, sW)):
+                    g = cute.local_tile(
+                        cute.domain_offset((stream_start, 0), m[None, None, stream_head]),
+                        (C, D), (s, 0))
+                    ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                   cute.group_modes(smem_t, 0, 2),
+                                                   cute.group_modes(g, 0, 2))
+                    cute.copy(atom, tg, ts[None, state.index], tma_bar_ptr=bar)
+                state = advanced(state)
+
+    @cute.jit
+    def consume(self, mma_s, mma_g, mma_dq, sX, sY, sU, sW, sdS, sdQ, pipe_fixed, pipe_stream,
+                consumer_tidx: Int32, block: Int32, head: Int32, span, mdA, mdB, mdQacc,
+                tma_dq, mFunc, window_left: Int32, window_right: Int32, half_alpha: Float32,
+                scale_ds: Float32, scale_p: Float32):
+        q_start, len_q, k_start, len_k, s_min, s_max = span
+        D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
+        wg = consumer_tidx // THREADS_PER_WG
+        wg_s = mma_s.get_slice(wg * THREADS_PER_WG)
+        wg_g = mma_g.get_slice(wg * THREADS_PER_WG)
+        thr_s = mma_s.get_slice(consumer_tidx)
+        thr_g = mma_g.get_slice(consumer_tidx)
+        # U and W transposed: (D, rows, stages), the MN-major B operand of the gradients.
+        transposed = cute.make_ordered_layout((D, C, self.stages), order=(1, 0, 2))
+        tSrX = wg_s.make_fragment_A(wg_s.partition_A(sX))
+        tSrY = wg_s.make_fragment_A(wg_s.partition_A(sY))
+        tSrU = wg_s.make_fragment_B(wg_s.partition_B(sU))
+        tSrW = wg_s.make_fragment_B(wg_s.partition_B(sW))
+        tGrUt = wg_g.make_fragment_B(wg_g.partition_B(cute.composition(sU, transposed)))
+        tGrWt = wg_g.make_fragment_B(wg_g.partition_B(cute.composition(sW, transposed)))
+
+        acc_s = cute.make_rmem_tensor(wg_s.partition_shape_C((R, C)), Float32)
+        acc_dp = cute.make_rmem_tensor(wg_s.partition_shape_C((R, C)), Float32)
+        ds_regs = cute.make_rmem_tensor(acc_s.layout, self.dtype)
+        p_regs = cute.make_rmem_tensor(acc_s.layout, self.dtype)
+        tGrdS = cute.make_tensor(ds_regs.iterator, acc_as_operand_a(acc_s.layout))
+        tGrP = cute.make_tensor(p_regs.iterator, acc_as_operand_a(acc_s.layout))
+        acc_a = None
+        acc_b = None
+        if const_expr(self.want_ds):
+            acc_a = cute.make_rmem_tensor(wg_g.partition_shape_C((R, D)), Float32)
+            acc_a.fill(0.0)
+        if const_expr(self.want_p):
+            acc_b = cute.make_rmem_tensor(wg_g.partition_shape_C((R, D)), Float32)
+            acc_b.fill(0.0)
+        dq_parts = None
+        if const_expr(self.fused):
+            dq_parts = self.dq_partitions(mma_dq, sX, sdS, sdQ, consumer_tidx)
+
+        c_s = thr_s.partition_C(cute.make_identity_tensor((R, C)))
+        coords = cute.make_tensor(c_s.iterator, acc_mn_layout(c_s.layout))
+        r0 = block * R
+        row_i = (r0 + coords[0, 0][0], r0 + coords[1, 0][0])  # local fixed-side indices
+        first_col = coords[0, 0][1]
+        off = len_k - len_q
+        fixed_start, len_fixed, _, len_stream = self.sides(q_start, len_q, k_start, len_k)
+        nf = self.func_intervals
+        func = None
+        if const_expr(nf > 0 and not self.keys_fixed):
+            func = cute.make_rmem_tensor(cute.make_layout((2, nf)), Int32)
+            for r in cutlass.range_constexpr(2):
+                for t in cutlass.range_constexpr(nf):
+                    func[r, t] = Int32(0)
+                    if row_i[r] < len_q:
+                        func[r, t] = mFunc[0, t, q_start + row_i[r]]
+
+        if s_max > s_min:
+            fixed_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_fixed.consumer_wait(fixed_state)
+            if const_expr(self.fused):
+                if r0 + R > len_k:
+                    # dQ sums dS K over the tile's keys: K rows past the sequence (another
+                    # sequence's, maybe NaN) must be zeros, not just multiplied by zero.
+                    self.zero_fixed_rows(sX[None, None, 0], len_k - r0, consumer_tidx)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            tiles = s_max - s_min
+            for i in cutlass.range(tiles * self.stream_heads(), unroll=1):
+                s = s_min + i % tiles
+                pipe_stream.consumer_wait(state)
+                if (s + 1) * C > len_stream:
+                    self.zero_rows(sU[None, None, state.index], sW[None, None, state.index],
+                                   len_stream - s * C, consumer_tidx)
+                if const_expr(self.mode != "dv"):
+                    self.gemm(mma_s, acc_dp, tSrY[None, None, None, 0],
+                              tSrW[None, None, None, state.index], accumulate=False)
+                self.gemm(mma_s, acc_s, tSrX[None, None, None, 0],
+                          tSrU[None, None, None, state.index], accumulate=False)
+                warpgroup.wait_group(0)
+                self.scores_to_operands(acc_s, acc_dp, p_regs, ds_regs, half_alpha)
+                keep = self.keep_bits(row_i, first_col + s * C, func, mFunc, q_start, len_q,
+                                      len_k, off, window_left, window_right)
+                if const_expr(self.want_p):
+                    for h in cutlass.range_constexpr(2):
+                        self.and_keep_bits(p_regs, h, keep[h])
+                    self.gemm(mma_g, acc_b, tGrP, tGrWt[None, None, None, state.index],
+                              accumulate=True)
+                if const_expr(self.want_ds):
+                    for h in cutlass.range_constexpr(2):
+                        self.and_keep_bits(ds_regs, h, keep[h])
+                    if const_expr(self.fused):
+                        self.stage_ds(ds_regs, mma_s, sdS[None, None, i % 2], consumer_tidx)
+                    self.gemm(mma_g, acc_a, tGrdS, tGrUt[None, None, None, state.index],
+                              accumulate=True)
+                if const_expr(self.fused):
+                    acc_dq, tQrdSt, tQrKt, tQsdQ, sdQ_full = dq_parts
+                    self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, i % 2],
+                              tQrKt[None, None, None, 0], accumulate=False)
+                warpgroup.wait_group(0)
+                cute.arch.sync_warp()
+                pipe_stream.consumer_release(state)
+                state = advanced(state)
+                if const_expr(self.fused):
+                    stream_head = head * self.group + i // tiles
+                    self.reduce_dq(dq_parts, mdQacc, tma_dq, sdQ, stream_head, q_start, s,
+                                   scale_ds, consumer_tidx)
+            if const_expr(self.fused):
+                # The staging buffer must outlive the last reduce's read of it (the adds
+                # themselves complete without us).
+                if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+        if const_expr(self.want_ds):
+            self.store_rows(mdA, acc_a, thr_g, head, r0, fixed_start, len_fixed, scale_ds)
+        if const_expr(self.want_p):
+            self.store_rows(mdB, acc_b, thr_g, head, r0, fixed_start, len_fixed, scale_p)
+
+    @cute.jit
+    def zero_rows(self, sU, sW, first_row: Int32, consumer_tidx: Int32):
+        """Zeroes rows first_row.. of a stream stage's U and W (all consumer warpgroups)."""
+        D, C = self.head_dim, STREAM_ROWS
+        threads = self.nwg * THREADS_PER_WG
+        for idx in cutlass.range(consumer_tidx, C * D, threads, unroll=1):
+            row = idx // D
+            if row >= first_row:
+                sU[row, idx % D] = self.dtype(0.0)
+                sW[row, idx % D] = self.dtype(0.0)
+        # Generic-proxy stores read next by wgmma (async proxy).
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=ZERO_BARRIER, number_of_threads=threads)
+
+    @cute.jit
+    def zero_fixed_rows(self, sX, first_row: Int32, consumer_tidx: Int32):
+        """fused: zeroes rows first_row.. of the fixed K tile (all consumer warpgroups)."""
+        D, R = self.head_dim, self.fixed_rows
+        threads = self.nwg * THREADS_PER_WG
+        for idx in cutlass.range(consumer_tidx, R * D, threads, unroll=1):
+            row = idx // D
+            if row >= first_row:
+                sX[row, idx % D] = self.dtype(0.0)
+        # Generic-proxy stores read next by wgmma (async proxy).
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=ZERO_BARRIER, number_of_threads=threads)
+
+    @cute.jit
+    def scores_to_operands(self, acc_s, acc_dp, p_regs, ds_regs, half_alpha: Float32):
+        """S, dP (fp32) -> P = SiLU(alpha S) and dS = dP SiLU'(alpha S) (16-bit)."""
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            h = acc_s[e] * half_alpha
+            t = cute.arch.inline_ptx("tanh.approx.f32 {$w0}, {$r0};",
+                                     write_only_types=[Float32], read_only_args=[h])
+            one_t = 1.0 + t
+            acc_s[e] = h * one_t
+            if const_expr(self.want_ds):
+                acc_dp[e] = acc_dp[e] * (0.5 * one_t) * (1.0 + h * (1.0 - t))
+        if const_expr(self.want_p):
+            p_regs.store(acc_s.load().to(self.dtype))
+        if const_expr(self.want_ds):
+            ds_regs.store(acc_dp.load().to(self.dtype))
+
+    @cute.jit
+    def keep_bits(self, row_i, first: Int32, func, mFunc, q_start: Int32, len_q: Int32,
+                  len_k: Int32, off: Int32, window_left: Int32, window_right: Int32):
+        """Per fixed row (2 per thread), bits 2 g + e of the visible streamed columns
+        first + 8 g + e (g < 8, e < 2) of this tile."""
+        keep = [Uint32(0), Uint32(0)]
+        for r in cutlass.range_constexpr(2):
+            i = row_i[r]
+            if const_expr(self.keys_fixed):
+                # Row: key j = i; columns: queries.
+                bits = self.cols_below(len_q, first)
+                if const_expr(self.right_bounded):
+                    bits = bits & ~self.cols_below(i - off - window_right, first)
+                if const_expr(self.left_bounded):
+                    bits = bits & self.cols_below(i - off + window_left + 1, first)
+                if const_expr(self.func_intervals > 0):
+                    bits = bits & self.func_cols_seeing_key(i, first, mFunc, q_start, len_q)
+                if i >= len_k:
+                    bits = Uint32(0)
+                keep[r] = bits
+            else:
+                bits = self.keys_seen_by_query(i, first, func, r, len_k, off, window_left,
+                                               window_right)
+                if i >= len_q:
+                    bits = Uint32(0)
+                keep[r] = bits
+        return keep
+
+    @cute.jit
+    def func_cols_seeing_key(self, j: Int32, first: Int32, mFunc, q_start: Int32,
+                             len_q: Int32) -> Uint32:
+        """Bits of this thread's query columns whose func intervals contain key j."""
+        bits = Uint32(0)
+        for g in cutlass.range_constexpr(STREAM_ROWS // 8):
+            for e in cutlass.range_constexpr(2):
+                i = first + 8 * g + e
+                if i < len_q:
+                    seen = j < mFunc[0, 0, q_start + i]
+                    for t in cutlass.range_constexpr(1, self.func_intervals, 2):
+                        seen = seen or (mFunc[0, t, q_start + i] <= j
+                                        and j < mFunc[0, t + 1, q_start + i])
+                    if seen:
+                        bits = bits | Uint32(1 << (2 * g + e))
+        return bits
+
+    @cute.jit
+    def store_rows(self, mOut, acc, thr_g, head: Int32, r0: Int32, start: Int32, length: Int32,
+                   scale: Float32):
+        """acc * scale -> the fixed tile's rows of this sequence (pairs of 16-bit values)."""
+        D, R = self.head_dim, self.fixed_rows
+        mOut = select_modes(mOut, [0, 2, 1])
+        g = cute.local_tile(cute.domain_offset((start, 0), mOut[None, None, head]), (R, D),
+                            (r0 // R, 0))
+        t_g = thr_g.partition_C(g)
+        t_c = thr_g.partition_C(cute.make_identity_tensor((R, D)))
+        g_mn = cute.make_tensor(t_g.iterator, acc_mn_layout(t_g.layout))
+        c_mn = cute.make_tensor(t_c.iterator, acc_mn_layout(t_c.layout))
+        out = cute.make_rmem_tensor(acc.layout, self.dtype)
+        out.store((acc.load() * scale).to(self.dtype))
+        out_mn = cute.make_tensor(out.iterator, acc_mn_layout(out.layout))
+        for r in cutlass.range_constexpr(cute.size(g_mn, mode=[0])):
+            if r0 + c_mn[r, 0][0] < length:
+                for c in cutlass.range_constexpr(cute.size(g_mn, mode=[1])):
+                    g_mn[r, c] = out_mn[r, c]
+
+    # ---------------------------------------------------------------- fused dQ
+    @cute.jit
+    def dq_partitions(self, mma_dq, sX, sdS, sdQ, consumer_tidx: Int32):
+        """The dQ accumulator, its operands (dS = sdS^T, K^T = sX^T, both MN-major views)
+        and this thread's slots of the fp32 staging buffer (viewed as one C x D tile)."""
+        D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
+        wg = consumer_tidx // THREADS_PER_WG
+        wg_dq = mma_dq.get_slice(wg * THREADS_PER_WG)
+        thr_dq = mma_dq.get_slice(consumer_tidx)
+        sdSt = cute.composition(sdS, cute.make_ordered_layout((C, R, 2), order=(1, 0, 2)))
+        sKt = cute.composition(sX, cute.make_ordered_layout((D, R, 1), order=(1, 0, 2)))
+        tQrdSt = wg_dq.make_fragment_A(wg_dq.partition_A(sdSt))
+        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
+        acc_dq = cute.make_rmem_tensor(wg_dq.partition_shape_C((C, D)), Float32)
+        sdQ_full = cute.group_modes(sdQ, 1, 3)  # (C, (D / 2, warpgroup)) = (C, D)
+        tQsdQ = thr_dq.partition_C(sdQ_full)
+        return acc_dq, tQrdSt, tQrKt, tQsdQ, sdQ_full
+
+    @cute.jit
+    def stage_ds(self, ds_regs, mma_s, sdS, consumer_tidx: Int32):
+        """This warpgroup's dS^T rows -> shared memory (stmatrix); then both warpgroups'
+        halves must be there before either multiplies."""
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        st = cute.make_tiled_copy_C(st_atom, mma_s).get_slice(consumer_tidx)
+        cute.copy(st_atom, st.retile(ds_regs), st.partition_D(sdS))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=DS_READY_BARRIER,
+                          number_of_threads=self.nwg * THREADS_PER_WG)
+
+    @cute.jit
+    def reduce_dq(self, dq_parts, mdQacc, tma_dq, sdQ, stream_head: Int32, q_start: Int32,
+                  s: Int32, scale_ds: Float32, consumer_tidx: Int32):
+        """alpha / L * (dS K)[:, this warpgroup's half of D] -> staging buffer -> TMA
+        reduce-add into the fp32 accumulator rows of query tile s. Rows past the sequence
+        add exact zeros (their dS columns are masked and K has no NaN)."""
+        acc_dq, tQrdSt, tQrKt, tQsdQ, sdQ_full = dq_parts
+        D, C = self.head_dim, STREAM_ROWS
+        wg = consumer_tidx // THREADS_PER_WG
+        issuer = consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE
+        if issuer:  # the previous reduce has finished reading the buffer
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=DQ_STAGED_BARRIER + wg, number_of_threads=THREADS_PER_WG)
+        for e in cutlass.range_constexpr(cute.size(acc_dq)):
+            tQsdQ[e] = acc_dq[e] * scale_ds
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=DQ_STAGED_BARRIER + wg, number_of_threads=THREADS_PER_WG)
+        if issuer:
+            half = D // self.nwg
+            g = cute.local_tile(cute.domain_offset((q_start, 0), mdQacc[None, None, stream_head]),
+                                (C, half), (s, wg))
+            t_s, t_g = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1),
+                                             cute.group_modes(sdQ, 0, 2),
+                                             cute.group_modes(g, 0, 2))
+            # The whole warp calls the copy: the TMA copy elects its one issuing lane itself
+            # (an elect_one around it nests elect.sync inside a one-lane branch: undefined,
+            # and it hung multi-tile CTAs). Bulk groups are per thread; the warp commits and
+            # later waits together, the lanes without a copy on empty groups.
+            cute.copy(tma_dq, t_s[None, wg], t_g)
+            cute.arch.cp_async_bulk_commit_group()
