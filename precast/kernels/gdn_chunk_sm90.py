@@ -1,0 +1,376 @@
+"""Gated DeltaNet forward, stage 1 of 2 for SM90: the per-chunk WY factors (no state).
+
+NOT YET RUN ON A GPU (written 2026-11-29 without device time left; cross-compiled only).
+
+One CTA (one warpgroup) per (64-token chunk, output head). With the chunk's rows Qc, Kc, Vc
+(q and k L2-normalized first when asked), in-chunk cumulative log gates G (fp32), gamma =
+exp(G), beta, and the notation of precast/reference/gated_delta_net.py:
+
+    A  = strict_tril(diag(beta) (Gamma * Kc Kc^T))        (64 x 64, fp32 in shared memory)
+    T  = (I + A)^-1                                       (forward substitution, fp32)
+    W  = T diag(beta gamma) Kc,   U = T diag(beta) Vc      (wgmma, fp32 accumulators)
+    M  = scale (Gamma * Qc Kc^T), causal with the diagonal
+    Qd = scale diag(gamma) Qc,    Kd = diag(exp(G_L - G)) Kc
+
+are written, 16-bit, into one workspace row block per (chunk, head):
+``work16[chunk, head, 0:64, :]`` = [Qd | Kd | W | U | M] (K, K, K, V and 64 columns), and
+G_L into ``work32[chunk, head]`` (fp32: the state decays by exp(G_L) per chunk, which 16 bits
+would not carry over thousands of chunks). Chunks are packed over the batch: sequence b's
+chunk c is number sum_{b' < b} ceil(len_b' / 64) + c, so the workspace has at most
+T // 64 + N chunk rows (``workspace_shapes``); stage 2 (gdn_recurrence_sm90) walks them in
+order with the state.
+
+Rows past a sequence's end are zeros in shared memory (Q, K, V) and get g = beta = 0, which
+makes their rows of A, W, U, M zero and leaves G constant, so G_L is the last real token's.
+"""
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from .attention_sm90 import select_modes
+
+CHUNK = 64
+THREADS = 128
+L2NORM_EPS = 1e-24
+
+
+def workspace_shapes(total_tokens: int, num_seqs: int, heads: int, k_dim: int, v_dim: int):
+    """(work16 shape, work32 shape) for a batch of T tokens in N sequences: one row block
+    per (chunk, head), chunks bounded by T // 64 + N."""
+    chunks = total_tokens // CHUNK + num_seqs
+    return (chunks, heads, CHUNK, 3 * k_dim + v_dim + CHUNK), (chunks, heads)
+
+
+class GdnChunkPrepareSm90:
+    def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
+                 v_heads: int, l2norm: bool, g_dtype, beta_dtype):
+        assert k_dim in (64, 128) and v_dim in (64, 128)
+        self.dtype = dtype
+        self.k_dim, self.v_dim = k_dim, v_dim
+        self.heads = max(q_heads, v_heads)
+        self.q_group = self.heads // q_heads
+        self.k_group = self.heads // k_heads
+        self.v_group = self.heads // v_heads
+        self.l2norm = l2norm
+        self.g_dtype, self.beta_dtype = g_dtype, beta_dtype
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
+                 mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mWork16: cute.Tensor,
+                 mWork32: cute.Tensor, scale: Float32, stream: cuda.CUstream):
+        """mQ (T, HQ, K), mK (T, HK, K), mV (T, HV, V); mG, mBeta (T, HO); mCuSeqlens
+        (N + 1,) int32; mWork16 / mWork32 as ``workspace_shapes``."""
+        dt = self.dtype
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        mQ, mK, mV = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV)]  # (T, D, H)
+        # Q and K tiles serve as K-major A and B operands and (K) as an MN-major B operand
+        # through a transposed view; V only as the latter. One layout kind for all three.
+        sQK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, 1)
+        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, V), dt, 1)
+        sT_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (C, K, C), dt, 1)
+        one = lambda layout: cute.slice_(layout, (None, None, 0))
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, one(sQK_layout), (C, K))
+        tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, one(sQK_layout), (C, K))
+        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, one(sV_layout), (C, V))
+        self.load_bytes = (2 * cute.size_in_bytes(dt, one(sQK_layout))
+                           + cute.size_in_bytes(dt, one(sV_layout)))
+        # Scores: 64 x 64 from K-major Q / K tiles. Factors: 64 x D from T (K-major A) and
+        # the K / V tiles read transposed (MN-major B).
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            (1, 1, 1), (C, C))
+        mma_wk = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            (1, 1, 1), (C, K))
+        mma_wv = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            (1, 1, 1), (C, V))
+
+        @cute.struct
+        class SharedStorage:
+            bar: cute.struct.MemRange[cutlass.Int64, 1]
+            gate: cute.struct.MemRange[Float32, C]  # G (cumulative log gate)
+            beta: cute.struct.MemRange[Float32, C]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+            sTw: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
+            sTu: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
+            sA: cute.struct.Align[cute.struct.MemRange[Float32, C * C], 16]
+
+        self.storage = SharedStorage
+        chunks = mWork32.shape[0]
+        num_batches = mCuSeqlens.shape[0] - 1
+        self.kernel(mma_s, mma_wk, mma_wv, mQ_tma, mK_tma, mV_tma, tma_q, tma_k, tma_v,
+                    sQK_layout, sV_layout, sT_layout, mG, mBeta, mCuSeqlens, mWork16,
+                    mWork32, num_batches, scale).launch(
+            grid=[chunks, self.heads, 1], block=[THREADS, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, mma_s: cute.TiledMma, mma_wk: cute.TiledMma, mma_wv: cute.TiledMma,
+               mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, tma_q: cute.CopyAtom,
+               tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, sQK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sT_layout: cute.ComposedLayout,
+               mG: cute.Tensor, mBeta: cute.Tensor, mCuSeqlens: cute.Tensor,
+               mWork16: cute.Tensor, mWork32: cute.Tensor, num_batches: Int32,
+               scale: Float32):
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        tidx, _, _ = cute.arch.thread_idx()
+        packed, head, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        batch, chunk = self.find_chunk(packed, mCuSeqlens, num_batches)
+        if batch < num_batches:
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(self.storage)
+            sQ = storage.sQ.get_tensor(sQK_layout.outer, swizzle=sQK_layout.inner)
+            sK = storage.sK.get_tensor(sQK_layout.outer, swizzle=sQK_layout.inner)
+            sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+            sTw = storage.sTw.get_tensor(sT_layout.outer, swizzle=sT_layout.inner)
+            sTu = storage.sTu.get_tensor(sT_layout.outer, swizzle=sT_layout.inner)
+            sA = storage.sA.get_tensor(cute.make_layout((C, C), stride=(C, 1)))
+            sGate = storage.gate.get_tensor(cute.make_layout(C))
+            sBeta = storage.beta.get_tensor(cute.make_layout(C))
+            bar = storage.bar.data_ptr()
+            start = mCuSeqlens[batch]
+            rows = cutlass.min(mCuSeqlens[batch + 1] - start - chunk * C, C)
+            if tidx == 0:
+                cute.arch.mbarrier_init(bar, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            if warp == 0:
+                self.load_tiles(mQ, mK, mV, tma_q, tma_k, tma_v, sQ, sK, sV, bar, start,
+                                chunk, head)
+            self.load_gates(mG, mBeta, sGate, sBeta, start + chunk * C, rows, head, tidx)
+            cute.arch.mbarrier_wait(bar, 0)
+            q2, k2, v2 = (t[None, None, 0] for t in (sQ, sK, sV))  # (rows, cols) views
+            if rows < C:  # rows of the next sequence (or TMA zero fill): zeros
+                self.zero_rows(q2, k2, v2, rows, tidx)
+            if const_expr(self.l2norm):
+                self.normalize_rows(q2, tidx)
+                self.normalize_rows(k2, tidx)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            if warp == 0:
+                self.cumulative_gates(sGate)
+            cute.arch.sync_threads()
+            work = mWork16[packed, head, None, None]  # (64, 3K + V + 64)
+            self.scores(mma_s, sQ, sK, sA, sGate, sBeta, work, scale, tidx)
+            cute.arch.sync_threads()
+            if tidx < C:
+                self.invert(sA, sTw[None, None, 0], sTu[None, None, 0], sGate, sBeta, tidx)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            self.factors(mma_wk, mma_wv, sTw, sTu, sK, sV, work, tidx)
+            # W's wgmma has read K: scale Q and K into Qd and Kd.
+            self.decayed_rows(q2, k2, sGate, work, scale, tidx)
+            if tidx == 0:
+                mWork32[packed, head] = sGate[C - 1]
+
+    @cute.jit
+    def find_chunk(self, packed: Int32, mCuSeqlens, num_batches: Int32):
+        """(batch, chunk in the sequence) of packed chunk number ``packed``, each warp
+        scanning the sequences 32 at a time; batch == num_batches past the last chunk."""
+        lane = cute.arch.lane_idx()
+        batch = num_batches
+        chunk = Int32(0)
+        base = Int32(0)
+        group = Int32(0)
+        searching = Boolean(num_batches > 0)
+        while searching:
+            b = group + lane
+            count = Int32(0)
+            if b < num_batches:
+                count = (mCuSeqlens[b + 1] - mCuSeqlens[b] + CHUNK - 1) // CHUNK
+            ends = count  # inclusive prefix sum over the lanes
+            for d in cutlass.range_constexpr(5):
+                up = cute.arch.shuffle_sync_up(ends, 1 << d)
+                if lane >= (1 << d):
+                    ends = ends + up
+            total = cute.arch.shuffle_sync(ends, 31)
+            if packed < base + total:
+                owner = cute.arch.popc(cute.arch.vote_ballot_sync(packed >= base + ends))
+                batch = group + owner
+                chunk = packed - base - cute.arch.shuffle_sync(ends - count, owner)
+                searching = Boolean(False)
+            else:
+                base = base + total
+                group = group + 32
+                if group >= num_batches:
+                    searching = Boolean(False)
+        return batch, chunk
+
+    @cute.jit
+    def load_tiles(self, mQ, mK, mV, tma_q, tma_k, tma_v, sQ, sK, sV, bar, start: Int32,
+                   chunk: Int32, head: Int32):
+        """Warp 0: the chunk's Q, K, V rows by TMA onto ``bar`` (one expect-tx arrival)."""
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.load_bytes)
+        heads = (head // self.q_group, head // self.k_group, head // self.v_group)
+        for atom, m, s, d, h in ((tma_q, mQ, sQ, K, heads[0]), (tma_k, mK, sK, K, heads[1]),
+                                 (tma_v, mV, sV, V, heads[2])):
+            g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, d),
+                                (chunk, 0))
+            t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                             cute.group_modes(s, 0, 2),
+                                             cute.group_modes(g, 0, 2))
+            cute.copy(atom, t_g, t_s[None, 0], tma_bar_ptr=bar)
+
+    @cute.jit
+    def load_gates(self, mG, mBeta, sGate, sBeta, first: Int32, rows: Int32, head: Int32,
+                   tidx: Int32):
+        """g and beta of the chunk's rows (fp32; zero past the sequence end)."""
+        if tidx < CHUNK:
+            g = Float32(0.0)
+            b = Float32(0.0)
+            if tidx < rows:
+                g = mG[first + tidx, head].to(Float32)
+                b = mBeta[first + tidx, head].to(Float32)
+            sGate[tidx] = g
+            sBeta[tidx] = b
+
+    @cute.jit
+    def zero_rows(self, sQ, sK, sV, rows: Int32, tidx: Int32):
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        for idx in cutlass.range(tidx, C * K, THREADS, unroll=1):
+            if idx // K >= rows:
+                sQ[idx // K, idx % K] = self.dtype(0.0)
+                sK[idx // K, idx % K] = self.dtype(0.0)
+        for idx in cutlass.range(tidx, C * V, THREADS, unroll=1):
+            if idx // V >= rows:
+                sV[idx // V, idx % V] = self.dtype(0.0)
+
+    @cute.jit
+    def normalize_rows(self, sX, tidx: Int32):
+        """x * rsqrt(max(sum x^2, eps)) in fp32, rounded back in place: two threads per row
+        (lanes 2r, 2r + 1 of a warp), each summing half of it."""
+        K = self.k_dim
+        half = K // 2
+        row = tidx // 2
+        col0 = (tidx % 2) * half
+        total = Float32(0.0)
+        for c in cutlass.range_constexpr(half):
+            x = sX[row, col0 + c].to(Float32)
+            total = total + x * x
+        total = total + cute.arch.shuffle_sync_bfly(total, 1)
+        inv = cute.math.rsqrt(cutlass.max(total, Float32(L2NORM_EPS)))
+        for c in cutlass.range_constexpr(half):
+            sX[row, col0 + c] = (sX[row, col0 + c].to(Float32) * inv).to(self.dtype)
+
+    @cute.jit
+    def cumulative_gates(self, sGate):
+        """Warp 0: G = inclusive prefix sum of g over the chunk (two rows per lane)."""
+        lane = cute.arch.lane_idx()
+        g0 = sGate[2 * lane]
+        g1 = sGate[2 * lane + 1]
+        ends = g0 + g1
+        for d in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(ends, 1 << d)
+            if lane >= (1 << d):
+                ends = ends + up
+        before = ends - g0 - g1
+        sGate[2 * lane] = before + g0
+        sGate[2 * lane + 1] = ends
+
+    @cute.jit
+    def scores(self, mma_s, sQ, sK, sA, sGate, sBeta, work, scale: Float32, tidx: Int32):
+        """K K^T -> A (gated, strictly lower, fp32 in shared memory); Q K^T -> M (gated,
+        causal with the diagonal, scaled; 16-bit into the workspace)."""
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        thr = mma_s.get_slice(tidx)
+        tSrQ = thr.make_fragment_A(thr.partition_A(sQ))[None, None, None, 0]
+        tSrKa = thr.make_fragment_A(thr.partition_A(sK))[None, None, None, 0]
+        tSrKb = thr.make_fragment_B(thr.partition_B(sK))[None, None, None, 0]
+        acc_kk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
+        acc_qk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
+        self.gemm(mma_s, acc_kk, tSrKa, tSrKb)
+        self.gemm(mma_s, acc_qk, tSrQ, tSrKb)
+        warpgroup.wait_group(0)
+        coords = thr.partition_C(cute.make_identity_tensor((C, C)))
+        m_cols = 3 * K + V
+        for e in cutlass.range_constexpr(cute.size(acc_kk)):
+            i = coords[e][0]
+            j = coords[e][1]
+            seen = j <= i
+            decay = cute.math.exp(cutlass.select_(seen, sGate[i] - sGate[j], Float32(0.0)),
+                                  fastmath=True)
+            a = Float32(0.0)
+            m = Float32(0.0)
+            if j < i:
+                a = sBeta[i] * acc_kk[e] * decay
+            if seen:
+                m = scale * acc_qk[e] * decay
+            sA[i, j] = a
+            work[i, m_cols + j] = m.to(self.dtype)
+
+    @cute.jit
+    def invert(self, sA, sTw, sTu, sGate, sBeta, j: Int32):
+        """Thread j < 64: column j of T = (I + A)^-1 by forward substitution in fp32, then
+        T diag(beta gamma) and T diag(beta) in 16 bits (the A operands of W and U)."""
+        C = CHUNK
+        x = cute.make_rmem_tensor(cute.make_layout(C), Float32)
+        for i in cutlass.range_constexpr(C):
+            acc = cutlass.select_(j == i, Float32(1.0), Float32(0.0))
+            for l in cutlass.range_constexpr(i):
+                acc = acc - sA[i, l] * x[l]
+            x[i] = acc
+        beta = sBeta[j]
+        w_scale = beta * cute.math.exp(sGate[j], fastmath=True)
+        for i in cutlass.range_constexpr(C):
+            sTw[i, j] = (x[i] * w_scale).to(self.dtype)
+            sTu[i, j] = (x[i] * beta).to(self.dtype)
+
+    @cute.jit
+    def factors(self, mma_wk, mma_wv, sTw, sTu, sK, sV, work, tidx: Int32):
+        """W = Tw Kc and U = Tu Vc (Kc, Vc read transposed), 16-bit into the workspace."""
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        thr_k = mma_wk.get_slice(tidx)
+        thr_v = mma_wv.get_slice(tidx)
+        k_t = cute.composition(sK, cute.make_ordered_layout((K, C, 1), order=(1, 0, 2)))
+        v_t = cute.composition(sV, cute.make_ordered_layout((V, C, 1), order=(1, 0, 2)))
+        tWrT = thr_k.make_fragment_A(thr_k.partition_A(sTw))
+        tWrK = thr_k.make_fragment_B(thr_k.partition_B(k_t))
+        tUrT = thr_v.make_fragment_A(thr_v.partition_A(sTu))
+        tUrV = thr_v.make_fragment_B(thr_v.partition_B(v_t))
+        acc_w = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
+        acc_u = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
+        self.gemm(mma_wk, acc_w, tWrT[None, None, None, 0], tWrK[None, None, None, 0])
+        self.gemm(mma_wv, acc_u, tUrT[None, None, None, 0], tUrV[None, None, None, 0])
+        warpgroup.wait_group(0)
+        for acc, thr, first, cols in ((acc_w, thr_k, 2 * K, K), (acc_u, thr_v, 3 * K, V)):
+            coords = thr.partition_C(cute.make_identity_tensor((C, cols)))
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                i = coords[e][0]
+                c = coords[e][1]
+                work[i, first + c] = acc[e].to(self.dtype)
+
+    @cute.jit
+    def decayed_rows(self, sQ, sK, sGate, work, scale: Float32, tidx: Int32):
+        """Qd = scale exp(G_i) q_i and Kd = exp(G_L - G_j) k_j into the workspace."""
+        K, C = self.k_dim, CHUNK
+        last = sGate[C - 1]
+        for idx in cutlass.range(tidx, C * K, THREADS, unroll=1):
+            i = idx // K
+            c = idx % K
+            g = sGate[i]
+            work[i, c] = (sQ[i, c].to(Float32) * scale
+                          * cute.math.exp(g, fastmath=True)).to(self.dtype)
+            work[i, K + c] = (sK[i, c].to(Float32)
+                              * cute.math.exp(last - g, fastmath=True)).to(self.dtype)
+
+    @cute.jit
+    def gemm(self, tiled_mma, acc, tCrA, tCrB):
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+            atom.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        warpgroup.commit_group()

@@ -1,0 +1,265 @@
+"""Gated DeltaNet forward, stage 2 of 2 for SM90: the state recurrence over chunks.
+
+NOT YET RUN ON A GPU (written 2026-11-29 without device time left; cross-compiled only).
+
+One CTA per (sequence, output head) walks the sequence's chunks in order, reading the WY
+factors stage 1 (gdn_chunk_sm90) left in the workspace: [Qd | Kd | W | U | M] rows and G_L.
+The state is held transposed, S^T (V x K, V-major as stored), fp32 in the registers of
+V / 64 consumer warpgroups (64 V-rows each), so every chunk product takes S^T or Delta^T as
+a register A operand and the chunk's factors as shared-memory B operands:
+
+    X^T     = S^T W^T,  O^T = S^T Qd^T            (N = 64 each, K-dim = K)
+    Delta^T = U^T - X^T                           (fp32, then 16-bit)
+    O^T    += Delta^T M^T                         (N = 64, K-dim = 64)
+    S^T     = exp(G_L) S^T + Delta^T Kd           (N = K, Kd read transposed)
+
+A producer warp streams the factors through a TMA ring. The state entering local positions
+0, n, 2n, ... is written to the checkpoint rows (n a multiple of 64), and the final state to
+final_state or back into the pool row. o rows past the sequence end are not written.
+"""
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from .attention_sm90 import acc_as_operand_a, acc_mn_layout, advanced, select_modes
+from .gdn_chunk_sm90 import CHUNK
+
+THREADS_PER_WG = 128
+STAGES = 2
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+
+
+class GdnChunkRecurrenceSm90:
+    def __init__(self, dtype, k_dim: int, v_dim: int, heads: int, initial_state: bool,
+                 pool: bool, final_state: bool, checkpoints: bool):
+        """initial_state: an [N or N_pool, HO, V, K] state is read (with pool: at row
+        state_indices[b], and the final state written back there); final_state: the end
+        state goes to an [N, HO, V, K] fp32 tensor; checkpoints: [rows, HO, V, K]."""
+        assert k_dim in (64, 128) and v_dim in (64, 128)
+        assert not pool or initial_state
+        self.dtype = dtype
+        self.k_dim, self.v_dim, self.heads = k_dim, v_dim, heads
+        self.initial_state, self.pool = initial_state, pool
+        self.final_state, self.checkpoints = final_state, checkpoints
+        self.nwg = v_dim // 64
+        self.num_threads = (self.nwg + 1) * THREADS_PER_WG
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, mWork16: cute.Tensor, mWork32: cute.Tensor, mCuSeqlens: cute.Tensor,
+                 mO: cute.Tensor, mState0: cute.Tensor, mStateIdx: cute.Tensor,
+                 mFinal: cute.Tensor, mCkpt: cute.Tensor, ckpt_every: Int32,
+                 stream: cuda.CUstream):
+        """mWork16 (chunks, HO, 64, 3K + V + 64), mWork32 (chunks, HO); mO (T, HO, V);
+        states (rows, HO, V, K). Unused tensors: None."""
+        dt = self.dtype
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        # Factor tiles of one (chunk, head): rows x columns, K-major B operands (Qd, W, M)
+        # and Kd read transposed; U is read element-wise.
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, STAGES)
+        sU_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, V), dt, STAGES)
+        sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, STAGES)
+        one = lambda layout: cute.slice_(layout, (None, None, 0))
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        # (chunks, HO, 64, F) -> (64, F, HO, chunks): rows and columns first, as TMA tiles.
+        mW = select_modes(mWork16, [2, 3, 1, 0])
+        tma_k, mW_k = cpasync.make_tiled_tma_atom(g2s, mW, one(sK_layout), (C, K))
+        tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, mW, one(sU_layout), (C, V))
+        tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
+        self.stage_bytes = (3 * cute.size_in_bytes(dt, one(sK_layout))
+                            + cute.size_in_bytes(dt, one(sU_layout))
+                            + cute.size_in_bytes(dt, one(sM_layout)))
+        rmem = warpgroup.OperandSource.RMEM
+        mma_tok = sm90_utils.make_trivial_tiled_mma(  # (V rows) x 64 tokens
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            (self.nwg, 1, 1), (64, C), rmem)
+        mma_state = sm90_utils.make_trivial_tiled_mma(  # (V rows) x K
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            (self.nwg, 1, 1), (64, K), rmem)
+
+        @cute.struct
+        class SharedStorage:
+            bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            sQd: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sKd: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
+            sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
+
+        self.storage = SharedStorage
+        num_batches = mCuSeqlens.shape[0] - 1
+        self.kernel(mma_tok, mma_state, mW_k, mW_u, mW_m, tma_k, tma_u, tma_m, sK_layout,
+                    sU_layout, sM_layout, mWork32, mCuSeqlens, mO, mState0, mStateIdx,
+                    mFinal, mCkpt, ckpt_every, num_batches).launch(
+            grid=[self.heads, cutlass.max(num_batches, 1), 1],
+            block=[self.num_threads, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma, mW_k: cute.Tensor,
+               mW_u: cute.Tensor, mW_m: cute.Tensor, tma_k: cute.CopyAtom,
+               tma_u: cute.CopyAtom, tma_m: cute.CopyAtom, sK_layout: cute.ComposedLayout,
+               sU_layout: cute.ComposedLayout, sM_layout: cute.ComposedLayout,
+               mWork32: cute.Tensor, mCuSeqlens: cute.Tensor, mO: cute.Tensor,
+               mState0: cute.Tensor, mStateIdx: cute.Tensor, mFinal: cute.Tensor,
+               mCkpt: cute.Tensor, ckpt_every: Int32, num_batches: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        head, batch, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                              self.nwg * THREADS_PER_WG // cute.arch.WARP_SIZE)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(), num_stages=STAGES, producer_group=producer,
+            consumer_group=consumers, tx_count=self.stage_bytes, defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        sQd = storage.sQd.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sKd = storage.sKd.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sW = storage.sW.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sU = storage.sU.get_tensor(sU_layout.outer, swizzle=sU_layout.inner)
+        sM = storage.sM.get_tensor(sM_layout.outer, swizzle=sM_layout.inner)
+
+        start = mCuSeqlens[batch]
+        length = mCuSeqlens[batch + 1] - start
+        chunks = (length + CHUNK - 1) // CHUNK
+        # Packed chunk number of this sequence's first chunk (stage 1's numbering).
+        first_chunk = Int32(0)
+        for b in cutlass.range(batch, unroll=1):
+            first_chunk = first_chunk + (mCuSeqlens[b + 1] - mCuSeqlens[b] + CHUNK - 1) // CHUNK
+        if warp == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self.produce(mW_k, mW_u, mW_m, tma_k, tma_u, tma_m, sQd, sKd, sW, sU, sM, pipe,
+                         head, first_chunk, chunks)
+        elif warp < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consume(mma_tok, mma_state, sQd, sKd, sW, sU, sM, pipe, mWork32, mO,
+                         mState0, mStateIdx, mFinal, mCkpt, ckpt_every, mCuSeqlens, batch,
+                         head, start, length, first_chunk, chunks, tidx - THREADS_PER_WG)
+
+    @cute.jit
+    def produce(self, mW_k, mW_u, mW_m, tma_k, tma_u, tma_m, sQd, sKd, sW, sU, sM, pipe,
+                head: Int32, first_chunk: Int32, chunks: Int32):
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        # (atom, tensor, smem, first column, columns)
+        tiles = ((tma_k, mW_k, sQd, 0, K), (tma_k, mW_k, sKd, K, K),
+                 (tma_k, mW_k, sW, 2 * K, K), (tma_u, mW_u, sU, 3 * K, V),
+                 (tma_m, mW_m, sM, 3 * K + V, C))
+        for c in cutlass.range(chunks, unroll=1):
+            pipe.producer_acquire(state)
+            bar = pipe.producer_get_barrier(state)
+            for atom, m, s, col, cols in tiles:
+                block = m[None, None, head, first_chunk + c]  # (64, F)
+                g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
+                t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                 cute.group_modes(s, 0, 2),
+                                                 cute.group_modes(g, 0, 2))
+                cute.copy(atom, t_g, t_s[None, state.index], tma_bar_ptr=bar)
+            state = advanced(state)
+
+    @cute.jit
+    def consume(self, mma_tok, mma_state, sQd, sKd, sW, sU, sM, pipe, mWork32, mO, mState0,
+                mStateIdx, mFinal, mCkpt, ckpt_every: Int32, mCuSeqlens, batch: Int32,
+                head: Int32, start: Int32, length: Int32, first_chunk: Int32, chunks: Int32,
+                consumer_tidx: Int32):
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        wg = consumer_tidx // THREADS_PER_WG
+        wg_tok = mma_tok.get_slice(wg * THREADS_PER_WG)
+        wg_state = mma_state.get_slice(wg * THREADS_PER_WG)
+        thr_tok = mma_tok.get_slice(consumer_tidx)
+        thr_state = mma_state.get_slice(consumer_tidx)
+        kd_t = cute.composition(sKd, cute.make_ordered_layout((K, C, STAGES), order=(1, 0, 2)))
+        tXrW = wg_tok.make_fragment_B(wg_tok.partition_B(sW))
+        tXrQ = wg_tok.make_fragment_B(wg_tok.partition_B(sQd))
+        tOrM = wg_tok.make_fragment_B(wg_tok.partition_B(sM))
+        tSrKd = wg_state.make_fragment_B(wg_state.partition_B(kd_t))
+
+        acc_state = cute.make_rmem_tensor(wg_state.partition_shape_C((64 * self.nwg, K)),
+                                          Float32)
+        acc_x = cute.make_rmem_tensor(wg_tok.partition_shape_C((64 * self.nwg, C)), Float32)
+        acc_o = cute.make_rmem_tensor(wg_tok.partition_shape_C((64 * self.nwg, C)), Float32)
+        state16 = cute.make_rmem_tensor(acc_state.layout, self.dtype)
+        delta16 = cute.make_rmem_tensor(acc_x.layout, self.dtype)
+        tXrS = cute.make_tensor(state16.iterator, acc_as_operand_a(acc_state.layout))
+        tSrD = cute.make_tensor(delta16.iterator, acc_as_operand_a(acc_x.layout))
+        # (row v, column) coordinates of this thread's accumulator elements
+        c_state = thr_state.partition_C(cute.make_identity_tensor((64 * self.nwg, K)))
+        c_tok = thr_tok.partition_C(cute.make_identity_tensor((64 * self.nwg, C)))
+
+        state_row = batch
+        if const_expr(self.pool):
+            state_row = mStateIdx[batch]
+        acc_state.fill(0.0)
+        if const_expr(self.initial_state):
+            for e in cutlass.range_constexpr(cute.size(acc_state)):
+                acc_state[e] = mState0[state_row, head, c_state[e][0], c_state[e][1]].to(Float32)
+        ckpt_row = Int32(0)
+        if const_expr(self.checkpoints):
+            # Rows of the checkpoint series before this sequence's: ceil(len / n) each.
+            for b in cutlass.range(batch, unroll=1):
+                ckpt_row = ckpt_row + (mCuSeqlens[b + 1] - mCuSeqlens[b] + ckpt_every - 1) \
+                    // ckpt_every
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        for c in cutlass.range(chunks, unroll=1):
+            if const_expr(self.checkpoints):
+                if (c * C) % ckpt_every == 0:
+                    row = ckpt_row + (c * C) // ckpt_every
+                    for e in cutlass.range_constexpr(cute.size(acc_state)):
+                        mCkpt[row, head, c_state[e][0], c_state[e][1]] = \
+                            acc_state[e].to(mCkpt.element_type)
+            decay = cute.math.exp(mWork32[first_chunk + c, head], fastmath=True)
+            state16.store(acc_state.load().to(self.dtype))
+            pipe.consumer_wait(state)
+            s = state.index
+            self.gemm(mma_tok, acc_x, tXrS, tXrW[None, None, None, s], False)
+            self.gemm(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
+            warpgroup.wait_group(0)
+            for e in cutlass.range_constexpr(cute.size(acc_x)):  # Delta^T = U^T - X^T
+                v, i = c_tok[e][0], c_tok[e][1]
+                acc_x[e] = sU[i, v, s].to(Float32) - acc_x[e]
+            delta16.store(acc_x.load().to(self.dtype))
+            for e in cutlass.range_constexpr(cute.size(acc_state)):
+                acc_state[e] = acc_state[e] * decay
+            self.gemm(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
+            self.gemm(mma_state, acc_state, tSrD, tSrKd[None, None, None, s], True)
+            warpgroup.wait_group(0)
+            cute.arch.sync_warp()
+            pipe.consumer_release(state)
+            state = advanced(state)
+            rows = cutlass.min(length - c * C, C)
+            first = start + c * C
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                v, i = c_tok[e][0], c_tok[e][1]
+                if i < rows:
+                    mO[first + i, head, v] = acc_o[e].to(mO.element_type)
+
+        if const_expr(self.final_state):
+            for e in cutlass.range_constexpr(cute.size(acc_state)):
+                mFinal[batch, head, c_state[e][0], c_state[e][1]] = \
+                    acc_state[e].to(mFinal.element_type)
+        if const_expr(self.pool):
+            for e in cutlass.range_constexpr(cute.size(acc_state)):
+                mState0[state_row, head, c_state[e][0], c_state[e][1]] = \
+                    acc_state[e].to(mState0.element_type)
+
+    @cute.jit
+    def gemm(self, tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr):
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+            atom.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
+            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        warpgroup.commit_group()
