@@ -36,6 +36,7 @@ from .attention_sm90 import select_modes
 
 CHUNK = 64
 THREADS = 128
+PREPARE_BARRIER = 1
 L2NORM_EPS = 1e-24
 
 
@@ -150,29 +151,50 @@ class GdnChunkPrepareSm90:
                                 chunk, head)
             self.load_gates(mG, mBeta, sGate, sBeta, start + chunk * C, rows, head, tidx)
             cute.arch.mbarrier_wait(bar, 0)
-            q2, k2, v2 = (t[None, None, 0] for t in (sQ, sK, sV))  # (rows, cols) views
-            if rows < C:  # rows of the next sequence (or TMA zero fill): zeros
-                self.zero_rows(q2, k2, v2, rows, tidx)
-            if const_expr(self.l2norm):
-                self.normalize_rows(q2, tidx)
-                self.normalize_rows(k2, tidx)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
-            if warp == 0:
-                self.cumulative_gates(sGate)
-            cute.arch.sync_threads()
-            work = mWork16[packed, head, None, None]  # (64, 3K + V + 64)
-            self.scores(mma_s, sQ, sK, sA, sGate, sBeta, work, scale, tidx)
-            cute.arch.sync_threads()
-            if tidx < C:
-                self.invert(sA, sTw[None, None, 0], sTu[None, None, 0], sGate, sBeta, tidx)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
-            self.factors(mma_wk, mma_wv, sTw, sTu, sK, sV, work, tidx)
-            # W's wgmma has read K: scale Q and K into Qd and Kd.
-            self.decayed_rows(q2, k2, sGate, work, scale, tidx)
+            out = self.workspace_parts(mWork16[packed, head, None, None])
+            self.prepare_chunk(mma_s, mma_wk, mma_wv, sQ, sK, sV, 0, sTw, sTu, sA, sGate,
+                               sBeta, out, rows, scale, tidx)
             if tidx == 0:
                 mWork32[packed, head] = sGate[C - 1]
+
+    @cute.jit
+    def prepare_chunk(self, mma_s, mma_wk, mma_wv, sQ, sK, sV, stage, sTw, sTu, sA, sGate,
+                      sBeta, out, rows: Int32, scale: Float32, tidx: Int32):
+        """One warpgroup (thread ``tidx`` of 128), after the chunk's Q, K, V (stage
+        ``stage`` of sQ, sK, sV) and its g, beta (sGate, sBeta) are in shared memory:
+        writes (Qd, Kd, W, U, M) into the five 2-D views ``out``; sGate ends as G."""
+        C = CHUNK
+        q2, k2, v2 = (t[None, None, stage] for t in (sQ, sK, sV))  # (rows, cols) views
+        if rows < C:  # rows of the next sequence (or TMA zero fill): zeros
+            self.zero_rows(q2, k2, v2, rows, tidx)
+        if const_expr(self.l2norm):
+            self.normalize_rows(q2, tidx)
+            self.normalize_rows(k2, tidx)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.sync()
+        if tidx < cute.arch.WARP_SIZE:
+            self.cumulative_gates(sGate)
+        self.sync()
+        self.scores(mma_s, sQ, sK, stage, sA, sGate, sBeta, out[4], scale, tidx)
+        self.sync()
+        if tidx < C:
+            self.invert(sA, sTw[None, None, 0], sTu[None, None, 0], sGate, sBeta, tidx)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.sync()
+        self.factors(mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out[2], out[3], tidx)
+        # W's wgmma has read K: scale Q and K into Qd and Kd.
+        self.decayed_rows(q2, k2, sGate, out[0], out[1], scale, tidx)
+
+    def sync(self):
+        """The preparing warpgroup's barrier (the whole CTA here; one warpgroup of the
+        fused kernel)."""
+        cute.arch.barrier(barrier_id=PREPARE_BARRIER, number_of_threads=THREADS)
+
+    def workspace_parts(self, block):
+        """A (64, 3K + V + 64) workspace row block as its (Qd, Kd, W, U, M) column views."""
+        K, V = self.k_dim, self.v_dim
+        return tuple(cute.domain_offset((0, first), block)
+                     for first in (0, K, 2 * K, 3 * K, 3 * K + V))
 
     @cute.jit
     def find_chunk(self, packed: Int32, mCuSeqlens, num_batches: Int32):
@@ -209,7 +231,7 @@ class GdnChunkPrepareSm90:
 
     @cute.jit
     def load_tiles(self, mQ, mK, mV, tma_q, tma_k, tma_v, sQ, sK, sV, bar, start: Int32,
-                   chunk: Int32, head: Int32):
+                   chunk: Int32, head: Int32, stage=0):
         """Warp 0: the chunk's Q, K, V rows by TMA onto ``bar`` (one expect-tx arrival)."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         with cute.arch.elect_one():
@@ -222,7 +244,7 @@ class GdnChunkPrepareSm90:
             t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                              cute.group_modes(s, 0, 2),
                                              cute.group_modes(g, 0, 2))
-            cute.copy(atom, t_g, t_s[None, 0], tma_bar_ptr=bar)
+            cute.copy(atom, t_g, t_s[None, stage], tma_bar_ptr=bar)
 
     @cute.jit
     def load_gates(self, mG, mBeta, sGate, sBeta, first: Int32, rows: Int32, head: Int32,
@@ -281,21 +303,21 @@ class GdnChunkPrepareSm90:
         sGate[2 * lane + 1] = ends
 
     @cute.jit
-    def scores(self, mma_s, sQ, sK, sA, sGate, sBeta, work, scale: Float32, tidx: Int32):
+    def scores(self, mma_s, sQ, sK, stage, sA, sGate, sBeta, out_m, scale: Float32,
+               tidx: Int32):
         """K K^T -> A (gated, strictly lower, fp32 in shared memory); Q K^T -> M (gated,
-        causal with the diagonal, scaled; 16-bit into the workspace)."""
+        causal with the diagonal, scaled; 16-bit into ``out_m``)."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         thr = mma_s.get_slice(tidx)
-        tSrQ = thr.make_fragment_A(thr.partition_A(sQ))[None, None, None, 0]
-        tSrKa = thr.make_fragment_A(thr.partition_A(sK))[None, None, None, 0]
-        tSrKb = thr.make_fragment_B(thr.partition_B(sK))[None, None, None, 0]
+        tSrQ = thr.make_fragment_A(thr.partition_A(sQ))[None, None, None, stage]
+        tSrKa = thr.make_fragment_A(thr.partition_A(sK))[None, None, None, stage]
+        tSrKb = thr.make_fragment_B(thr.partition_B(sK))[None, None, None, stage]
         acc_kk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
         acc_qk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
         self.gemm(mma_s, acc_kk, tSrKa, tSrKb)
         self.gemm(mma_s, acc_qk, tSrQ, tSrKb)
         warpgroup.wait_group(0)
         coords = thr.partition_C(cute.make_identity_tensor((C, C)))
-        m_cols = 3 * K + V
         for e in cutlass.range_constexpr(cute.size(acc_kk)):
             i = coords[e][0]
             j = coords[e][1]
@@ -309,7 +331,7 @@ class GdnChunkPrepareSm90:
             if seen:
                 m = scale * acc_qk[e] * decay
             sA[i, j] = a
-            work[i, m_cols + j] = m.to(self.dtype)
+            out_m[i, j] = m.to(self.dtype)
 
     @cute.jit
     def invert(self, sA, sTw, sTu, sGate, sBeta, j: Int32):
@@ -329,41 +351,40 @@ class GdnChunkPrepareSm90:
             sTu[i, j] = (x[i] * beta).to(self.dtype)
 
     @cute.jit
-    def factors(self, mma_wk, mma_wv, sTw, sTu, sK, sV, work, tidx: Int32):
-        """W = Tw Kc and U = Tu Vc (Kc, Vc read transposed), 16-bit into the workspace."""
+    def factors(self, mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out_w, out_u, tidx: Int32):
+        """W = Tw Kc and U = Tu Vc (Kc, Vc read transposed), 16-bit into ``out_w`` and
+        ``out_u`` (which may be sV itself: the products are complete before the stores)."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
-        thr_k = mma_wk.get_slice(tidx)
-        thr_v = mma_wv.get_slice(tidx)
-        k_t = cute.composition(sK, cute.make_ordered_layout((K, C, 1), order=(1, 0, 2)))
-        v_t = cute.composition(sV, cute.make_ordered_layout((V, C, 1), order=(1, 0, 2)))
-        tWrT = thr_k.make_fragment_A(thr_k.partition_A(sTw))
-        tWrK = thr_k.make_fragment_B(thr_k.partition_B(k_t))
-        tUrT = thr_v.make_fragment_A(thr_v.partition_A(sTu))
-        tUrV = thr_v.make_fragment_B(thr_v.partition_B(v_t))
-        acc_w = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
-        acc_u = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
-        self.gemm(mma_wk, acc_w, tWrT[None, None, None, 0], tWrK[None, None, None, 0])
-        self.gemm(mma_wv, acc_u, tUrT[None, None, None, 0], tUrV[None, None, None, 0])
-        warpgroup.wait_group(0)
-        for acc, thr, first, cols in ((acc_w, thr_k, 2 * K, K), (acc_u, thr_v, 3 * K, V)):
+        stages = cute.size(sK, mode=[2])
+        # One product at a time: fewer live registers (the fused kernel's preparing
+        # warpgroup has about 100).
+        for mma, sT, sX, cols, out in ((mma_wk, sTw, sK, K, out_w), (mma_wv, sTu, sV, V, out_u)):
+            thr = mma.get_slice(tidx)
+            x_t = cute.composition(sX, cute.make_ordered_layout((cols, C, stages),
+                                                                order=(1, 0, 2)))
+            tCrT = thr.make_fragment_A(thr.partition_A(sT))[None, None, None, 0]
+            tCrX = thr.make_fragment_B(thr.partition_B(x_t))[None, None, None, stage]
+            acc = cute.make_rmem_tensor(thr.partition_shape_C((C, cols)), Float32)
+            self.gemm(mma, acc, tCrT, tCrX)
+            warpgroup.wait_group(0)
             coords = thr.partition_C(cute.make_identity_tensor((C, cols)))
             for e in cutlass.range_constexpr(cute.size(acc)):
-                i = coords[e][0]
-                c = coords[e][1]
-                work[i, first + c] = acc[e].to(self.dtype)
+                out[coords[e][0], coords[e][1]] = acc[e].to(self.dtype)
 
     @cute.jit
-    def decayed_rows(self, sQ, sK, sGate, work, scale: Float32, tidx: Int32):
-        """Qd = scale exp(G_i) q_i and Kd = exp(G_L - G_j) k_j into the workspace."""
+    def decayed_rows(self, sQ, sK, sGate, out_q, out_k, scale: Float32, tidx: Int32):
+        """Qd = scale exp(G_i) q_i and Kd = exp(G_L - G_j) k_j into ``out_q``, ``out_k``
+        (which may be sQ and sK themselves: each element is read, then written, by one
+        thread)."""
         K, C = self.k_dim, CHUNK
         last = sGate[C - 1]
         for idx in cutlass.range(tidx, C * K, THREADS, unroll=1):
             i = idx // K
             c = idx % K
             g = sGate[i]
-            work[i, c] = (sQ[i, c].to(Float32) * scale
+            out_q[i, c] = (sQ[i, c].to(Float32) * scale
                           * cute.math.exp(g, fastmath=True)).to(self.dtype)
-            work[i, K + c] = (sK[i, c].to(Float32)
+            out_k[i, c] = (sK[i, c].to(Float32)
                               * cute.math.exp(last - g, fastmath=True)).to(self.dtype)
 
     @cute.jit

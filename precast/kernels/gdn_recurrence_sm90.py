@@ -174,30 +174,55 @@ class GdnChunkRecurrenceSm90:
                 mStateIdx, mFinal, mCkpt, ckpt_every: Int32, mCuSeqlens, batch: Int32,
                 head: Int32, start: Int32, length: Int32, first_chunk: Int32, chunks: Int32,
                 consumer_tidx: Int32):
+        parts = self.state_parts(mma_tok, mma_state, sQd, sKd, sW, sM, consumer_tidx)
+        state_row, ckpt_row = self.load_state(parts, mState0, mStateIdx, mCuSeqlens,
+                                              ckpt_every, batch, head)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        for c in cutlass.range(chunks, unroll=1):
+            self.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
+            decay = cute.math.exp(mWork32[first_chunk + c, head], fastmath=True)
+            pipe.consumer_wait(state)
+            self.chunk_update(parts, sU[None, None, state.index], state.index, decay)
+            cute.arch.sync_warp()
+            pipe.consumer_release(state)
+            state = advanced(state)
+            self.store_o(parts, mO, start, length, c, head)
+        self.store_state(parts, mState0, mFinal, state_row, batch, head)
+
+    # The state role's pieces, shared with the fused kernel (gdn_fwd_sm90).
+    @cute.jit
+    def state_parts(self, mma_tok, mma_state, sQd, sKd, sW, sM, consumer_tidx: Int32):
+        """Accumulators, their 16-bit operand copies, shared-memory B fragments (every
+        stage) and element coordinates of one state thread."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
+        rows = 64 * self.nwg
+        stages = cute.size(sKd, mode=[2])
         wg = consumer_tidx // THREADS_PER_WG
         wg_tok = mma_tok.get_slice(wg * THREADS_PER_WG)
         wg_state = mma_state.get_slice(wg * THREADS_PER_WG)
         thr_tok = mma_tok.get_slice(consumer_tidx)
         thr_state = mma_state.get_slice(consumer_tidx)
-        kd_t = cute.composition(sKd, cute.make_ordered_layout((K, C, STAGES), order=(1, 0, 2)))
-        tXrW = wg_tok.make_fragment_B(wg_tok.partition_B(sW))
-        tXrQ = wg_tok.make_fragment_B(wg_tok.partition_B(sQd))
-        tOrM = wg_tok.make_fragment_B(wg_tok.partition_B(sM))
-        tSrKd = wg_state.make_fragment_B(wg_state.partition_B(kd_t))
-
-        acc_state = cute.make_rmem_tensor(wg_state.partition_shape_C((64 * self.nwg, K)),
-                                          Float32)
-        acc_x = cute.make_rmem_tensor(wg_tok.partition_shape_C((64 * self.nwg, C)), Float32)
-        acc_o = cute.make_rmem_tensor(wg_tok.partition_shape_C((64 * self.nwg, C)), Float32)
+        kd_t = cute.composition(sKd, cute.make_ordered_layout((K, C, stages), order=(1, 0, 2)))
+        frags = (wg_tok.make_fragment_B(wg_tok.partition_B(sW)),
+                 wg_tok.make_fragment_B(wg_tok.partition_B(sQd)),
+                 wg_tok.make_fragment_B(wg_tok.partition_B(sM)),
+                 wg_state.make_fragment_B(wg_state.partition_B(kd_t)))
+        acc_state = cute.make_rmem_tensor(wg_state.partition_shape_C((rows, K)), Float32)
+        acc_x = cute.make_rmem_tensor(wg_tok.partition_shape_C((rows, C)), Float32)
+        acc_o = cute.make_rmem_tensor(wg_tok.partition_shape_C((rows, C)), Float32)
         state16 = cute.make_rmem_tensor(acc_state.layout, self.dtype)
         delta16 = cute.make_rmem_tensor(acc_x.layout, self.dtype)
-        tXrS = cute.make_tensor(state16.iterator, acc_as_operand_a(acc_state.layout))
-        tSrD = cute.make_tensor(delta16.iterator, acc_as_operand_a(acc_x.layout))
-        # (row v, column) coordinates of this thread's accumulator elements
-        c_state = thr_state.partition_C(cute.make_identity_tensor((64 * self.nwg, K)))
-        c_tok = thr_tok.partition_C(cute.make_identity_tensor((64 * self.nwg, C)))
+        c_state = thr_state.partition_C(cute.make_identity_tensor((rows, K)))
+        c_tok = thr_tok.partition_C(cute.make_identity_tensor((rows, C)))
+        return (mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, delta16,
+                c_state, c_tok)
 
+    @cute.jit
+    def load_state(self, parts, mState0, mStateIdx, mCuSeqlens, ckpt_every: Int32,
+                   batch: Int32, head: Int32):
+        """The entering state (or zeros) into the accumulator; returns (its row in
+        mState0, the sequence's first checkpoint row)."""
+        acc_state, c_state = parts[3], parts[8]
         state_row = batch
         if const_expr(self.pool):
             state_row = mStateIdx[batch]
@@ -211,41 +236,57 @@ class GdnChunkRecurrenceSm90:
             for b in cutlass.range(batch, unroll=1):
                 ckpt_row = ckpt_row + (mCuSeqlens[b + 1] - mCuSeqlens[b] + ckpt_every - 1) \
                     // ckpt_every
+        return state_row, ckpt_row
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-        for c in cutlass.range(chunks, unroll=1):
-            if const_expr(self.checkpoints):
-                if (c * C) % ckpt_every == 0:
-                    row = ckpt_row + (c * C) // ckpt_every
-                    for e in cutlass.range_constexpr(cute.size(acc_state)):
-                        mCkpt[row, head, c_state[e][0], c_state[e][1]] = \
-                            acc_state[e].to(mCkpt.element_type)
-            decay = cute.math.exp(mWork32[first_chunk + c, head], fastmath=True)
-            state16.store(acc_state.load().to(self.dtype))
-            pipe.consumer_wait(state)
-            s = state.index
-            self.gemm(mma_tok, acc_x, tXrS, tXrW[None, None, None, s], False)
-            self.gemm(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
-            warpgroup.wait_group(0)
-            for e in cutlass.range_constexpr(cute.size(acc_x)):  # Delta^T = U^T - X^T
-                v, i = c_tok[e][0], c_tok[e][1]
-                acc_x[e] = sU[i, v, s].to(Float32) - acc_x[e]
-            delta16.store(acc_x.load().to(self.dtype))
-            for e in cutlass.range_constexpr(cute.size(acc_state)):
-                acc_state[e] = acc_state[e] * decay
-            self.gemm(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
-            self.gemm(mma_state, acc_state, tSrD, tSrKd[None, None, None, s], True)
-            warpgroup.wait_group(0)
-            cute.arch.sync_warp()
-            pipe.consumer_release(state)
-            state = advanced(state)
-            rows = cutlass.min(length - c * C, C)
-            first = start + c * C
-            for e in cutlass.range_constexpr(cute.size(acc_o)):
-                v, i = c_tok[e][0], c_tok[e][1]
-                if i < rows:
-                    mO[first + i, head, v] = acc_o[e].to(mO.element_type)
+    @cute.jit
+    def checkpoint(self, parts, mCkpt, ckpt_every: Int32, ckpt_row: Int32, c: Int32,
+                   head: Int32):
+        """The state entering chunk c, when its first token is a checkpoint position."""
+        if const_expr(self.checkpoints):
+            acc_state, c_state = parts[3], parts[8]
+            if (c * CHUNK) % ckpt_every == 0:
+                row = ckpt_row + (c * CHUNK) // ckpt_every
+                for e in cutlass.range_constexpr(cute.size(acc_state)):
+                    mCkpt[row, head, c_state[e][0], c_state[e][1]] = \
+                        acc_state[e].to(mCkpt.element_type)
 
+    @cute.jit
+    def chunk_update(self, parts, sU, s, decay: Float32):
+        """One chunk (its factors in stage s, U as the 2-D view ``sU``): O^T into acc_o,
+        the state advanced; every wgmma waited for."""
+        (mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, delta16, c_state,
+         c_tok) = parts
+        tXrW, tXrQ, tOrM, tSrKd = frags
+        tXrS = cute.make_tensor(state16.iterator, acc_as_operand_a(acc_state.layout))
+        tSrD = cute.make_tensor(delta16.iterator, acc_as_operand_a(acc_x.layout))
+        state16.store(acc_state.load().to(self.dtype))
+        self.gemm(mma_tok, acc_x, tXrS, tXrW[None, None, None, s], False)
+        self.gemm(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
+        warpgroup.wait_group(0)
+        for e in cutlass.range_constexpr(cute.size(acc_x)):  # Delta^T = U^T - X^T
+            acc_x[e] = sU[c_tok[e][1], c_tok[e][0]].to(Float32) - acc_x[e]
+        delta16.store(acc_x.load().to(self.dtype))
+        for e in cutlass.range_constexpr(cute.size(acc_state)):
+            acc_state[e] = acc_state[e] * decay
+        self.gemm(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
+        self.gemm(mma_state, acc_state, tSrD, tSrKd[None, None, None, s], True)
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def store_o(self, parts, mO, start: Int32, length: Int32, c: Int32, head: Int32):
+        """acc_o (O^T of chunk c) -> o rows of the sequence (none past its end)."""
+        acc_o, c_tok = parts[5], parts[9]
+        rows = cutlass.min(length - c * CHUNK, CHUNK)
+        first = start + c * CHUNK
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            i = c_tok[e][1]
+            if i < rows:
+                mO[first + i, head, c_tok[e][0]] = acc_o[e].to(mO.element_type)
+
+    @cute.jit
+    def store_state(self, parts, mState0, mFinal, state_row: Int32, batch: Int32,
+                    head: Int32):
+        acc_state, c_state = parts[3], parts[8]
         if const_expr(self.final_state):
             for e in cutlass.range_constexpr(cute.size(acc_state)):
                 mFinal[batch, head, c_state[e][0], c_state[e][1]] = \

@@ -1,0 +1,82 @@
+"""The stage-1 workspace contract of the Gated DeltaNet forward kernels
+(precast/reference/gdn_workspace.py): stage 2's per-chunk updates, written in its transposed
+form (S^T in, Delta^T = U^T - S^T W^T, O^T = S^T Qd^T + Delta^T M^T, S^T = exp(G_L) S^T +
+Delta^T Kd), applied to the reference workspace reproduce the token-by-token recurrence in
+float64: o, the final state and the checkpoints. CPU only."""
+import pytest
+import torch
+
+from precast.reference.gated_delta_net import CHUNK_SIZE, gdn_recurrent_reference
+from precast.reference.gdn_workspace import gdn_chunk_workspace_reference
+
+C = CHUNK_SIZE
+
+
+def stage2_emulated(work, g_last, lens, s0, K, V):
+    """Stage 2 in torch: per sequence, per chunk, the transposed updates."""
+    N, HO = s0.shape[0], s0.shape[1]
+    o = work.new_zeros((sum(lens), HO, V))
+    final = torch.empty_like(s0)
+    checkpoints = []
+    p = start = 0
+    for b, length in enumerate(lens):
+        st = s0[b].clone()  # [HO, V, K] = S^T
+        chunks = -(-length // C)
+        for c in range(chunks):
+            checkpoints.append(st.clone())
+            w = work[p + c]
+            qd, kd, w_, u, m = (w[..., :K], w[..., K:2 * K], w[..., 2 * K:3 * K],
+                                w[..., 3 * K:3 * K + V], w[..., 3 * K + V:])
+            delta_t = u.transpose(-1, -2) - st @ w_.transpose(-1, -2)
+            o_t = st @ qd.transpose(-1, -2) + delta_t @ m.transpose(-1, -2)
+            st = torch.exp(g_last[p + c])[:, None, None] * st + delta_t @ kd
+            rows = min(length - c * C, C)
+            o[start + c * C:start + c * C + rows] = o_t[..., :rows].movedim(-1, 0)
+        final[b] = st
+        p += chunks
+        start += length
+    return o, final, torch.stack(checkpoints) if checkpoints else None
+
+
+@pytest.mark.parametrize("lens,hq,hv,k_dim,v_dim,l2norm", [
+    ([130, 1, 0, 64, 65], 2, 4, 64, 32, True),
+    ([7] * 5 + [1] * 3, 4, 2, 32, 64, False),
+    ([200], 1, 1, 16, 16, True),
+])
+def test_stage2_on_the_workspace_reproduces_the_recurrence(lens, hq, hv, k_dim, v_dim, l2norm):
+    g = torch.Generator().manual_seed(len(lens))
+    T, HO = sum(lens), max(hq, hv)
+    f64 = dict(dtype=torch.float64)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(T, hq, k_dim, generator=g, **f64)
+    k = torch.randn(T, hq, k_dim, generator=g, **f64)
+    v = torch.randn(T, hv, v_dim, generator=g, **f64)
+    gate = -0.1 * torch.rand(T, HO, generator=g, **f64)
+    beta = torch.rand(T, HO, generator=g, **f64)
+    s0 = 0.1 * torch.randn(len(lens), HO, v_dim, k_dim, generator=g, **f64)
+    ref = gdn_recurrent_reference(q, k, v, gate, beta, cu, initial_state=s0,
+                                  use_qk_l2norm_in_kernel=l2norm, checkpoint_every_n_tokens=C)
+    work, g_last = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
+                                                 use_qk_l2norm_in_kernel=l2norm,
+                                                 compute_dtype=torch.float64)
+    assert work.shape == (T // C + len(lens), HO, C, 3 * k_dim + v_dim + C)
+    assert g_last.shape == (T // C + len(lens), HO)
+    chunks = sum(-(-n // C) for n in lens)
+    assert torch.count_nonzero(work[chunks:]) == 0 and torch.count_nonzero(g_last[chunks:]) == 0
+    o, final, checkpoints = stage2_emulated(work, g_last, lens, s0, k_dim, v_dim)
+    torch.testing.assert_close(o, ref["o"], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(final, ref["final_state"], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(checkpoints, ref["checkpoints"], rtol=1e-10, atol=1e-10)
+
+
+def test_rows_past_a_sequence_end_are_zero():
+    g = torch.Generator().manual_seed(1)
+    lens = [70]
+    q, k = (torch.randn(70, 1, 16, generator=g) for _ in range(2))
+    v = torch.randn(70, 1, 8, generator=g)
+    gate, beta = -torch.rand(70, 1, generator=g), torch.rand(70, 1, generator=g)
+    cu = torch.tensor([0, 70], dtype=torch.int32)
+    work, g_last = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu)
+    assert torch.count_nonzero(work[1, :, 6:]) == 0  # chunk 1 holds rows 64..69 only
+    assert torch.count_nonzero(work[1, :, :6]) > 0
+    torch.testing.assert_close(g_last[1, 0], gate[64:, 0].sum())
