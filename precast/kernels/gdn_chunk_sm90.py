@@ -318,6 +318,7 @@ class GdnChunkPrepareSm90:
         self.gemm(mma_s, acc_qk, tSrQ, tSrKb)
         warpgroup.wait_group(0)
         coords = thr.partition_C(cute.make_identity_tensor((C, C)))
+        t_m = thr.partition_C(out_m)  # this thread's elements of M, in accumulator order
         for e in cutlass.range_constexpr(cute.size(acc_kk)):
             i = coords[e][0]
             j = coords[e][1]
@@ -331,7 +332,7 @@ class GdnChunkPrepareSm90:
             if seen:
                 m = scale * acc_qk[e] * decay
             sA[i, j] = a
-            out_m[i, j] = m.to(self.dtype)
+            t_m[e] = m.to(self.dtype)
 
     @cute.jit
     def invert(self, sA, sTw, sTu, sGate, sBeta, j: Int32):
@@ -367,9 +368,10 @@ class GdnChunkPrepareSm90:
             acc = cute.make_rmem_tensor(thr.partition_shape_C((C, cols)), Float32)
             self.gemm(mma, acc, tCrT, tCrX)
             warpgroup.wait_group(0)
-            coords = thr.partition_C(cute.make_identity_tensor((C, cols)))
+            self.sync()  # every warp's share of the product read sX (out may overwrite it)
+            t_out = thr.partition_C(out)
             for e in cutlass.range_constexpr(cute.size(acc)):
-                out[coords[e][0], coords[e][1]] = acc[e].to(self.dtype)
+                t_out[e] = acc[e].to(self.dtype)
 
     @cute.jit
     def decayed_rows(self, sQ, sK, sGate, out_q, out_k, scale: Float32, tidx: Int32):

@@ -212,24 +212,23 @@ class GdnChunkRecurrenceSm90:
         acc_o = cute.make_rmem_tensor(wg_tok.partition_shape_C((rows, C)), Float32)
         state16 = cute.make_rmem_tensor(acc_state.layout, self.dtype)
         delta16 = cute.make_rmem_tensor(acc_x.layout, self.dtype)
-        c_state = thr_state.partition_C(cute.make_identity_tensor((rows, K)))
-        c_tok = thr_tok.partition_C(cute.make_identity_tensor((rows, C)))
         return (mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, delta16,
-                c_state, c_tok)
+                thr_state, thr_tok)
 
     @cute.jit
     def load_state(self, parts, mState0, mStateIdx, mCuSeqlens, ckpt_every: Int32,
                    batch: Int32, head: Int32):
         """The entering state (or zeros) into the accumulator; returns (its row in
         mState0, the sequence's first checkpoint row)."""
-        acc_state, c_state = parts[3], parts[8]
+        acc_state = parts[3]
         state_row = batch
         if const_expr(self.pool):
             state_row = mStateIdx[batch]
         acc_state.fill(0.0)
         if const_expr(self.initial_state):
+            src = self.state_view(parts, mState0, state_row, head)
             for e in cutlass.range_constexpr(cute.size(acc_state)):
-                acc_state[e] = mState0[state_row, head, c_state[e][0], c_state[e][1]].to(Float32)
+                acc_state[e] = src[e].to(Float32)
         ckpt_row = Int32(0)
         if const_expr(self.checkpoints):
             # Rows of the checkpoint series before this sequence's: ceil(len / n) each.
@@ -243,58 +242,70 @@ class GdnChunkRecurrenceSm90:
                    head: Int32):
         """The state entering chunk c, when its first token is a checkpoint position."""
         if const_expr(self.checkpoints):
-            acc_state, c_state = parts[3], parts[8]
             if (c * CHUNK) % ckpt_every == 0:
-                row = ckpt_row + (c * CHUNK) // ckpt_every
-                for e in cutlass.range_constexpr(cute.size(acc_state)):
-                    mCkpt[row, head, c_state[e][0], c_state[e][1]] = \
-                        acc_state[e].to(mCkpt.element_type)
+                self.save_state(parts, mCkpt, ckpt_row + (c * CHUNK) // ckpt_every, head)
 
     @cute.jit
     def chunk_update(self, parts, sU, s, decay: Float32):
         """One chunk (its factors in stage s, U as the 2-D view ``sU``): O^T into acc_o,
         the state advanced; every wgmma waited for."""
-        (mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, delta16, c_state,
-         c_tok) = parts
+        (mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, delta16, thr_state,
+         thr_tok) = parts
         tXrW, tXrQ, tOrM, tSrKd = frags
+        # U^T as (V rows, tokens), partitioned like the accumulator
+        u_t = thr_tok.partition_C(cute.composition(
+            sU, cute.make_ordered_layout((64 * self.nwg, CHUNK), order=(1, 0))))
         tXrS = cute.make_tensor(state16.iterator, acc_as_operand_a(acc_state.layout))
         tSrD = cute.make_tensor(delta16.iterator, acc_as_operand_a(acc_x.layout))
         state16.store(acc_state.load().to(self.dtype))
         self.gemm(mma_tok, acc_x, tXrS, tXrW[None, None, None, s], False)
-        self.gemm(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
         warpgroup.wait_group(0)
         for e in cutlass.range_constexpr(cute.size(acc_x)):  # Delta^T = U^T - X^T
-            acc_x[e] = sU[c_tok[e][1], c_tok[e][0]].to(Float32) - acc_x[e]
+            acc_x[e] = u_t[e].to(Float32) - acc_x[e]
         delta16.store(acc_x.load().to(self.dtype))
+        # O's first product waits until X is done: fewer accumulators live at once (the
+        # fused kernel's state warpgroups have ~184 registers).
+        self.gemm(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
+        self.gemm(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
         for e in cutlass.range_constexpr(cute.size(acc_state)):
             acc_state[e] = acc_state[e] * decay
-        self.gemm(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
         self.gemm(mma_state, acc_state, tSrD, tSrKd[None, None, None, s], True)
         warpgroup.wait_group(0)
 
     @cute.jit
     def store_o(self, parts, mO, start: Int32, length: Int32, c: Int32, head: Int32):
         """acc_o (O^T of chunk c) -> o rows of the sequence (none past its end)."""
-        acc_o, c_tok = parts[5], parts[9]
+        acc_o, thr_tok = parts[5], parts[9]
         rows = cutlass.min(length - c * CHUNK, CHUNK)
-        first = start + c * CHUNK
+        # o rows of the chunk as (V, tokens), partitioned like the accumulator
+        g_o = cute.domain_offset((start + c * CHUNK, 0), mO[None, head, None])
+        g_t = thr_tok.partition_C(cute.composition(
+            g_o, cute.make_ordered_layout((64 * self.nwg, CHUNK), order=(1, 0))))
+        c_tok = thr_tok.partition_C(cute.make_identity_tensor((64 * self.nwg, CHUNK)))
         for e in cutlass.range_constexpr(cute.size(acc_o)):
-            i = c_tok[e][1]
-            if i < rows:
-                mO[first + i, head, c_tok[e][0]] = acc_o[e].to(mO.element_type)
+            if c_tok[e][1] < rows:
+                g_t[e] = acc_o[e].to(mO.element_type)
 
     @cute.jit
     def store_state(self, parts, mState0, mFinal, state_row: Int32, batch: Int32,
                     head: Int32):
-        acc_state, c_state = parts[3], parts[8]
         if const_expr(self.final_state):
-            for e in cutlass.range_constexpr(cute.size(acc_state)):
-                mFinal[batch, head, c_state[e][0], c_state[e][1]] = \
-                    acc_state[e].to(mFinal.element_type)
+            self.save_state(parts, mFinal, batch, head)
         if const_expr(self.pool):
-            for e in cutlass.range_constexpr(cute.size(acc_state)):
-                mState0[state_row, head, c_state[e][0], c_state[e][1]] = \
-                    acc_state[e].to(mState0.element_type)
+            self.save_state(parts, mState0, state_row, head)
+
+    @cute.jit
+    def state_view(self, parts, mStates, row: Int32, head: Int32):
+        """This thread's elements of state ``mStates[row, head]`` (V x K), in accumulator
+        order."""
+        return parts[8].partition_C(mStates[row, head, None, None])
+
+    @cute.jit
+    def save_state(self, parts, mStates, row: Int32, head: Int32):
+        acc_state = parts[3]
+        dst = self.state_view(parts, mStates, row, head)
+        for e in cutlass.range_constexpr(cute.size(acc_state)):
+            dst[e] = acc_state[e].to(mStates.element_type)
 
     @cute.jit
     def gemm(self, tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr):
