@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from precast.reference.gated_delta_net import (CHUNK_SIZE, gdn_recurrent_reference,  # noqa: E402
-                                               l2norm_rows)
+                                               l2norm_rows, rms_error_ratio)
 
 BF, FP, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -109,12 +109,6 @@ def folded_model(q, k, v, g, beta, scale, *, t_dtype, delta_dtype, state_dtype):
     return torch.cat(outs, dim=1).transpose(0, 1), S
 
 
-def rms_ratio(got: torch.Tensor, want: torch.Tensor) -> float:
-    want = want.to(torch.float64)
-    return ((got.to(torch.float64) - want).pow(2).mean().sqrt()
-            / want.pow(2).mean().sqrt()).item()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, default=4096)
@@ -153,8 +147,8 @@ def main(argv=None) -> int:
     for name, model, qq, kk, kw in runs:
         o, S = model(qq, kk, v, g, beta, scale, **kw)
         # The reference stores states V-major ([N, H, V, K]); ours is [H, K, V].
-        print(f"{name:34s} {rms_ratio(o.to(BF), ref['o']):10.2e} "
-              f"{rms_ratio(S.transpose(-1, -2), ref['final_state'][0]):12.2e}", flush=True)
+        print(f"{name:34s} {rms_error_ratio(o.to(BF), ref['o']):10.2e} "
+              f"{rms_error_ratio(S.transpose(-1, -2), ref['final_state'][0]):12.2e}", flush=True)
     return 0
 
 

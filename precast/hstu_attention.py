@@ -9,12 +9,11 @@ op (``torch.ops.precast.hstu_attention`` with its backward ``hstu_attention_bwd`
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Optional, Tuple
 
 import torch
 
-from .lifecycle.launch import stream_handle, torch_stream
+from .lifecycle.launch import in_stream_order
 from .lifecycle.hstu_attention import (DATA_ALIGN, INDEX_ALIGN, HSTUFwdSm90, check_packed,
                                        check_tokens, check_window)
 from .lifecycle.hstu_attention_bwd import HSTUBwdSm90
@@ -67,16 +66,6 @@ def _packed_layout(align: int):
     return check
 
 
-def _in_stream_order(stream, device: torch.device):
-    """Makes ``stream`` current, so that the copies and o's allocation are ordered with the
-    launch (no-op for the current stream and for tensors without streams)."""
-    if stream is None or device.type != "cuda":
-        return contextlib.nullcontext()
-    if not isinstance(stream, torch.cuda.Stream):
-        stream = torch_stream(stream_handle(stream, device.index), device.index)
-    return torch.cuda.stream(stream)
-
-
 def _kv_heads(k, paged_kv) -> Optional[int]:
     kv = paged_kv if paged_kv is not None else k
     return kv.shape[-2] if kv is not None and kv.dim() >= 2 else None
@@ -106,7 +95,7 @@ def hstu_attention_forward(q: torch.Tensor, k: Optional[torch.Tensor], v: Option
     key = ("attention_fwd", q.dtype, tuple(q.shape[1:]), _kv_heads(k, paged_kv),
            check_window(window_size), func_shape, paged_kv is not None)
     tokens = _tokens_layout
-    with _in_stream_order(stream, q.device):
+    with in_stream_order(stream, q.device):
         q, k, v = (_in_place_or_copy(t, tokens) for t in (q, k, v))
         cu_seqlens_q, cu_seqlens_k, func_tensor, page_ids, page_indptrs = (
             _in_place_or_copy(t, _packed_layout(INDEX_ALIGN))
@@ -167,7 +156,7 @@ def hstu_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     key = ("attention_bwd", q.dtype, tuple(q.shape[1:]), _kv_heads(k, None),
            check_window(window_size), func_shape, bool(deterministic))
     tokens = _tokens_layout
-    with _in_stream_order(stream, q.device):
+    with in_stream_order(stream, q.device):
         do, q, k, v = (_in_place_or_copy(t, tokens) for t in (do, q, k, v))
         cu_seqlens_q, cu_seqlens_k, func_tensor = (
             _in_place_or_copy(t, _packed_layout(INDEX_ALIGN))

@@ -34,7 +34,8 @@ class PlanEntry:
 
 
 # Modules of the op classes: each registers its ops in OP_REGISTRY when imported.
-OP_MODULES = ("precast.lifecycle.lmsd", "precast.lifecycle.hstu_attention")
+OP_MODULES = ("precast.lifecycle.lmsd", "precast.lifecycle.hstu_attention",
+              "precast.lifecycle.gdn_fwd")
 
 
 def _load_ops():

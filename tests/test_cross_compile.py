@@ -1,5 +1,6 @@
 """Every kernel of the default plan and of the GPU test plan cross-compiles for sm_90a on a
-machine without a GPU (the slowest CPU test: about 160 kernels, LMSD and HSTU attention)."""
+machine without a GPU (the slowest CPU test: about 170 kernels, LMSD, HSTU attention and the
+Gated DeltaNet forward)."""
 import io
 import time
 from pathlib import Path
@@ -43,7 +44,8 @@ def test_all_planned_kernels_cross_compile(tmp_path_factory):
                         else {"dq", "dkdv"} if cfg["deterministic"] else {"fused"})
         else:
             expected = {"HstuLmsdFwdSm90": {"fwd"}, "HstuLmsdBwdSm90": {"rows", "reduce"},
-                        "HSTUFwdSm90": {"fwd"}}[key["op"]]
+                        "HSTUFwdSm90": {"fwd"},
+                        "GdnFwdSm90": {"prepare", "recurrence"}}[key["op"]]
         assert kernels == expected, manifest["key"]
         assert manifest["key"]["arch"] == "sm_90a"
     assert not list(root.rglob(".tmp-*"))

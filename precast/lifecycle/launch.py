@@ -105,6 +105,20 @@ def torch_stream(handle: int, device_index: int):
     return torch.cuda.ExternalStream(handle, device=device_index)
 
 
+def in_stream_order(stream, device):
+    """Makes ``stream`` (None: the current one, or any kind stream_handle takes) current on
+    ``device``, so that torch work inside (copies, allocations) is ordered with launches on
+    it; a no-op for the current stream and for tensors without streams (meta, cpu)."""
+    import contextlib
+
+    import torch
+    if stream is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    if not isinstance(stream, torch.cuda.Stream):
+        stream = torch_stream(stream_handle(stream, device.index), device.index)
+    return torch.cuda.stream(stream)
+
+
 def device_guard(device_index: Optional[int]):
     """Makes the tensors' device current for a launch (a no-op when it already is)."""
     import contextlib

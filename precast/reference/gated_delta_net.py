@@ -108,6 +108,9 @@ __all__ = [
     "gdn_recurrent_reference",
     "gdn_chunked_reference",
     "summary_reference",
+    "rms_error_ratio",
+    "chunk_flops",
+    "forward_flops",
 ]
 
 #: Tokens per chunk of the chunked algorithm (and granularity of checkpoints).
@@ -638,3 +641,35 @@ def summary_reference(
         "transition": torch.stack(trans) if N else torch.zeros(0, HO, K, K, dtype=compute_dtype, device=dev),
         "end_state": torch.stack(ends) if N else torch.zeros(0, HO, V, K, dtype=compute_dtype, device=dev),
     }
+
+
+# ---------------------------------------------------------------------------
+# Accuracy and work measures (tests and benchmarks)
+# ---------------------------------------------------------------------------
+
+
+def rms_error_ratio(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``RMS(got - want) / RMS(want)`` in float64: the accuracy measure of the issue (2e-2
+    for bf16 outputs). 0 when both are all zero (an empty tensor included); inf when only
+    ``want`` is."""
+    want = want.to(torch.float64)
+    err = (got.to(device=want.device, dtype=torch.float64) - want).pow(2).mean().sqrt()
+    ref = want.pow(2).mean().sqrt()
+    if want.numel() == 0 or (ref == 0 and err == 0):
+        return 0.0
+    return (err / ref).item()
+
+
+def chunk_flops(k_dim: int, v_dim: int, chunk: int = CHUNK_SIZE) -> int:
+    """Matmul FLOPs of the chunked algorithm per chunk and head (the triangular inverse and
+    elementwise work left out): Q K^T, K K^T, W = Tm (beta gamma K), U = Tm (beta V) and
+    M Delta at ``2 C^2 (3K + 2V)``, then W S, Q S and Kd^T Delta at ``6 C K V``. 11.5
+    MFLOP at K = V = 128."""
+    return 2 * chunk * chunk * (3 * k_dim + 2 * v_dim) + 6 * chunk * k_dim * v_dim
+
+
+def forward_flops(lengths, heads: int, k_dim: int, v_dim: int, chunk: int = CHUNK_SIZE) -> int:
+    """Matmul FLOPs of a forward over sequences of these lengths with ``heads`` output heads:
+    a partial last chunk counts as a whole one (the kernels compute it padded)."""
+    chunks = sum(-(-int(n) // chunk) for n in lengths)
+    return chunks * heads * chunk_flops(k_dim, v_dim, chunk)

@@ -1,0 +1,449 @@
+"""Gated DeltaNet forward for SM90: GdnFwdSm90.
+
+Semantics, layouts and head grouping: precast/reference/gated_delta_net.py; every host rule
+of a call: precast/lifecycle/gdn_rules.py (reused here, never restated). Two kernels run
+in order on one stream, through a workspace of (T // 64 + N) chunk rows:
+
+* "prepare" (precast/kernels/gdn_chunk_sm90.py): one CTA per (64-token chunk, output head)
+  writes the chunk's WY factors and its total log decay;
+* "recurrence" (precast/kernels/gdn_recurrence_sm90.py): one CTA per (sequence, output
+  head) walks the sequence's chunks with the fp32 state: o, checkpoints, the final state
+  (or the pool row, in place).
+
+batch_invariant=True is accepted and costs nothing: no CTA of either kernel reads another
+sequence's tokens or results (chunks never straddle sequences, the recurrence owns one
+sequence), so a sequence's outputs are bitwise the same alone or in any batch.
+
+What the kernels cannot do yet (NotImplementedError from check_support() and execute()):
+int64 cu_seqlens; more than 65535 sequences (one recurrence grid row each); q, k, v or o
+head offsets beyond 2^31 - 1 elements (the kernels index heads with 32-bit strides).
+"""
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+
+from ..reference.gated_delta_net import CHUNK_SIZE
+from . import gdn_rules
+from .cache import KernelBuilder
+from .gdn_rules import MAX_SPAN, GdnShapes, check_gdn_inputs
+from .launch import device_guard, stream_handle, stream_is_capturing, torch_stream
+from .op import Op
+from .tensor_desc import TensorDesc, dtype_name, parse_dtype
+from .validation import (INT32_MAX, check_bool, check_int, check_no_overlap, check_same_device,
+                         check_tensor, check_value)
+
+KERNEL_SOURCES = ("precast.kernels.gdn_chunk_sm90", "precast.kernels.gdn_recurrence_sm90",
+                  "precast.kernels.attention_sm90", "precast.kernels.fake")
+KERNEL_MODES = ("prepare", "recurrence")
+# initial_state and checkpoint dtypes in the static configuration: none, float32 or the io
+# dtype ("io" keeps a plan's dtype lists free to expand over both io dtypes).
+DTYPE_OPTIONS = ("none", "float32", "io")
+MAX_SEQUENCES = 65535  # the recurrence launches one grid row (y) per sequence
+DATA_ALIGN = 16  # bytes: the workspace's base (TMA)
+# Where each static field comes from in a call (for the messages when a call differs).
+CONFIG_SOURCES = {
+    "dtype": "q, k, v dtype", "k_dim": "q and k head dim K", "v_dim": "v head dim V",
+    "q_heads": "q heads HQ", "k_heads": "k heads HK", "v_heads": "v heads HV",
+    "g_dtype": "g dtype", "beta_dtype": "beta dtype",
+    "state_dtype": "initial_state dtype ('none': no initial_state)",
+    "state_pool": "state_indices given (a state pool)",
+    "output_final_state": "output_final_state",
+    "use_qk_l2norm_in_kernel": "use_qk_l2norm_in_kernel",
+    "checkpoint_dtype": "checkpoint dtype ('none': no checkpoint_every_n_tokens)",
+}
+
+
+def _dtype_option(dtype: Optional[torch.dtype], io: torch.dtype) -> str:
+    return "none" if dtype is None else "io" if dtype == io else dtype_name(dtype)
+
+
+def _option_dtype(name: str, option, io: torch.dtype) -> Optional[torch.dtype]:
+    check_value(option in DTYPE_OPTIONS, ValueError,
+                f"{name} must be one of {', '.join(map(repr, DTYPE_OPTIONS))} ('io': the io "
+                f"dtype), got {option!r}")
+    return {"none": None, "float32": torch.float32, "io": io}[option]
+
+
+def static_config_of(s: GdnShapes) -> Dict[str, object]:
+    """The static configuration (cache key) of a validated call: what selects the generated
+    code. Scale, checkpoint_every_n_tokens, T, N and strides are runtime values."""
+    return {"dtype": dtype_name(s.dtype), "k_dim": s.K, "v_dim": s.V, "q_heads": s.HQ,
+            "k_heads": s.HK, "v_heads": s.HV, "g_dtype": dtype_name(s.g_dtype),
+            "beta_dtype": dtype_name(s.beta_dtype),
+            "state_dtype": _dtype_option(s.state_dtype, s.dtype), "state_pool": s.uses_pool,
+            "output_final_state": s.output_final_state,
+            "use_qk_l2norm_in_kernel": s.use_qk_l2norm_in_kernel,
+            "checkpoint_dtype": _dtype_option(s.checkpoint_dtype, s.dtype)}
+
+
+def _stride(t) -> Tuple[int, ...]:
+    return tuple(t.stride()) if isinstance(t, torch.Tensor) else t.stride
+
+
+def _check_head_offsets(name: str, t) -> None:
+    _, heads, dim = t.shape
+    head_stride = _stride(t)[1]
+    last_head = (heads - 1) * head_stride + dim if heads > 1 else 0
+    check_value(last_head <= INT32_MAX, NotImplementedError,
+                f"{name}: the head stride {head_stride} puts the last head {last_head} elements "
+                "from the first; the kernels take at most 2^31 - 1 (32-bit head offsets): pass "
+                "a copy with heads packed")
+
+
+def check_kernel_limits(s: GdnShapes, tokens: Mapping[str, object]) -> None:
+    """What valid calls the kernels cannot run yet (beyond gdn_rules); ``tokens`` names the
+    [T, heads, dim] tensors (q, k, v, o)."""
+    check_value(s.cu_seqlens_dtype == torch.int32, NotImplementedError,
+                f"cu_seqlens: {dtype_name(s.cu_seqlens_dtype)} offsets are not supported yet (the "
+                "kernels read int32); pass cu_seqlens.to(torch.int32)")
+    check_value(s.N <= MAX_SEQUENCES, NotImplementedError,
+                f"cu_seqlens: N = {s.N} sequences; the recurrence kernel takes at most "
+                f"{MAX_SEQUENCES} (one grid row per sequence)")
+    for name, t in tokens.items():
+        if t is not None:
+            _check_head_offsets(name, t)
+
+
+def readable_in_place(role: str, t: torch.Tensor) -> bool:
+    """Whether execute() reads (or writes) ``t`` where it is, as far as its own layout goes
+    (gdn_rules' per-tensor layout rules and the kernel limits; dtype, shape and relation
+    errors are left to execute()). ``role``: "tokens" (q, k, v), "gate" (g, beta),
+    "offsets" (cu_seqlens, state_indices) or "state" (initial_state / pool). The allocating
+    function copies what is not."""
+    check_value(role in ("tokens", "gate", "offsets", "state"), ValueError,
+                f"unknown role {role!r}")
+    try:
+        if role == "tokens":
+            gdn_rules._tokens("t", t, (t.dtype,), "", None, t.device.type)
+            _check_head_offsets("t", t)
+        elif role == "state":
+            gdn_rules._state("t", t, (t.dtype,), (None,) * 4, "", t.device.type)
+        else:
+            gdn_rules._tensor("t", t, "", dtypes=(t.dtype,), rank=t.dim(),
+                              align=t.element_size(), contiguous=role == "offsets",
+                              device=t.device.type)
+    except (ValueError, NotImplementedError):
+        return False
+    return True
+
+
+def _desc(t) -> Optional[TensorDesc]:
+    return None if t is None else TensorDesc.from_tensor(t)
+
+
+# --- fake arguments (cutlass is imported only when building) -----------------------------------
+def _cute_type(dtype: torch.dtype):
+    from ..kernels.fake import cute_dtype
+    return cute_dtype(dtype_name(dtype))
+
+
+def _strides64(count: int, itemsize: int) -> tuple:
+    """Runtime 64-bit strides, multiples of 16 bytes (as gdn_rules requires): a pool, the
+    checkpoints or the workspace may span more than 2^31 elements."""
+    import cutlass.cute as cute
+    return tuple(cute.sym_int(width=64, divisibility=16 // itemsize) for _ in range(count))
+
+
+def _fake_gate(dtype: torch.dtype, tokens, heads: int):
+    """g, beta (T, HO): any token stride (a column of a fused projection), element aligned."""
+    import cutlass.cute as cute
+    return cute.runtime.make_fake_tensor(_cute_type(dtype), (tokens, heads),
+                                         (cute.sym_int(width=64), 1),
+                                         assumed_align=dtype.itemsize)
+
+
+def _fake_state(dtype: torch.dtype, s: GdnShapes):
+    """States (rows, HO, V, K): K contiguous, the other strides free (gdn_rules)."""
+    import cutlass.cute as cute
+    return cute.runtime.make_fake_tensor(_cute_type(dtype), (cute.sym_int(), s.HO, s.V, s.K),
+                                         _strides64(3, dtype.itemsize) + (1,),
+                                         assumed_align=DATA_ALIGN)
+
+
+def _fake_workspace(s: GdnShapes) -> tuple:
+    """work16 (chunks, HO, 64, F), compact but for a 64-bit chunk stride; work32 (chunks, HO)."""
+    import cutlass
+    import cutlass.cute as cute
+    from ..kernels.fake import fake_packed
+    from ..kernels.gdn_chunk_sm90 import workspace_shapes
+    chunks = cute.sym_int()
+    _, heads, rows, cols = workspace_shapes(0, 1, s.HO, s.K, s.V)[0]
+    work16 = cute.runtime.make_fake_tensor(
+        _cute_type(s.dtype), (chunks, heads, rows, cols),
+        _strides64(1, s.dtype.itemsize) + (rows * cols, cols, 1), assumed_align=DATA_ALIGN)
+    return work16, fake_packed(cutlass.Float32, (chunks, heads), DATA_ALIGN)
+
+
+def _fake_offsets():
+    """cu_seqlens (N + 1,) and state_indices (N,): int32, contiguous."""
+    import cutlass
+    import cutlass.cute as cute
+    from ..kernels.fake import fake_packed
+    return fake_packed(cutlass.Int32, (cute.sym_int(),), 4)
+
+
+class GdnFwdSm90(Op):
+    """o (and the final state, checkpoints, the pool rows) of the Gated DeltaNet forward.
+
+    Construct from sample tensors or TensorDescs of q, k, v, g, beta, cu_seqlens (and the
+    initial state / pool and state_indices when used), then check_support(), compile(),
+    execute(). Compiled for the fields of :func:`static_config_of`; scale,
+    checkpoint_every_n_tokens (a multiple of 64), token and sequence counts and strides are
+    runtime values. batch_invariant is accepted and free (see the module docstring).
+    """
+
+    supported_archs = ("sm_90a",)
+    kernel_sources = KERNEL_SOURCES
+
+    def __init__(self, sample_q, sample_k, sample_v, sample_g, sample_beta, sample_cu_seqlens,
+                 *, scale: Optional[float] = None, sample_initial_state=None,
+                 output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                 checkpoint_every_n_tokens: Optional[int] = None,
+                 checkpoint_dtype: Optional[torch.dtype] = None, sample_state_indices=None,
+                 batch_invariant: bool = False):
+        super().__init__()
+        self._samples = {name: _desc(t) for name, t in (
+            ("q", sample_q), ("k", sample_k), ("v", sample_v), ("g", sample_g),
+            ("beta", sample_beta), ("cu_seqlens", sample_cu_seqlens),
+            ("initial_state", sample_initial_state), ("state_indices", sample_state_indices))}
+        self.scale = scale
+        self.output_final_state = output_final_state
+        self.use_qk_l2norm_in_kernel = use_qk_l2norm_in_kernel
+        self.checkpoint_every_n_tokens = checkpoint_every_n_tokens
+        self.checkpoint_dtype = checkpoint_dtype
+        self.batch_invariant = batch_invariant
+        self._shapes: Optional[GdnShapes] = None
+        # Workspaces this op made, per (device, stream): see _own_workspace. Outgrown ones
+        # stay alive: a graph captured earlier may still use them.
+        self._workspaces: Dict[Tuple[Optional[int], int], Tuple[torch.Tensor, ...]] = {}
+        self._outgrown: list = []
+
+    # --- the static configuration -----------------------------------------------------------
+    def _call_shapes(self, q, k, v, g, beta, cu_seqlens, *, scale, initial_state=None,
+                     state_indices=None, checkpoint_every_n_tokens=None, o=None,
+                     final_state=None, checkpoints=None) -> GdnShapes:
+        """gdn_rules on one call with this op's static flags."""
+        return check_gdn_inputs(
+            q, k, v, g, beta, cu_seqlens, scale=scale, initial_state=initial_state,
+            output_final_state=self.output_final_state,
+            use_qk_l2norm_in_kernel=self.use_qk_l2norm_in_kernel,
+            checkpoint_every_n_tokens=checkpoint_every_n_tokens,
+            checkpoint_dtype=self.checkpoint_dtype, state_indices=state_indices,
+            batch_invariant=self.batch_invariant, o=o, final_state=final_state,
+            checkpoints=checkpoints)
+
+    @property
+    def shapes(self) -> GdnShapes:
+        """The samples' GdnShapes (validated once)."""
+        if self._shapes is None:
+            self._shapes = self._call_shapes(
+                **self._samples, scale=self.scale,
+                checkpoint_every_n_tokens=self.checkpoint_every_n_tokens)
+        return self._shapes
+
+    def static_config(self) -> Dict[str, object]:
+        return static_config_of(self.shapes)
+
+    @classmethod
+    def from_config(cls, dtype="bfloat16", k_dim=128, v_dim=128, q_heads=4, k_heads=None,
+                    v_heads=None, g_dtype="float32", beta_dtype="float32", state_dtype="none",
+                    state_pool=False, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                    checkpoint_dtype="none") -> "GdnFwdSm90":
+        """Descriptors of a small batch (2 sequences of 64 tokens) with this static
+        configuration (for precompile). k_heads and v_heads default to q_heads."""
+        io = parse_dtype(dtype)
+        k_dim, v_dim, hq = (check_int(name, value, lo=1) for name, value in (
+            ("k_dim", k_dim), ("v_dim", v_dim), ("q_heads", q_heads)))
+        hk = hq if k_heads is None else check_int("k_heads", k_heads, lo=1)
+        hv = hq if v_heads is None else check_int("v_heads", v_heads, lo=1)
+        state = _option_dtype("state_dtype", state_dtype, io)
+        ckpt = _option_dtype("checkpoint_dtype", checkpoint_dtype, io)
+        pool = check_bool("state_pool", state_pool)
+        check_value(not pool or state is not None, ValueError,
+                    "state_pool=True needs state_dtype 'float32' or 'io' (the pool is the "
+                    "initial state)")
+        n, tokens, ho = 2, 2 * CHUNK_SIZE, max(hq, hv)
+        rows = 2 * n if pool else n
+        return cls(TensorDesc(io, (tokens, hq, k_dim)), TensorDesc(io, (tokens, hk, k_dim)),
+                   TensorDesc(io, (tokens, hv, v_dim)), TensorDesc(g_dtype, (tokens, ho)),
+                   TensorDesc(beta_dtype, (tokens, ho)), TensorDesc(torch.int32, (n + 1,)),
+                   sample_initial_state=(None if state is None
+                                         else TensorDesc(state, (rows, ho, v_dim, k_dim))),
+                   sample_state_indices=TensorDesc(torch.int32, (n,)) if pool else None,
+                   output_final_state=check_bool("output_final_state", output_final_state),
+                   use_qk_l2norm_in_kernel=check_bool("use_qk_l2norm_in_kernel",
+                                                      use_qk_l2norm_in_kernel),
+                   checkpoint_every_n_tokens=None if ckpt is None else CHUNK_SIZE,
+                   checkpoint_dtype=ckpt)
+
+    # --- rules --------------------------------------------------------------------------------
+    def _check(self) -> None:
+        s = self.shapes
+        check_kernel_limits(s, {name: self._samples[name] for name in ("q", "k", "v")})
+
+    def _same_config(self, s: GdnShapes) -> None:
+        """A call's static fields against this op's (one message per differing field)."""
+        want = self.static_config()
+        for key, got in static_config_of(s).items():
+            if got != want[key]:
+                both_dtypes = key.endswith("dtype") and "none" not in (got, want[key])
+                raise (TypeError if both_dtypes else ValueError)(
+                    f"{key} = {got!r} ({CONFIG_SOURCES[key]}) but this op is compiled for "
+                    f"{key} = {want[key]!r}; make another GdnFwdSm90 for this configuration "
+                    "(gated_delta_net keeps one per configuration)")
+
+    # --- compile ------------------------------------------------------------------------------
+    def _kernel_builders(self) -> Mapping[str, KernelBuilder]:
+        s = self.shapes
+
+        def prepare():
+            import cutlass
+            import cutlass.cute as cute
+            from ..kernels.fake import fake_stream, fake_tokens, scalar
+            from ..kernels.gdn_chunk_sm90 import GdnChunkPrepareSm90
+            io, tokens = _cute_type(s.dtype), cute.sym_int()
+            kernel = GdnChunkPrepareSm90(io, s.K, s.V, s.HQ, s.HK, s.HV,
+                                         s.use_qk_l2norm_in_kernel, _cute_type(s.g_dtype),
+                                         _cute_type(s.beta_dtype))
+            args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
+                    fake_tokens(io, tokens, s.HV, s.V), _fake_gate(s.g_dtype, tokens, s.HO),
+                    _fake_gate(s.beta_dtype, tokens, s.HO), _fake_offsets(),
+                    *_fake_workspace(s), scalar(cutlass.Float32, 1.0), fake_stream())
+            return kernel, args
+
+        def recurrence():
+            import cutlass
+            import cutlass.cute as cute
+            from ..kernels.fake import fake_stream, fake_tokens, scalar
+            from ..kernels.gdn_recurrence_sm90 import GdnChunkRecurrenceSm90
+            io = _cute_type(s.dtype)
+            state, ckpt = s.state_dtype, s.checkpoint_dtype
+            kernel = GdnChunkRecurrenceSm90(io, s.K, s.V, s.HO, state is not None,
+                                            s.uses_pool, s.output_final_state, ckpt is not None)
+            args = (*_fake_workspace(s), _fake_offsets(),
+                    fake_tokens(io, cute.sym_int(), s.HO, s.V),
+                    None if state is None else _fake_state(state, s),
+                    _fake_offsets() if s.uses_pool else None,
+                    _fake_state(torch.float32, s) if s.output_final_state else None,
+                    None if ckpt is None else _fake_state(ckpt, s),
+                    scalar(cutlass.Int32, CHUNK_SIZE), fake_stream())
+            return kernel, args
+
+        return {"prepare": prepare, "recurrence": recurrence}
+
+    # --- run ----------------------------------------------------------------------------------
+    def workspace_shapes(self, total_tokens: int, num_seqs: int
+                         ) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """Shapes of the workspace pair ``execute(workspace=(work16, work32))`` takes for T
+        tokens in N sequences: work16 (T // 64 + N, HO, 64, 3K + V + 64) in the io dtype and
+        work32 (T // 64 + N, HO) float32, both contiguous. No zeroing needed: the prepare
+        kernel writes every row the recurrence reads."""
+        from ..kernels.gdn_chunk_sm90 import workspace_shapes
+        s = self.shapes
+        return workspace_shapes(check_int("total_tokens", total_tokens, lo=0),
+                                check_int("num_seqs", num_seqs, lo=0), s.HO, s.K, s.V)
+
+    def _check_workspace(self, workspace, s: GdnShapes) -> Tuple[object, object]:
+        check_value(isinstance(workspace, (tuple, list)) and len(workspace) == 2, TypeError,
+                    "workspace: expected a pair (work16, work32) shaped workspace_shapes(T, N), "
+                    f"got {type(workspace).__name__}")
+        for i, (t, dtype, shape) in enumerate(zip(workspace, (s.dtype, torch.float32),
+                                                  self.workspace_shapes(s.T, s.N))):
+            check_tensor(f"workspace[{i}]", t, dtypes=(dtype,), shape=shape, align=DATA_ALIGN,
+                         contiguous=True, max_span=MAX_SPAN)
+        return tuple(workspace)
+
+    def _own_workspace(self, index: Optional[int], handle: int, total_tokens: int,
+                       num_seqs: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """This op's workspace pair for (device, stream), grown on demand (never while the
+        stream captures a graph); views of its first T // 64 + N chunk rows."""
+        shape16, shape32 = self.workspace_shapes(total_tokens, num_seqs)
+        chunks = shape16[0]
+        pair = self._workspaces.get((index, handle))
+        if pair is None or pair[0].shape[0] < chunks:
+            check_value(not stream_is_capturing(handle), RuntimeError,
+                        "GdnFwdSm90.execute: the stream is capturing a CUDA graph and this op "
+                        f"has no workspace of {chunks} chunk rows for it; pass workspace= (a "
+                        f"pair shaped workspace_shapes({total_tokens}, {num_seqs})) or execute "
+                        "once on this stream with as many tokens and sequences before capturing")
+            rows = chunks if pair is None else max(chunks, 2 * pair[0].shape[0])
+            if pair is not None:
+                self._outgrown.append(pair)
+            with torch.cuda.stream(torch_stream(handle, index)):
+                pair = (torch.empty((rows,) + shape16[1:], dtype=self.shapes.dtype,
+                                    device=f"cuda:{index}"),
+                        torch.empty((rows,) + shape32[1:], dtype=torch.float32,
+                                    device=f"cuda:{index}"))
+            self._workspaces[(index, handle)] = pair
+        return pair[0][:chunks], pair[1][:chunks]
+
+    def execute(self, q, k, v, g, beta, cu_seqlens, o, *, initial_state=None,
+                state_indices=None, final_state=None, checkpoints=None, workspace=None,
+                stream=None, scale: Optional[float] = None,
+                checkpoint_every_n_tokens: Optional[int] = None) -> None:
+        """Writes o [T, HO, V] and, as compiled, final_state [N, HO, V, K] (float32), the
+        checkpoints [T // n + N, HO, V, K] (the state entering local positions 0, n, 2n, ...
+        of each sequence, in order; rows past sum(ceil(len / n)) are not written) and the
+        pool rows state_indices of initial_state (in place). Never reads device memory;
+        allocates nothing when ``workspace`` is given (see workspace_shapes; else the op
+        keeps one per device and stream), but for the pool rows gathered when T == 0. scale
+        and checkpoint_every_n_tokens default to the constructor's.
+
+        T == 0 (every sequence empty; TMA cannot describe empty tensors): no kernel runs;
+        final_state is the initial state (the pool rows, or zeros without one) converted to
+        float32 by a copy on the stream; the pool is unchanged and no checkpoint row exists.
+        N == 0: nothing to write.
+        """
+        if not self._checked:
+            self.check_support()
+        check_value(o is not None, ValueError, "o is required: a [T, HO, V] output buffer of "
+                    "q's dtype")
+        check_value(final_state is not None or not self.output_final_state, ValueError,
+                    "final_state is required: this op writes the final state "
+                    "(output_final_state=True); pass an [N, HO, V, K] float32 buffer")
+        n = (self.checkpoint_every_n_tokens if checkpoint_every_n_tokens is None
+             else checkpoint_every_n_tokens)
+        checkpointing = self.checkpoint_every_n_tokens is not None
+        check_value(checkpoints is not None or not checkpointing, ValueError,
+                    "checkpoints is required: this op writes checkpoints; pass a "
+                    "[T // n + N, HO, V, K] buffer (see max_checkpoint_rows)")
+        s = self._call_shapes(q, k, v, g, beta, cu_seqlens,
+                              scale=self.scale if scale is None else scale,
+                              initial_state=initial_state, state_indices=state_indices,
+                              checkpoint_every_n_tokens=n, o=o, final_state=final_state,
+                              checkpoints=checkpoints)
+        self._same_config(s)
+        check_kernel_limits(s, dict(q=q, k=k, v=v, o=o))
+        if workspace is not None:
+            workspace = self._check_workspace(workspace, s)
+            named = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens,
+                         initial_state=initial_state, state_indices=state_indices, o=o,
+                         final_state=final_state, checkpoints=checkpoints)
+            written = [("workspace[0]", workspace[0]), ("workspace[1]", workspace[1])]
+            check_same_device(written + list(named.items()))
+            check_no_overlap(written, list(named.items()))
+        index = q.device.index
+        kernels = self._ready(index)
+        if s.N == 0:
+            return
+        handle = stream_handle(stream, index)
+        if s.T == 0:
+            if final_state is not None:
+                with torch.cuda.stream(torch_stream(handle, index)):
+                    if initial_state is None:
+                        final_state.zero_()
+                    elif state_indices is not None:
+                        final_state.copy_(initial_state.index_select(0, state_indices))
+                    else:
+                        final_state.copy_(initial_state)
+            return
+        if workspace is None:
+            workspace = self._own_workspace(index, handle, s.T, s.N)
+        work16, work32 = workspace
+        with device_guard(index):
+            kernels["prepare"](q, k, v, g, beta, cu_seqlens, work16, work32, s.scale, handle)
+            # ckpt_every is unused (compiled out) without checkpoints.
+            kernels["recurrence"](work16, work32, cu_seqlens, o, initial_state, state_indices,
+                                  final_state, checkpoints, n if checkpointing else 0, handle)

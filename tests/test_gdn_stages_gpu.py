@@ -1,0 +1,79 @@
+"""The two Gated DeltaNet forward kernels one at a time, on the GPU, from precompiled
+artifacts (configurations of tests/gpu_plan.toml), so that a wrong result is placed in one
+stage: stage 1 ("prepare") against the reference workspace
+(precast/reference/gdn_workspace.py), and stage 2 ("recurrence") fed with that reference
+workspace instead of stage 1's output, against the float64 recurrence. Outputs are poisoned
+with NaN first; every written element is checked."""
+import pytest
+import torch
+
+from precast import GdnFwdSm90
+from precast.reference.gated_delta_net import (CHUNK_SIZE, gdn_recurrent_reference,
+                                               rms_error_ratio)
+from precast.reference.gdn_workspace import gdn_chunk_workspace_reference
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+C = CHUNK_SIZE
+LENS = [497, 16, 1, 480, 0, 253]
+H, K, V = 4, 128, 128
+
+
+def batch(lens, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    T = sum(lens)
+    q, k = (torch.randn(T, H, K, device=DEV, generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(T, H, V, device=DEV, generator=g).to(dtype)
+    gate = -0.05 * torch.rand(T, H, device=DEV, generator=g)
+    beta = torch.rand(T, H, device=DEV, generator=g)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                      device=DEV)
+    return q, k, v, gate, beta, cu
+
+
+def compiled_op(q, k, v, gate, beta, cu):
+    return GdnFwdSm90(q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True,
+                      output_final_state=True).check_support().compile()
+
+
+def rel_err(got, want):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def test_stage1_workspace_matches_the_reference():
+    q, k, v, gate, beta, cu = batch(LENS)
+    op = compiled_op(q, k, v, gate, beta, cu)
+    prepare = op._ready(0)["prepare"]
+    want, want_g = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
+                                                 use_qk_l2norm_in_kernel=True)
+    work16 = torch.full(want.shape, float("nan"), dtype=q.dtype, device=DEV)
+    work32 = torch.full(want_g.shape, float("nan"), device=DEV)
+    prepare(q, k, v, gate, beta, cu, work16, work32, K ** -0.5,
+            torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    chunks = sum(-(-n // C) for n in LENS)
+    got, got_g = work16[:chunks], work32[:chunks]
+    assert not torch.isnan(got).any() and not torch.isnan(got_g).any()
+    for name, lo, hi in (("Qd", 0, K), ("Kd", K, 2 * K), ("W", 2 * K, 3 * K),
+                         ("U", 3 * K, 3 * K + V), ("M", 3 * K + V, 3 * K + V + C)):
+        err = rel_err(got[..., lo:hi], want[:chunks, ..., lo:hi])
+        assert err < 2e-2, f"{name}: max|got - want| / max|want| = {err:.3g}"
+    torch.testing.assert_close(got_g, want_g[:chunks], rtol=1e-4, atol=1e-5)
+
+
+def test_stage2_on_the_reference_workspace_matches_the_recurrence():
+    q, k, v, gate, beta, cu = batch(LENS, seed=1)
+    op = compiled_op(q, k, v, gate, beta, cu)
+    recurrence = op._ready(0)["recurrence"]
+    work, g_last = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
+                                                 use_qk_l2norm_in_kernel=True)
+    o = torch.full((sum(LENS), H, V), float("nan"), dtype=q.dtype, device=DEV)
+    final = torch.full((len(LENS), H, V, K), float("nan"), device=DEV)
+    recurrence(work.to(q.dtype), g_last, cu, o, None, None, final, None, 0,
+               torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    ref = gdn_recurrent_reference(q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True)
+    assert not torch.isnan(o).any() and not torch.isnan(final).any()
+    for name, got, want in (("o", o, ref["o"]), ("final state", final, ref["final_state"])):
+        ratio = rms_error_ratio(got, want)
+        assert ratio < 2e-2, f"{name}: RMS error ratio {ratio:.3g}"
