@@ -41,6 +41,8 @@ def _isolated(monkeypatch, tmp_path):
         raise AssertionError("test reached kernel loading")
     monkeypatch.setattr(Op, "_ready", no_kernels)
     monkeypatch.setattr(COMPILED_OPS, "_ops", {})
+    # the kernels are not validated on a GPU yet: execute() needs the opt-in
+    monkeypatch.setenv(gdn_module.EXPERIMENTAL_ENV, "1")
 
 
 def desc(shape, dtype=BF, stride=None, alignment=16):
@@ -950,3 +952,17 @@ def test_reference_measures():
     assert rms_error_ratio(torch.zeros(2), torch.zeros(2)) == 0.0
     assert rms_error_ratio(torch.zeros(0), torch.zeros(0)) == 0.0
     assert rms_error_ratio(torch.ones(2), torch.zeros(2)) == math.inf
+
+
+@pytest.mark.parametrize("value", [None, "0", "yes"])
+def test_execute_needs_the_opt_in_until_the_kernels_are_validated(monkeypatch, value):
+    """Until the kernels have run against the reference on a GPU, execute() refuses to run
+    them unless PRECAST_EXPERIMENTAL_GDN=1 (compile and precompile are not gated)."""
+    if value is None:
+        monkeypatch.delenv(gdn_module.EXPERIMENTAL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(gdn_module.EXPERIMENTAL_ENV, value)
+    with pytest.raises(NotImplementedError, match="PRECAST_EXPERIMENTAL_GDN=1"):
+        gdn_module.check_unvalidated_kernels_allowed()
+    monkeypatch.setenv(gdn_module.EXPERIMENTAL_ENV, "1")
+    gdn_module.check_unvalidated_kernels_allowed()
