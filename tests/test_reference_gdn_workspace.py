@@ -14,7 +14,7 @@ C = CHUNK_SIZE
 
 def stage2_emulated(work, g_last, lens, s0, K, V):
     """Stage 2 in torch: per sequence, per chunk, the transposed updates."""
-    N, HO = s0.shape[0], s0.shape[1]
+    HO = s0.shape[1]
     o = work.new_zeros((sum(lens), HO, V))
     final = torch.empty_like(s0)
     checkpoints = []
@@ -71,7 +71,6 @@ def test_stage2_on_the_workspace_reproduces_the_recurrence(lens, hq, hv, k_dim, 
 
 def test_rows_past_a_sequence_end_are_zero():
     g = torch.Generator().manual_seed(1)
-    lens = [70]
     q, k = (torch.randn(70, 1, 16, generator=g) for _ in range(2))
     v = torch.randn(70, 1, 8, generator=g)
     gate, beta = -torch.rand(70, 1, generator=g), torch.rand(70, 1, generator=g)

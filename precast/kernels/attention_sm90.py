@@ -1,6 +1,6 @@
-"""Pieces shared by the HSTU attention forward and backward kernels (SM90, CuTe DSL):
-layout views of wgmma accumulators, the wgmma issue loop, and the per-thread bit masks
-that zero hidden scores of packed 16-bit operands."""
+"""Pieces shared by the SM90 kernels (HSTU attention forward and backward, Gated DeltaNet):
+layout views of wgmma accumulators, a warp prefix sum, the wgmma issue loop, and the
+per-thread bit masks that zero hidden scores of packed 16-bit operands."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32, Uint64, const_expr
@@ -26,6 +26,17 @@ def acc_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
     return cute.make_layout(((s[0][0], s[0][1], 2), s[1], (groups // 2, s[2])),
                             stride=((d[0][0], d[0][1], d[0][2]), d[1],
                                     (d[0][2] * 2, d[2])))
+
+
+@cute.jit
+def warp_inclusive_sum(value):
+    """Inclusive prefix sum of ``value`` over the lanes of a warp (every lane takes part)."""
+    lane = cute.arch.lane_idx()
+    for d in cutlass.range_constexpr(5):
+        up = cute.arch.shuffle_sync_up(value, 1 << d)
+        if lane >= (1 << d):
+            value = value + up
+    return value
 
 
 @cute.jit

@@ -32,7 +32,7 @@ from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import select_modes
+from .attention_sm90 import select_modes, warp_inclusive_sum
 
 CHUNK = 64
 THREADS = 128
@@ -68,31 +68,11 @@ class GdnChunkPrepareSm90:
         """mQ (T, HQ, K), mK (T, HK, K), mV (T, HV, V); mG, mBeta (T, HO); mCuSeqlens
         (N + 1,) int32; mWork16 / mWork32 as ``workspace_shapes``."""
         dt = self.dtype
-        K, V, C = self.k_dim, self.v_dim, CHUNK
-        mQ, mK, mV = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV)]  # (T, D, H)
-        # Q and K tiles serve as K-major A and B operands and (K) as an MN-major B operand
-        # through a transposed view; V only as the latter. One layout kind for all three.
-        sQK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, 1)
-        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, V), dt, 1)
-        sT_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (C, K, C), dt, 1)
-        one = lambda layout: cute.slice_(layout, (None, None, 0))
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, one(sQK_layout), (C, K))
-        tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, one(sQK_layout), (C, K))
-        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, one(sV_layout), (C, V))
-        self.load_bytes = (2 * cute.size_in_bytes(dt, one(sQK_layout))
-                           + cute.size_in_bytes(dt, one(sV_layout)))
-        # Scores: 64 x 64 from K-major Q / K tiles. Factors: 64 x D from T (K-major A) and
-        # the K / V tiles read transposed (MN-major B).
-        mma_s = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            (1, 1, 1), (C, C))
-        mma_wk = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            (1, 1, 1), (C, K))
-        mma_wv = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            (1, 1, 1), (C, V))
+        C = CHUNK
+        layouts, loads, mmas = self.prepare_setup(mQ, mK, mV, 1)
+        sQK_layout, sV_layout, sT_layout = layouts
+        tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma = loads
+        mma_s, mma_wk, mma_wv = mmas
 
         @cute.struct
         class SharedStorage:
@@ -114,6 +94,37 @@ class GdnChunkPrepareSm90:
                     mWork32, num_batches, scale).launch(
             grid=[chunks, self.heads, 1], block=[THREADS, 1, 1], stream=stream)
 
+    def prepare_setup(self, mQ, mK, mV, stages: int):
+        """Host-side pieces of the preparing role: shared-memory layouts (Q/K and V tiles
+        with ``stages`` stages, T), TMA atoms of the (T, H, D) inputs and the tiled MMAs;
+        sets ``self.load_bytes`` (one chunk's Q, K, V)."""
+        dt = self.dtype
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        mQ, mK, mV = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV)]  # (T, D, H)
+        # Q and K tiles serve as K-major A and B operands and (K) as an MN-major B operand
+        # through a transposed view; V only as the latter. One layout kind for all three.
+        sQK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, stages)
+        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, V), dt, stages)
+        sT_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (C, K, C), dt, 1)
+        one = lambda layout: cute.slice_(layout, (None, None, 0))
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, one(sQK_layout), (C, K))
+        tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, one(sQK_layout), (C, K))
+        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, one(sV_layout), (C, V))
+        self.load_bytes = (2 * cute.size_in_bytes(dt, one(sQK_layout))
+                           + cute.size_in_bytes(dt, one(sV_layout)))
+        # Scores: 64 x 64 from K-major Q / K tiles. Factors: 64 x D from T (K-major A) and
+        # the K / V tiles read transposed (MN-major B).
+        k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        mma_s = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, Float32,
+                                                  (1, 1, 1), (C, C))
+        mma_wk = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, Float32,
+                                                   (1, 1, 1), (C, K))
+        mma_wv = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, Float32,
+                                                   (1, 1, 1), (C, V))
+        return ((sQK_layout, sV_layout, sT_layout),
+                (tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma), (mma_s, mma_wk, mma_wv))
+
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, mma_s: cute.TiledMma, mma_wk: cute.TiledMma, mma_wv: cute.TiledMma,
@@ -123,7 +134,7 @@ class GdnChunkPrepareSm90:
                mG: cute.Tensor, mBeta: cute.Tensor, mCuSeqlens: cute.Tensor,
                mWork16: cute.Tensor, mWork32: cute.Tensor, num_batches: Int32,
                scale: Float32):
-        K, V, C = self.k_dim, self.v_dim, CHUNK
+        C = CHUNK
         tidx, _, _ = cute.arch.thread_idx()
         packed, head, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -211,11 +222,7 @@ class GdnChunkPrepareSm90:
             count = Int32(0)
             if b < num_batches:
                 count = (mCuSeqlens[b + 1] - mCuSeqlens[b] + CHUNK - 1) // CHUNK
-            ends = count  # inclusive prefix sum over the lanes
-            for d in cutlass.range_constexpr(5):
-                up = cute.arch.shuffle_sync_up(ends, 1 << d)
-                if lane >= (1 << d):
-                    ends = ends + up
+            ends = warp_inclusive_sum(count)
             total = cute.arch.shuffle_sync(ends, 31)
             if packed < base + total:
                 owner = cute.arch.popc(cute.arch.vote_ballot_sync(packed >= base + ends))
@@ -293,11 +300,7 @@ class GdnChunkPrepareSm90:
         lane = cute.arch.lane_idx()
         g0 = sGate[2 * lane]
         g1 = sGate[2 * lane + 1]
-        ends = g0 + g1
-        for d in cutlass.range_constexpr(5):
-            up = cute.arch.shuffle_sync_up(ends, 1 << d)
-            if lane >= (1 << d):
-                ends = ends + up
+        ends = warp_inclusive_sum(g0 + g1)
         before = ends - g0 - g1
         sGate[2 * lane] = before + g0
         sGate[2 * lane + 1] = ends
@@ -307,7 +310,7 @@ class GdnChunkPrepareSm90:
                tidx: Int32):
         """K K^T -> A (gated, strictly lower, fp32 in shared memory); Q K^T -> M (gated,
         causal with the diagonal, scaled; 16-bit into ``out_m``)."""
-        K, V, C = self.k_dim, self.v_dim, CHUNK
+        C = CHUNK
         thr = mma_s.get_slice(tidx)
         tSrQ = thr.make_fragment_A(thr.partition_A(sQ))[None, None, None, stage]
         tSrKa = thr.make_fragment_A(thr.partition_A(sK))[None, None, None, stage]

@@ -22,10 +22,9 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import select_modes
 from .gdn_chunk_sm90 import CHUNK, GdnChunkPrepareSm90
 from .gdn_recurrence_sm90 import THREADS_PER_WG, GdnChunkRecurrenceSm90
 
@@ -61,26 +60,13 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
                  stream: cuda.CUstream):
         """Tensors as the two-stage kernels take them (no workspace). Unused: None."""
         dt = self.dtype
-        K, V, C = self.k_dim, self.v_dim, CHUNK
-        mQ, mK, mV = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV)]  # (T, D, H)
-        sQK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, STAGES)
-        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, V), dt, STAGES)
+        K, C = self.k_dim, CHUNK
+        layouts, loads, mmas = self.prepare_setup(mQ, mK, mV, STAGES)
+        sQK_layout, sV_layout, sT_layout = layouts
+        tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma = loads
+        mma_s, mma_wk, mma_wv = mmas
         sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, STAGES)
-        sT_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (C, K, C), dt, 1)
-        one = lambda layout: cute.slice_(layout, (None, None, 0))
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, one(sQK_layout), (C, K))
-        tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, one(sQK_layout), (C, K))
-        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, one(sV_layout), (C, V))
-        self.load_bytes = (2 * cute.size_in_bytes(dt, one(sQK_layout))
-                           + cute.size_in_bytes(dt, one(sV_layout)))
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
-        mma_s = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, Float32,
-                                                  (1, 1, 1), (C, C))
-        mma_wk = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, Float32,
-                                                   (1, 1, 1), (C, K))
-        mma_wv = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, Float32,
-                                                   (1, 1, 1), (C, V))
         rmem = warpgroup.OperandSource.RMEM
         mma_tok = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, Float32,
                                                     (self.nwg, 1, 1), (64, C), rmem)

@@ -27,7 +27,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import acc_as_operand_a, acc_mn_layout, advanced, select_modes
+from .attention_sm90 import acc_as_operand_a, advanced, select_modes
 from .gdn_chunk_sm90 import CHUNK
 
 THREADS_PER_WG = 128
@@ -194,7 +194,7 @@ class GdnChunkRecurrenceSm90:
     def state_parts(self, mma_tok, mma_state, sQd, sKd, sW, sM, consumer_tidx: Int32):
         """Accumulators, their 16-bit operand copies, shared-memory B fragments (every
         stage) and element coordinates of one state thread."""
-        K, V, C = self.k_dim, self.v_dim, CHUNK
+        K, C = self.k_dim, CHUNK
         rows = 64 * self.nwg
         stages = cute.size(sKd, mode=[2])
         wg = consumer_tidx // THREADS_PER_WG

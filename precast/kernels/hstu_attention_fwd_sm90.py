@@ -32,7 +32,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
-                             select_modes)
+                             select_modes, warp_inclusive_sum)
 
 TILE_M = 128  # query rows of a work tile (two consumer warpgroups of 64)
 WG_ROWS = 64
@@ -235,11 +235,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             count = Int32(0)
             if b < num_batches:
                 count = (mCuSeqlensQ[b + 1] - mCuSeqlensQ[b] + TILE_M - 1) // TILE_M * heads
-            ends = count  # inclusive prefix sum over the lanes
-            for d in cutlass.range_constexpr(5):
-                up = cute.arch.shuffle_sync_up(ends, 1 << d)
-                if lane >= (1 << d):
-                    ends = ends + up
+            ends = warp_inclusive_sum(count)
             total = cute.arch.shuffle_sync(ends, 31)
             if tile < base + total:
                 owner = cute.arch.popc(cute.arch.vote_ballot_sync(tile >= base + ends))
