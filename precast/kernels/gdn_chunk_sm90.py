@@ -286,12 +286,14 @@ class GdnChunkPrepareSm90:
         row = tidx // 2
         col0 = (tidx % 2) * half
         total = Float32(0.0)
-        for c in cutlass.range_constexpr(half):
+        # Rolled loops: unrolled, the 64 swizzled addresses are loop-invariant in the fused
+        # kernel's chunk loop and got hoisted out of it and spilled.
+        for c in cutlass.range(half, unroll=4):
             x = sX[row, col0 + c].to(Float32)
             total = total + x * x
         total = total + cute.arch.shuffle_sync_bfly(total, 1)
         inv = cute.math.rsqrt(cutlass.max(total, Float32(L2NORM_EPS)))
-        for c in cutlass.range_constexpr(half):
+        for c in cutlass.range(half, unroll=4):
             sX[row, col0 + c] = (sX[row, col0 + c].to(Float32) * inv).to(self.dtype)
 
     @cute.jit
