@@ -37,6 +37,7 @@ from .attention_sm90 import select_modes, warp_inclusive_sum
 CHUNK = 64
 THREADS = 128
 PREPARE_BARRIER = 1
+INVERT_BARRIER = 2  # the 64 threads solving for T's columns
 L2NORM_EPS = 1e-24
 
 
@@ -189,7 +190,9 @@ class GdnChunkPrepareSm90:
         self.scores(mma_s, sQ, sK, stage, sA, sGate, sBeta, out[4], scale, tidx)
         self.sync()
         if tidx < C:
-            self.invert(sA, sTw[None, None, 0], sTu[None, None, 0], sGate, sBeta, tidx)
+            self.invert(sA, tidx)
+        self.sync()
+        self.scaled_inverse(sA, sTw[None, None, 0], sTu[None, None, 0], sGate, sBeta, tidx)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.sync()
         self.factors(mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out[2], out[3], tidx)
@@ -340,9 +343,11 @@ class GdnChunkPrepareSm90:
             t_m[e] = m.to(self.dtype)
 
     @cute.jit
-    def invert(self, sA, sTw, sTu, sGate, sBeta, j: Int32):
-        """Thread j < 64: column j of T = (I + A)^-1 by forward substitution in fp32, then
-        T diag(beta gamma) and T diag(beta) in 16 bits (the A operands of W and U)."""
+    def invert(self, sA, j: Int32):
+        """Thread j < 64: column j of T = (I + A)^-1 by forward substitution in fp32,
+        written over A once every column has been solved (A's plain layout: one address
+        register, where the swizzled 16-bit stores were 128 loop-invariant addresses that the
+        fused kernel hoisted and spilled)."""
         C = CHUNK
         x = cute.make_rmem_tensor(cute.make_layout(C), Float32)
         for i in cutlass.range_constexpr(C):
@@ -350,11 +355,21 @@ class GdnChunkPrepareSm90:
             for l in cutlass.range_constexpr(i):
                 acc = acc - sA[i, l] * x[l]
             x[i] = acc
-        beta = sBeta[j]
-        w_scale = beta * cute.math.exp(sGate[j], fastmath=True)
+        cute.arch.barrier(barrier_id=INVERT_BARRIER, number_of_threads=C)
         for i in cutlass.range_constexpr(C):
-            sTw[i, j] = (x[i] * w_scale).to(self.dtype)
-            sTu[i, j] = (x[i] * beta).to(self.dtype)
+            sA[i, j] = x[i]
+
+    @cute.jit
+    def scaled_inverse(self, sT, sTw, sTu, sGate, sBeta, tidx: Int32):
+        """T diag(beta gamma) and T diag(beta) in 16 bits: the A operands of W and U."""
+        C = CHUNK
+        for idx in cutlass.range(tidx, C * C, THREADS, unroll=1):
+            i = idx // C
+            j = idx % C
+            t = sT[i, j]
+            beta = sBeta[j]
+            sTw[i, j] = (t * beta * cute.math.exp(sGate[j], fastmath=True)).to(self.dtype)
+            sTu[i, j] = (t * beta).to(self.dtype)
 
     @cute.jit
     def factors(self, mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out_w, out_u, tidx: Int32):
