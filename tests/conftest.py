@@ -72,3 +72,93 @@ def streams_of_every_kind():
     finally:
         torch.cuda.synchronize()
         check(driver.cuStreamDestroy(cu_stream))
+
+
+# --- CPU tests of ops' host sides: no kernel is built or loaded ---------------------------------
+def isolate_from_kernels(monkeypatch, tmp_path):
+    """Nothing may build or load kernels (a temporary cache, Op._ready refuses) and the
+    allocating functions start with no compiled ops."""
+    import sys
+
+    from precast.lifecycle.op import Op
+    monkeypatch.setenv("PRECAST_CACHE_DIR", str(tmp_path / "cache"))
+
+    def no_kernels(self, device_index):
+        raise AssertionError("test reached kernel loading")
+    monkeypatch.setattr(Op, "_ready", no_kernels)
+    monkeypatch.setattr(sys.modules["precast.op_cache"], "_ops", {})
+
+
+def record_launches(monkeypatch, module, kernel_modes, alloc: str):
+    """Stands in for what an op's execute() does on the device (``module``: the op's
+    lifecycle module) and records it, in order, in ``events``:
+    - each kernel launch: its mode (also with the arguments in ``calls``); ``effects[mode]``
+      runs inside it; ``ready`` lists the device indices kernels were loaded for;
+    - the stream contexts of torch-side work (launch.torch_stream and torch.cuda.stream as
+      the module sees them);
+    - allocations of the op's own workspace (``torch.<alloc>`` for cuda:N, made on
+      ``alloc_device`` here; the requested device goes to ``alloc_devices``);
+    - Tensor.copy_ and Tensor.zero_.
+    stream_is_capturing answers ``capturing`` and records the handle in ``capture_queries``.
+    ``kernel_modes(op)``: the modes an op loads."""
+    import types
+
+    from precast.lifecycle.op import Op
+    rec = types.SimpleNamespace(calls=[], events=[], effects={}, capturing=False,
+                                capture_queries=[], alloc_device="meta", alloc_devices=[],
+                                ready=[])
+
+    def ready(self, device_index):
+        rec.ready.append(device_index)
+
+        def kernel(mode):
+            def launch(*args):
+                rec.calls.append((mode, args))
+                rec.events.append(("launch", mode))
+                if mode in rec.effects:
+                    rec.effects[mode](args)
+            return launch
+        return {mode: kernel(mode) for mode in kernel_modes(self)}
+    monkeypatch.setattr(Op, "_ready", ready)
+
+    class ExternalStream:
+        def __init__(self, handle, device=None):
+            self.handle, self.device = handle, device
+
+    @contextlib.contextmanager
+    def stream(s):
+        rec.events.append(("stream", s.handle, s.device))
+        yield
+        rec.events.append(("end stream",))
+
+    def allocate(shape, dtype=None, device=None):
+        rec.events.append((alloc, tuple(shape), dtype))
+        rec.alloc_devices.append(device)
+        return getattr(torch, alloc)(shape, dtype=dtype, device=rec.alloc_device)
+
+    class ModuleTorch:  # torch as the op's module sees it
+        cuda = types.SimpleNamespace(stream=stream)
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+    setattr(ModuleTorch, alloc, staticmethod(allocate))
+    monkeypatch.setattr(module, "torch", ModuleTorch())
+    monkeypatch.setattr(module, "torch_stream", ExternalStream)
+
+    def is_capturing(handle):
+        rec.capture_queries.append(handle)
+        return rec.capturing
+    monkeypatch.setattr(module, "stream_is_capturing", is_capturing)
+
+    copy_, zero_ = torch.Tensor.copy_, torch.Tensor.zero_
+
+    def record_copy(t, src, *args, **kw):
+        rec.events.append(("copy", t, src))
+        return copy_(t, src, *args, **kw)
+
+    def record_zero(t):
+        rec.events.append(("zero", t))
+        return zero_(t)
+    monkeypatch.setattr(torch.Tensor, "copy_", record_copy)
+    monkeypatch.setattr(torch.Tensor, "zero_", record_zero)
+    return rec

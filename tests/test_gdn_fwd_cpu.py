@@ -5,14 +5,13 @@ stood in for and recorded), the workspace (shapes, given, the op's own per devic
 stream, refused while capturing), the N == 0 and T == 0 paths, the allocating function and
 the custom op's fake; one cross-compilation test (marked compile) builds both kernels.
 Every host rule of a call itself is gdn_rules' (tests/test_validation_gdn.py)."""
-import contextlib
 import math
 import sys
 import types
 
 import pytest
 import torch
-from conftest import key_of
+from conftest import isolate_from_kernels, key_of, record_launches
 
 import precast
 from precast import GdnFwdSm90, TensorDesc, gated_delta_net
@@ -35,12 +34,7 @@ COMPILED_OPS = sys.modules["precast.op_cache"]
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
     """Nothing here builds or loads kernels (but the compile test); no cached ops."""
-    monkeypatch.setenv("PRECAST_CACHE_DIR", str(tmp_path / "cache"))
-
-    def no_kernels(self, device_index):
-        raise AssertionError("test reached kernel loading")
-    monkeypatch.setattr(Op, "_ready", no_kernels)
-    monkeypatch.setattr(COMPILED_OPS, "_ops", {})
+    isolate_from_kernels(monkeypatch, tmp_path)
     # the kernels are not validated on a GPU yet: execute() needs the opt-in
     monkeypatch.setenv(gdn_module.EXPERIMENTAL_ENV, "1")
 
@@ -344,72 +338,8 @@ def test_execute_checks_first_when_unchecked(launches):
 # --- execute: launches (kernels stood in for) -----------------------------------------------------
 @pytest.fixture
 def launches(monkeypatch):
-    """Stands in for what execute() does on the device and records it, in order, in
-    ``events``: each kernel launch (mode and arguments also in ``calls``; ``effects[mode]``
-    runs inside it), the stream contexts of torch work (launch.torch_stream and
-    torch.cuda.stream as the op's module sees them), the allocations of the op's own
-    workspace (torch.empty for cuda:N, made on ``alloc_device`` here; the requested device
-    goes to ``alloc_devices``), Tensor.copy_ and Tensor.zero_. stream_is_capturing answers
-    ``capturing`` and records the handle asked about in ``capture_queries``."""
-    rec = types.SimpleNamespace(calls=[], events=[], effects={}, capturing=False,
-                                capture_queries=[], alloc_device="meta", alloc_devices=[],
-                                ready=[])
-
-    def ready(self, device_index):
-        rec.ready.append(device_index)
-
-        def kernel(mode):
-            def launch(*args):
-                rec.calls.append((mode, args))
-                rec.events.append(("launch", mode))
-                if mode in rec.effects:
-                    rec.effects[mode](args)
-            return launch
-        return {mode: kernel(mode) for mode in KERNEL_MODES}
-    monkeypatch.setattr(Op, "_ready", ready)
-
-    class ExternalStream:
-        def __init__(self, handle, device=None):
-            self.handle, self.device = handle, device
-
-    @contextlib.contextmanager
-    def stream(s):
-        rec.events.append(("stream", s.handle, s.device))
-        yield
-        rec.events.append(("end stream",))
-
-    def empty(shape, dtype=None, device=None):
-        rec.events.append(("empty", tuple(shape), dtype))
-        rec.alloc_devices.append(device)
-        return torch.empty(shape, dtype=dtype, device=rec.alloc_device)
-
-    class ModuleTorch:  # torch as precast.lifecycle.gdn_fwd sees it
-        cuda = types.SimpleNamespace(stream=stream)
-
-        def __getattr__(self, name):
-            return getattr(torch, name)
-    ModuleTorch.empty = staticmethod(empty)
-    monkeypatch.setattr(gdn_module, "torch", ModuleTorch())
-    monkeypatch.setattr(gdn_module, "torch_stream", ExternalStream)
-
-    def is_capturing(handle):
-        rec.capture_queries.append(handle)
-        return rec.capturing
-    monkeypatch.setattr(gdn_module, "stream_is_capturing", is_capturing)
-
-    copy_, zero_ = torch.Tensor.copy_, torch.Tensor.zero_
-
-    def record_copy(t, src, *args, **kw):
-        rec.events.append(("copy", t, src))
-        return copy_(t, src, *args, **kw)
-
-    def record_zero(t):
-        rec.events.append(("zero", t))
-        return zero_(t)
-    monkeypatch.setattr(torch.Tensor, "copy_", record_copy)
-    monkeypatch.setattr(torch.Tensor, "zero_", record_zero)
-    return rec
-
+    """conftest.record_launches for GdnFwdSm90 (its workspace is made by torch.empty)."""
+    return record_launches(monkeypatch, gdn_module, lambda op: KERNEL_MODES, "empty")
 
 def kinds(rec):
     return [e[0] for e in rec.events]

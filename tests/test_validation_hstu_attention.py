@@ -7,7 +7,7 @@ import types
 
 import pytest
 import torch
-from conftest import key_of
+from conftest import isolate_from_kernels, key_of
 
 from precast import HSTUFwdSm90, TensorDesc, hstu_attention_forward
 from precast.lifecycle.hstu_attention import (QUERY_TILE_ROWS, TMA_SPAN_LIMIT, WORKSPACE_SHAPE,
@@ -29,12 +29,7 @@ COMPILED_OPS = sys.modules["precast.op_cache"]
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
     """Nothing here may build or load kernels; the allocating function starts with no ops."""
-    monkeypatch.setenv("PRECAST_CACHE_DIR", str(tmp_path / "cache"))
-
-    def no_kernels(self, device_index):
-        raise AssertionError("validation test reached kernel loading")
-    monkeypatch.setattr(Op, "_ready", no_kernels)
-    monkeypatch.setattr(COMPILED_OPS, "_ops", {})
+    isolate_from_kernels(monkeypatch, tmp_path)
 
 
 def desc(shape, dtype=BF, stride=None, alignment=16, device="cuda"):

@@ -9,7 +9,6 @@ allocation are accepted), the allocating function and the custom ops' fakes -- a
 machine (ops are built from TensorDescs, meta or CPU tensors; kernels are never built or
 loaded: execute()'s launches, stream contexts, copies and memsets are stood in for and
 recorded)."""
-import contextlib
 import itertools
 import math
 import random
@@ -19,7 +18,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import key_of
+from conftest import isolate_from_kernels, key_of, record_launches
 
 import precast
 from precast import HSTUBwdSm90, HSTUFwdSm90, TensorDesc, hstu_attention_backward
@@ -44,12 +43,7 @@ COMPILED_OPS = sys.modules["precast.op_cache"]
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
     """Nothing here may build or load kernels; the allocating function starts with no ops."""
-    monkeypatch.setenv("PRECAST_CACHE_DIR", str(tmp_path / "cache"))
-
-    def no_kernels(self, device_index):
-        raise AssertionError("validation test reached kernel loading")
-    monkeypatch.setattr(Op, "_ready", no_kernels)
-    monkeypatch.setattr(COMPILED_OPS, "_ops", {})
+    isolate_from_kernels(monkeypatch, tmp_path)
 
 
 def desc(shape, dtype=BF, stride=None, alignment=16, device="cuda"):
@@ -820,69 +814,8 @@ def test_execute_refuses(op_kw, changes, exc, match):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Stands in for what execute() does on the device and records it, in order, in
-    ``events``: each kernel launch (mode and arguments also in ``calls``; ``effects[mode]``
-    runs inside it), the stream context of its memsets and copies (launch.torch_stream
-    and torch.cuda.stream as the op's module sees them), the allocation of the op's own
-    workspace (torch.zeros for cuda:N, made on ``alloc_device`` here; the requested device
-    goes to ``alloc_devices``), Tensor.copy_ and Tensor.zero_. stream_is_capturing answers
-    ``capturing`` and records the handle asked about in ``capture_queries``."""
-    rec = types.SimpleNamespace(calls=[], events=[], effects={}, capturing=False,
-                                capture_queries=[], alloc_device="meta", alloc_devices=[])
-
-    def ready(self, device_index):
-        def kernel(mode):
-            def launch(*args):
-                rec.calls.append((mode, args))
-                rec.events.append(("launch", mode))
-                if mode in rec.effects:
-                    rec.effects[mode](args)
-            return launch
-        return {mode: kernel(mode) for mode in self.kernel_modes()}
-    monkeypatch.setattr(Op, "_ready", ready)
-
-    class ExternalStream:
-        def __init__(self, handle, device=None):
-            self.handle, self.device = handle, device
-
-    @contextlib.contextmanager
-    def stream(s):
-        rec.events.append(("stream", s.handle, s.device))
-        yield
-        rec.events.append(("end stream",))
-
-    def zeros(shape, dtype=None, device=None):
-        rec.events.append(("zeros", tuple(shape), dtype))
-        rec.alloc_devices.append(device)
-        return torch.zeros(shape, dtype=dtype, device=rec.alloc_device)
-
-    class ModuleTorch:  # torch as precast.lifecycle.hstu_attention_bwd sees it
-        cuda = types.SimpleNamespace(stream=stream)
-
-        def __getattr__(self, name):
-            return getattr(torch, name)
-    ModuleTorch.zeros = staticmethod(zeros)
-    monkeypatch.setattr(bwd_module, "torch", ModuleTorch())
-    monkeypatch.setattr(bwd_module, "torch_stream", ExternalStream)
-
-    def is_capturing(handle):
-        rec.capture_queries.append(handle)
-        return rec.capturing
-    monkeypatch.setattr(bwd_module, "stream_is_capturing", is_capturing)
-
-    copy_, zero_ = torch.Tensor.copy_, torch.Tensor.zero_
-
-    def record_copy(t, src, *args, **kw):
-        rec.events.append(("copy", t, src))
-        return copy_(t, src, *args, **kw)
-
-    def record_zero(t):
-        rec.events.append(("zero", t))
-        return zero_(t)
-    monkeypatch.setattr(torch.Tensor, "copy_", record_copy)
-    monkeypatch.setattr(torch.Tensor, "zero_", record_zero)
-    return rec
-
+    """conftest.record_launches for HSTUBwdSm90 (its workspace is made by torch.zeros)."""
+    return record_launches(monkeypatch, bwd_module, lambda op: op.kernel_modes(), "zeros")
 
 def trace(rec, **named):
     """rec.events with each tensor replaced by its name in ``named``, or 'name[:n]' for a view

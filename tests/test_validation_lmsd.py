@@ -10,7 +10,7 @@ from precast import HstuLmsdBwdSm90, HstuLmsdFwdSm90, TensorDesc
 from precast.lifecycle import arch as arch_mod
 from precast.lifecycle.arch import normalize_arch, target_arch
 from precast.lifecycle.lmsd import MAX_ROW_ELEMENTS, ROW_SPAN_LIMIT
-from precast.lifecycle.op import Op
+from conftest import isolate_from_kernels
 from precast.lifecycle.results import Results, results_type
 from precast.lifecycle.validation import (INT32_MAX, byte_range, check_finite, check_int64,
                                           check_no_overlap, check_same_device, check_tensor)
@@ -23,12 +23,7 @@ N, D = 32, 64
 def _isolated(monkeypatch, tmp_path):
     """Nothing here may build kernels: point the default cache at a temp dir and make any
     attempt to load kernels for execute() fail loudly."""
-    monkeypatch.setenv("PRECAST_CACHE_DIR", str(tmp_path / "cache"))
-
-    def no_kernels(self, device_index):
-        raise AssertionError("validation test reached kernel loading")
-    monkeypatch.setattr(Op, "_ready", no_kernels)
-
+    isolate_from_kernels(monkeypatch, tmp_path)
 
 def desc(shape, dtype=BF, stride=None, alignment=16, device="cuda"):
     return TensorDesc(dtype, shape, stride, device, alignment)
