@@ -221,6 +221,21 @@ class _AttentionRules:
         return check_packed("func_tensor", func_tensor, (torch.int32,), (1, intervals, None),
                             INDEX_ALIGN)
 
+    def _check_func_argument(self, func_tensor, t_q: int) -> None:
+        """func_tensor is given exactly when the op applies an arbitrary mask, with at least
+        T_q + FUNC_PAD_COLUMNS columns."""
+        n = self.func_intervals
+        if n:
+            check_value(func_tensor is not None, ValueError,
+                        f"func_tensor (1, {n}, L) is required: this op applies an arbitrary mask")
+            columns = self._check_func(func_tensor, n)[2]
+            check_value(columns >= t_q + FUNC_PAD_COLUMNS, ValueError,
+                        f"func_tensor: L = {columns} columns; at least T_q + {FUNC_PAD_COLUMNS} = "
+                        f"{t_q + FUNC_PAD_COLUMNS} are required")
+        else:
+            check_value(func_tensor is None, ValueError,
+                        "func_tensor must be None: this op applies no arbitrary mask")
+
     @staticmethod
     def _same_tokens(name: str, tokens: int, other: str, other_tokens: int) -> None:
         check_value(tokens == other_tokens, ValueError,
@@ -352,17 +367,7 @@ class HSTUFwdSm90(_AttentionRules, Op):
             check_value(k is not None and v is not None, ValueError, KV_REQUIRED)
             t_k = check_tokens("k", k, dt, h_kv, d)[0]
             self._same_tokens("v", check_tokens("v", v, dt, h_kv, d)[0], "k", t_k)
-        n = self.func_intervals
-        if n:
-            check_value(func_tensor is not None, ValueError,
-                        f"func_tensor (1, {n}, L) is required: this op applies an arbitrary mask")
-            columns = self._check_func(func_tensor, n)[2]
-            check_value(columns >= t_q + FUNC_PAD_COLUMNS, ValueError,
-                        f"func_tensor: L = {columns} columns; at least T_q + {FUNC_PAD_COLUMNS} = "
-                        f"{t_q + FUNC_PAD_COLUMNS} are required")
-        else:
-            check_value(func_tensor is None, ValueError,
-                        "func_tensor must be None: this op applies no arbitrary mask")
+        self._check_func_argument(func_tensor, t_q)
         return t_q, t_k, entries
 
     def _check_paged_kv(self, paged_kv, kv_heads: Optional[int]) -> None:

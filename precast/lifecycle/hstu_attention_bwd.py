@@ -23,7 +23,6 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
-from ..reference.hstu_attention import FUNC_PAD_COLUMNS
 from .cache import KernelBuilder
 from .hstu_attention import (DATA_ALIGN, FLOAT32_MAX, INDEX_ALIGN, TMA_SPAN_LIMIT, WINDOW_CAP,
                              _AttentionRules, _desc, check_offsets, check_tokens)
@@ -130,17 +129,7 @@ class HSTUBwdSm90(_AttentionRules, Op):
         for name, t in (("v", v), ("dk", dk), ("dv", dv)):
             check_value(t is not None, ValueError, f"{name} is required")
             self._same_tokens(name, check_tokens(name, t, dt, h_kv, d)[0], "k", t_k)
-        n = self.func_intervals
-        if n:
-            check_value(func_tensor is not None, ValueError,
-                        f"func_tensor (1, {n}, L) is required: this op applies an arbitrary mask")
-            columns = self._check_func(func_tensor, n)[2]
-            check_value(columns >= t_q + FUNC_PAD_COLUMNS, ValueError,
-                        f"func_tensor: L = {columns} columns; at least T_q + {FUNC_PAD_COLUMNS} = "
-                        f"{t_q + FUNC_PAD_COLUMNS} are required")
-        else:
-            check_value(func_tensor is None, ValueError,
-                        "func_tensor must be None: this op applies no arbitrary mask")
+        self._check_func_argument(func_tensor, t_q)
         return t_q, t_k, entries
 
     def _work_tiles(self, max_q: int, max_k: int, batch: int) -> Tuple[int, str]:
