@@ -40,6 +40,18 @@ def warp_inclusive_sum(value):
 
 
 @cute.jit
+def wgmma(tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr):
+    """acc (+)= A B over the k-blocks of the fragments, issued as one wgmma group (not
+    waited for)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its ACCUMULATE flag is mutated
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        atom.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+    warpgroup.commit_group()
+
+
+@cute.jit
 def advanced(state):
     # A new state one stage on; assigning it (rather than mutating in place) carries the
     # state out of dynamic branches.
@@ -56,14 +68,24 @@ class AttentionTileOps:
     register pair h + 2 g packs columns first + 8 g + {0, 1} of row h, which are bits 2 g and
     2 g + 1 of that row's keep mask."""
 
+    def init_attention(self, dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+                       window_left_bounded: bool, window_right_bounded: bool,
+                       func_intervals: int):
+        """The configuration fields both attention kernels take."""
+        assert num_heads % num_kv_heads == 0
+        assert func_intervals == 0 or func_intervals % 2 == 1
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.left_bounded = window_left_bounded
+        self.right_bounded = window_right_bounded
+        self.func_intervals = func_intervals
+
     @cute.jit
     def gemm(self, tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr):
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its ACCUMULATE flag is mutated
-        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-            atom.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
-            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        warpgroup.commit_group()
+        wgmma(tiled_mma, acc, tCrA, tCrB, accumulate)
 
     @cute.jit
     def cols_below(self, limit: Int32, first: Int32) -> Uint32:

@@ -32,7 +32,7 @@ from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import select_modes, warp_inclusive_sum
+from .attention_sm90 import select_modes, warp_inclusive_sum, wgmma
 
 CHUNK = 64
 THREADS = 128
@@ -322,8 +322,8 @@ class GdnChunkPrepareSm90:
         tSrKb = thr.make_fragment_B(thr.partition_B(sK))[None, None, None, stage]
         acc_kk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
         acc_qk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
-        self.gemm(mma_s, acc_kk, tSrKa, tSrKb)
-        self.gemm(mma_s, acc_qk, tSrQ, tSrKb)
+        wgmma(mma_s, acc_kk, tSrKa, tSrKb, False)
+        wgmma(mma_s, acc_qk, tSrQ, tSrKb, False)
         warpgroup.wait_group(0)
         coords = thr.partition_C(cute.make_identity_tensor((C, C)))
         t_m = thr.partition_C(out_m)  # this thread's elements of M, in accumulator order
@@ -386,7 +386,7 @@ class GdnChunkPrepareSm90:
             tCrT = thr.make_fragment_A(thr.partition_A(sT))[None, None, None, 0]
             tCrX = thr.make_fragment_B(thr.partition_B(x_t))[None, None, None, stage]
             acc = cute.make_rmem_tensor(thr.partition_shape_C((C, cols)), Float32)
-            self.gemm(mma, acc, tCrT, tCrX)
+            wgmma(mma, acc, tCrT, tCrX, False)
             warpgroup.wait_group(0)
             self.sync()  # every warp's share of the product read sX (out may overwrite it)
             t_out = thr.partition_C(out)
@@ -409,11 +409,3 @@ class GdnChunkPrepareSm90:
             out_k[i, c] = (sK[i, c].to(Float32)
                               * cute.math.exp(last - g, fastmath=True)).to(self.dtype)
 
-    @cute.jit
-    def gemm(self, tiled_mma, acc, tCrA, tCrB):
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-            atom.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        warpgroup.commit_group()

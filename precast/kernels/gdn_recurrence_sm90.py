@@ -27,7 +27,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import acc_as_operand_a, advanced, select_modes
+from .attention_sm90 import acc_as_operand_a, advanced, select_modes, wgmma
 from .gdn_chunk_sm90 import CHUNK
 
 THREADS_PER_WG = 128
@@ -258,18 +258,18 @@ class GdnChunkRecurrenceSm90:
         tXrS = cute.make_tensor(state16.iterator, acc_as_operand_a(acc_state.layout))
         tSrD = cute.make_tensor(delta16.iterator, acc_as_operand_a(acc_x.layout))
         state16.store(acc_state.load().to(self.dtype))
-        self.gemm(mma_tok, acc_x, tXrS, tXrW[None, None, None, s], False)
+        wgmma(mma_tok, acc_x, tXrS, tXrW[None, None, None, s], False)
         warpgroup.wait_group(0)
         for e in cutlass.range_constexpr(cute.size(acc_x)):  # Delta^T = U^T - X^T
             acc_x[e] = u_t[e].to(Float32) - acc_x[e]
         delta16.store(acc_x.load().to(self.dtype))
         # O's first product waits until X is done: fewer accumulators live at once (the
         # fused kernel's state warpgroups have ~184 registers).
-        self.gemm(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
-        self.gemm(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
+        wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
+        wgmma(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
         for e in cutlass.range_constexpr(cute.size(acc_state)):
             acc_state[e] = acc_state[e] * decay
-        self.gemm(mma_state, acc_state, tSrD, tSrKd[None, None, None, s], True)
+        wgmma(mma_state, acc_state, tSrD, tSrKd[None, None, None, s], True)
         warpgroup.wait_group(0)
 
     @cute.jit
@@ -306,12 +306,3 @@ class GdnChunkRecurrenceSm90:
         dst = self.state_view(parts, mStates, row, head)
         for e in cutlass.range_constexpr(cute.size(acc_state)):
             dst[e] = acc_state[e].to(mStates.element_type)
-
-    @cute.jit
-    def gemm(self, tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr):
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-            atom.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
-            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        warpgroup.commit_group()

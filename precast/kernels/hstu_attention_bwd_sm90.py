@@ -64,16 +64,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                  window_left_bounded: bool, window_right_bounded: bool, func_intervals: int,
                  mode: str):
         assert mode in MODES, mode
-        assert num_heads % num_kv_heads == 0
-        assert func_intervals == 0 or func_intervals % 2 == 1
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.group = num_heads // num_kv_heads
-        self.left_bounded = window_left_bounded
-        self.right_bounded = window_right_bounded
-        self.func_intervals = func_intervals
+        self.init_attention(dtype, head_dim, num_heads, num_kv_heads, window_left_bounded,
+                            window_right_bounded, func_intervals)
         self.mode = mode
         self.fused = mode == "fused"
         self.keys_fixed = mode != "dq"

@@ -57,16 +57,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                  window_left_bounded: bool, window_right_bounded: bool, func_intervals: int,
                  paged: bool, pingpong: bool = True):
         assert head_dim in TILE_N, head_dim
-        assert num_heads % num_kv_heads == 0
-        assert func_intervals == 0 or func_intervals % 2 == 1
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.group = num_heads // num_kv_heads
-        self.left_bounded = window_left_bounded
-        self.right_bounded = window_right_bounded
-        self.func_intervals = func_intervals
+        self.init_attention(dtype, head_dim, num_heads, num_kv_heads, window_left_bounded,
+                            window_right_bounded, func_intervals)
         self.paged = paged
         # The two consumer warpgroups take turns issuing their wgmmas, so one's SiLU runs
         # while the other's matmuls keep the tensor cores busy.
