@@ -29,7 +29,8 @@ from ..reference.gated_delta_net import CHUNK_SIZE
 from . import gdn_rules
 from .cache import KernelBuilder
 from .gdn_rules import MAX_SPAN, GdnShapes, check_gdn_inputs
-from .launch import device_guard, stream_handle, stream_is_capturing, torch_stream
+from .launch import (device_guard, stream_handle, stream_is_capturing, stream_workspace,
+                     torch_stream)
 from .op import Op
 from .tensor_desc import TensorDesc, dtype_name, parse_dtype
 from .validation import (INT32_MAX, check_bool, check_int, check_no_overlap, check_same_device,
@@ -371,26 +372,24 @@ class GdnFwdSm90(Op):
 
     def _own_workspace(self, index: Optional[int], handle: int, total_tokens: int,
                        num_seqs: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """This op's workspace pair for (device, stream), grown on demand (never while the
-        stream captures a graph); views of its first T // 64 + N chunk rows."""
+        """This op's workspace pair for (device, stream) (launch.stream_workspace); views
+        of its first T // 64 + N chunk rows."""
         shape16, shape32 = self.workspace_shapes(total_tokens, num_seqs)
         chunks = shape16[0]
-        pair = self._workspaces.get((index, handle))
-        if pair is None or pair[0].shape[0] < chunks:
-            check_value(not stream_is_capturing(handle), RuntimeError,
-                        "GdnFwdSm90.execute: the stream is capturing a CUDA graph and this op "
-                        f"has no workspace of {chunks} chunk rows for it; pass workspace= (a "
-                        f"pair shaped workspace_shapes({total_tokens}, {num_seqs})) or execute "
-                        "once on this stream with as many tokens and sequences before capturing")
-            rows = chunks if pair is None else max(chunks, 2 * pair[0].shape[0])
-            if pair is not None:
-                self._outgrown.append(pair)
+
+        def make(rows):
             with torch.cuda.stream(torch_stream(handle, index)):
-                pair = (torch.empty((rows,) + shape16[1:], dtype=self.shapes.dtype,
+                return (torch.empty((rows,) + shape16[1:], dtype=self.shapes.dtype,
                                     device=f"cuda:{index}"),
                         torch.empty((rows,) + shape32[1:], dtype=torch.float32,
                                     device=f"cuda:{index}"))
-            self._workspaces[(index, handle)] = pair
+        pair = stream_workspace(
+            self._workspaces, self._outgrown, (index, handle), chunks, make,
+            lambda: stream_is_capturing(handle),
+            lambda: "GdnFwdSm90.execute: the stream is capturing a CUDA graph and this op has "
+                    f"no workspace of {chunks} chunk rows for it; pass workspace= (a pair "
+                    f"shaped workspace_shapes({total_tokens}, {num_seqs})) or execute once on "
+                    "this stream with as many tokens and sequences before capturing")
         return pair[0][:chunks], pair[1][:chunks]
 
     def execute(self, q, k, v, g, beta, cu_seqlens, o, *, initial_state=None,

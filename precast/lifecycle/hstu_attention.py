@@ -14,7 +14,8 @@ import torch
 from ..reference.hstu_attention import FUNC_PAD_COLUMNS, PAGE_SIZE
 from ..reference.hstu_attention import _check_window as check_window
 from .cache import KernelBuilder
-from .launch import device_guard, sm_count, stream_handle, stream_is_capturing, torch_stream
+from .launch import (device_guard, sm_count, stream_handle, stream_is_capturing,
+                     stream_workspace, torch_stream)
 from .op import Op
 from .tensor_desc import TensorDesc, dtype_name, parse_dtype
 from .validation import (FLOAT32_MAX, INT32_MAX, check_bool, check_finite, check_int,
@@ -438,18 +439,18 @@ class HSTUFwdSm90(_AttentionRules, Op):
         return WORKSPACE_SHAPE
 
     def _own_workspace(self, index: int, handle: int) -> torch.Tensor:
-        """This op's workspace for (device, stream), made on the first execute there."""
-        ws = self._workspaces.get((index, handle))
-        if ws is None:
-            check_value(not stream_is_capturing(handle), RuntimeError,
-                        "HSTUFwdSm90.execute: the stream is capturing a CUDA graph and this op "
-                        "has no workspace for it yet; pass workspace= (int32, shape "
-                        f"{WORKSPACE_SHAPE}, zeroed) or execute once on this stream before "
-                        "capturing")
+        """This op's workspace for (device, stream), made on the first execute there
+        (launch.stream_workspace)."""
+        def make(_):
             with torch.cuda.stream(torch_stream(handle, index)):
-                ws = torch.zeros(WORKSPACE_SHAPE, dtype=torch.int32, device=f"cuda:{index}")
-            self._workspaces[(index, handle)] = ws
-        return ws
+                return torch.zeros(WORKSPACE_SHAPE, dtype=torch.int32, device=f"cuda:{index}")
+        return stream_workspace(
+            self._workspaces, [], (index, handle), None, make,
+            lambda: stream_is_capturing(handle),
+            lambda: "HSTUFwdSm90.execute: the stream is capturing a CUDA graph and this op "
+                    "has no workspace for it yet; pass workspace= (int32, shape "
+                    f"{WORKSPACE_SHAPE}, zeroed) or execute once on this stream before "
+                    "capturing")
 
     def execute(self, q, k, v, o, cu_seqlens_q, cu_seqlens_k, func_tensor=None, paged_kv=None,
                 page_ids=None, page_indptrs=None, stream=None, *, alpha: Optional[float] = None,

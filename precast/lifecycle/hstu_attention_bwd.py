@@ -26,7 +26,8 @@ import torch
 from .cache import KernelBuilder
 from .hstu_attention import (DATA_ALIGN, FLOAT32_MAX, INDEX_ALIGN, TMA_SPAN_LIMIT, WINDOW_CAP,
                              _AttentionRules, _desc, check_offsets, check_tokens)
-from .launch import device_guard, stream_handle, stream_is_capturing, torch_stream
+from .launch import (device_guard, stream_handle, stream_is_capturing, stream_workspace,
+                     torch_stream)
 from .op import Op
 from .tensor_desc import TensorDesc, dtype_name
 from .validation import (check_bool, check_int, check_no_overlap, check_same_device,
@@ -218,22 +219,19 @@ class HSTUBwdSm90(_AttentionRules, Op):
         return (t_q, self.num_heads, self.head_dim) if self.fused else (0,)
 
     def _own_workspace(self, index: int, handle: int, total_q: int) -> torch.Tensor:
-        """This op's dQ accumulator for (device, stream), grown on demand (never while the
-        stream captures a graph); a view of its first T_q rows."""
-        ws = self._workspaces.get((index, handle))
-        if ws is None or ws.shape[0] < total_q:
-            check_value(not stream_is_capturing(handle), RuntimeError,
-                        "HSTUBwdSm90.execute: the stream is capturing a CUDA graph and this op "
-                        f"has no workspace of {total_q} rows for it; pass workspace= (float32, "
-                        f"shape workspace_shape({total_q}), zeroed) or execute once on this "
-                        "stream with as many query tokens before capturing")
-            rows = total_q if ws is None else max(total_q, 2 * ws.shape[0])
-            if ws is not None:
-                self._outgrown.append(ws)
+        """This op's dQ accumulator for (device, stream) (launch.stream_workspace); a view
+        of its first T_q rows."""
+        def make(rows):
             with torch.cuda.stream(torch_stream(handle, index)):
-                ws = torch.zeros(self.workspace_shape(rows), dtype=torch.float32,
-                                 device=f"cuda:{index}")
-            self._workspaces[(index, handle)] = ws
+                return torch.zeros(self.workspace_shape(rows), dtype=torch.float32,
+                                   device=f"cuda:{index}")
+        ws = stream_workspace(
+            self._workspaces, self._outgrown, (index, handle), total_q, make,
+            lambda: stream_is_capturing(handle),
+            lambda: "HSTUBwdSm90.execute: the stream is capturing a CUDA graph and this op "
+                    f"has no workspace of {total_q} rows for it; pass workspace= (float32, "
+                    f"shape workspace_shape({total_q}), zeroed) or execute once on this "
+                    "stream with as many query tokens before capturing")
         return ws[:total_q]
 
     def execute(self, do, q, k, v, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, func_tensor=None,

@@ -149,3 +149,26 @@ def sm_count(device_index: int) -> int:
         count = _sm_counts[device_index] = torch.cuda.get_device_properties(
             device_index).multi_processor_count
     return count
+
+
+def stream_workspace(cache: dict, outgrown: list, key, rows: Optional[int], make,
+                     capturing, refusal):
+    """An op's own workspace for ``key`` = (device index, stream handle), so that execute()
+    allocates only the first time on a stream (or when the batch outgrew it) and never
+    while that stream captures a CUDA graph.
+
+    ``make(n)`` allocates it (a tensor, or a tuple of tensors, of n leading rows; n is None
+    for a fixed size, ``rows`` None) on the stream. With ``rows`` given it is remade, at
+    max(rows, twice as many), when it has fewer; the outgrown one stays in ``outgrown``
+    (a graph captured with it may still run). ``capturing()`` is asked only when something
+    must be made; then ``RuntimeError(refusal())``."""
+    ws = cache.get(key)
+    have = None if ws is None else (ws[0] if isinstance(ws, tuple) else ws).shape[0]
+    if ws is None or (rows is not None and have < rows):
+        if capturing():
+            raise RuntimeError(refusal())
+        if ws is not None:
+            outgrown.append(ws)
+        ws = make(rows if ws is None or rows is None else max(rows, 2 * have))
+        cache[key] = ws
+    return ws
