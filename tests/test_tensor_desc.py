@@ -215,3 +215,11 @@ def test_describe_mentions_everything():
     text = TensorDesc(torch.bfloat16, (4, 8), (16, 1), alignment=8).describe()
     assert "bfloat16" in text and "[4, 8]" in text and "[16, 1]" in text
     assert "cuda" in text and "8-byte" in text
+
+
+def test_optional_passes_none_through():
+    t = torch.empty(4, 8, dtype=torch.bfloat16, device="meta")
+    assert TensorDesc.optional(None) is None
+    assert TensorDesc.optional(t) == TensorDesc.from_tensor(t)
+    d = TensorDesc(torch.float32, (3,))
+    assert TensorDesc.optional(d) is d

@@ -131,9 +131,6 @@ def readable_in_place(role: str, t: torch.Tensor) -> bool:
     return True
 
 
-def _desc(t) -> Optional[TensorDesc]:
-    return None if t is None else TensorDesc.from_tensor(t)
-
 
 # --- fake arguments (cutlass is imported only when building) -----------------------------------
 def _cute_type(dtype: torch.dtype):
@@ -219,7 +216,7 @@ class GdnFwdSm90(Op):
                  checkpoint_dtype: Optional[torch.dtype] = None, sample_state_indices=None,
                  batch_invariant: bool = False):
         super().__init__()
-        self._samples = {name: _desc(t) for name, t in (
+        self._samples = {name: TensorDesc.optional(t) for name, t in (
             ("q", sample_q), ("k", sample_k), ("v", sample_v), ("g", sample_g),
             ("beta", sample_beta), ("cu_seqlens", sample_cu_seqlens),
             ("initial_state", sample_initial_state), ("state_indices", sample_state_indices))}

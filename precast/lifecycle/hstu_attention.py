@@ -42,10 +42,6 @@ KERNEL_SOURCES = ("precast.kernels.hstu_attention_fwd_sm90", "precast.kernels.at
                   "precast.kernels.fake")
 
 
-def _desc(t) -> Optional[TensorDesc]:
-    return None if t is None else TensorDesc.from_tensor(t)
-
-
 def _stride(t) -> Tuple[int, ...]:
     return tuple(t.stride()) if isinstance(t, torch.Tensor) else t.stride
 
@@ -292,12 +288,13 @@ class HSTUFwdSm90(_AttentionRules, Op):
                  scaling_seqlen: Optional[float] = None, sample_func=None, sample_paged_kv=None,
                  sample_page_ids=None, sample_page_indptrs=None):
         super().__init__()
-        self.q, self.k, self.v = _desc(sample_q), _desc(sample_k), _desc(sample_v)
-        self.cu_seqlens_q = _desc(sample_cu_seqlens_q)
-        self.cu_seqlens_k = _desc(sample_cu_seqlens_k)
-        self.func, self.paged_kv = _desc(sample_func), _desc(sample_paged_kv)
-        self.page_ids, self.page_indptrs = _desc(sample_page_ids), _desc(sample_page_indptrs)
-        self.o = _desc(sample_o) or TensorDesc(self.q.dtype, self.q.shape)
+        desc = TensorDesc.optional
+        self.q, self.k, self.v = desc(sample_q), desc(sample_k), desc(sample_v)
+        self.cu_seqlens_q = desc(sample_cu_seqlens_q)
+        self.cu_seqlens_k = desc(sample_cu_seqlens_k)
+        self.func, self.paged_kv = desc(sample_func), desc(sample_paged_kv)
+        self.page_ids, self.page_indptrs = desc(sample_page_ids), desc(sample_page_indptrs)
+        self.o = desc(sample_o) or TensorDesc(self.q.dtype, self.q.shape)
         self.max_seqlen_q, self.max_seqlen_k = max_seqlen_q, max_seqlen_k
         self.window_size = window_size
         self.alpha, self.scaling_seqlen = alpha, scaling_seqlen

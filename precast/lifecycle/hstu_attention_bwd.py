@@ -25,7 +25,7 @@ import torch
 
 from .cache import KernelBuilder
 from .hstu_attention import (DATA_ALIGN, FLOAT32_MAX, INDEX_ALIGN, TMA_SPAN_LIMIT, WINDOW_CAP,
-                             _AttentionRules, _desc, check_offsets, check_tokens)
+                             _AttentionRules, check_offsets, check_tokens)
 from .launch import (device_guard, stream_handle, stream_is_capturing, stream_workspace,
                      torch_stream)
 from .op import Op
@@ -63,15 +63,16 @@ class HSTUBwdSm90(_AttentionRules, Op):
                  scaling_seqlen: Optional[float] = None, sample_func=None,
                  deterministic: bool = False):
         super().__init__()
-        self.do, self.q, self.k, self.v = (_desc(t) for t in (sample_do, sample_q, sample_k,
-                                                              sample_v))
+        desc = TensorDesc.optional
+        self.do, self.q, self.k, self.v = (desc(t) for t in (sample_do, sample_q, sample_k,
+                                                             sample_v))
         # Omitted gradient samples: compact tensors shaped like their inputs.
         self.dq, self.dk, self.dv = (
-            _desc(grad) if grad is not None or like is None else TensorDesc(like.dtype, like.shape)
+            desc(grad) if grad is not None or like is None else TensorDesc(like.dtype, like.shape)
             for grad, like in ((sample_dq, self.q), (sample_dk, self.k), (sample_dv, self.v)))
-        self.cu_seqlens_q = _desc(sample_cu_seqlens_q)
-        self.cu_seqlens_k = _desc(sample_cu_seqlens_k)
-        self.func = _desc(sample_func)
+        self.cu_seqlens_q = desc(sample_cu_seqlens_q)
+        self.cu_seqlens_k = desc(sample_cu_seqlens_k)
+        self.func = desc(sample_func)
         self.max_seqlen_q, self.max_seqlen_k = max_seqlen_q, max_seqlen_k
         self.window_size = window_size
         self.alpha, self.scaling_seqlen = alpha, scaling_seqlen

@@ -52,10 +52,6 @@ def check_dim(dim: int) -> None:
         raise NotImplementedError(f"D = {dim} is above the supported maximum {LMSD_MAX_DIM}")
 
 
-def _desc(t) -> Optional[TensorDesc]:
-    return None if t is None else TensorDesc.from_tensor(t)
-
-
 class _LmsdBase(Op):
     supported_archs = ("sm_90a",)
 
@@ -165,17 +161,18 @@ class HstuLmsdFwdSm90(_LmsdBase):
                  concat_x: bool = False, vecs_per_thread: Optional[int] = None,
                  min_ctas_per_sm: Optional[int] = None):
         super().__init__()
-        self.x, self.u = _desc(sample_x), _desc(sample_u)
-        self.weight, self.bias = _desc(sample_weight), _desc(sample_bias)
+        desc = TensorDesc.optional
+        self.x, self.u = desc(sample_x), desc(sample_u)
+        self.weight, self.bias = desc(sample_weight), desc(sample_bias)
         self._init_common(self.x.dtype, self.x.shape[-1] if self.x.ndim else 0, dropout_ratio,
                           apply_u_silu, concat_u, concat_x, vecs_per_thread, min_ctas_per_sm,
                           "fwd")
         n = self.x.shape[0] if self.x.ndim else 0
         seg = self.segments
-        self.y = _desc(sample_y) or TensorDesc(self.dtype, (n, seg * self.dim))
-        self.mean = _desc(sample_mean) or TensorDesc(torch.float32, (n,))
-        self.rstd = _desc(sample_rstd) or TensorDesc(torch.float32, (n,))
-        self.mask = _desc(sample_mask)
+        self.y = desc(sample_y) or TensorDesc(self.dtype, (n, seg * self.dim))
+        self.mean = desc(sample_mean) or TensorDesc(torch.float32, (n,))
+        self.rstd = desc(sample_rstd) or TensorDesc(torch.float32, (n,))
+        self.mask = desc(sample_mask)
         if self.mask is None and self.use_dropout and sample_mask is None:
             self.mask = TensorDesc(torch.int8, (n, self.dim))
         self.eps = eps
@@ -278,20 +275,21 @@ class HstuLmsdBwdSm90(_LmsdBase):
                  compute_dweight: bool = True, vecs_per_thread: Optional[int] = None,
                  min_ctas_per_sm: Optional[int] = None):
         super().__init__()
-        self.dy, self.x, self.u = _desc(sample_dy), _desc(sample_x), _desc(sample_u)
-        self.weight, self.bias = _desc(sample_weight), _desc(sample_bias)
-        self.mean, self.rstd, self.mask = _desc(sample_mean), _desc(sample_rstd), _desc(sample_mask)
+        desc = TensorDesc.optional
+        self.dy, self.x, self.u = desc(sample_dy), desc(sample_x), desc(sample_u)
+        self.weight, self.bias = desc(sample_weight), desc(sample_bias)
+        self.mean, self.rstd, self.mask = desc(sample_mean), desc(sample_rstd), desc(sample_mask)
         self._init_common(self.x.dtype, self.x.shape[-1] if self.x.ndim else 0, dropout_ratio,
                           apply_u_silu, concat_u, concat_x, vecs_per_thread, min_ctas_per_sm,
                           "bwd")
         self.compute_dweight = compute_dweight
         n = self.x.shape[0] if self.x.ndim else 0
-        self.dx = _desc(sample_dx) or TensorDesc(self.dtype, (n, self.dim))
-        self.du = _desc(sample_du) or TensorDesc(self.dtype, (n, self.dim))
-        self.dweight = _desc(sample_dweight)
+        self.dx = desc(sample_dx) or TensorDesc(self.dtype, (n, self.dim))
+        self.du = desc(sample_du) or TensorDesc(self.dtype, (n, self.dim))
+        self.dweight = desc(sample_dweight)
         if self.dweight is None and compute_dweight and sample_dweight is None:
             self.dweight = TensorDesc(self.dtype, (self.dim,))
-        self.dbias = _desc(sample_dbias) or TensorDesc(self.dtype, (self.dim,))
+        self.dbias = desc(sample_dbias) or TensorDesc(self.dtype, (self.dim,))
         self._samples = dict(dy=sample_dy, x=sample_x, u=sample_u, weight=sample_weight,
                              bias=sample_bias, mean=sample_mean, rstd=sample_rstd,
                              mask=sample_mask, dx=sample_dx, du=sample_du,

@@ -84,6 +84,11 @@ class TensorDesc:
         return cls(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
                    tensor.device.type, min(align, 256))
 
+    @classmethod
+    def optional(cls, tensor) -> Optional["TensorDesc"]:
+        """from_tensor, with None (an absent optional tensor) passed through."""
+        return None if tensor is None else cls.from_tensor(tensor)
+
     @property
     def ndim(self) -> int:
         return len(self.shape)
