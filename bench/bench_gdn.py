@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 import torch
 
 from common import do_bench, environment, write_json
 
-os.environ.setdefault("PRECAST_EXPERIMENTAL_GDN", "1")  # kernels not yet validated on a GPU
 from precast import GdnFwdSm90, gated_delta_net
 from precast.reference.gated_delta_net import forward_flops, rms_error_ratio
 from precast.reference.offsets import offsets_from_lengths

@@ -76,12 +76,19 @@ def streams_of_every_kind():
 
 # --- CPU tests of ops' host sides: no kernel is built or loaded ---------------------------------
 def isolate_from_kernels(monkeypatch, tmp_path):
-    """Nothing may build or load kernels (a temporary cache, Op._ready refuses) and the
-    allocating functions start with no compiled ops."""
+    """Nothing may build or load kernels (a temporary cache, Op._ready refuses), the
+    allocating functions start with no compiled ops, and cutlass cannot be imported (the
+    host that executes has no compiler): neither it nor a kernel module that imports it,
+    even one an earlier test loaded."""
     import sys
 
     from precast.lifecycle.op import Op
     monkeypatch.setenv("PRECAST_CACHE_DIR", str(tmp_path / "cache"))
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] == "cutlass" or (
+                name.startswith("precast.kernels.") and hasattr(module, "cutlass")):
+            monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "cutlass", None)
 
     def no_kernels(self, device_index):
         raise AssertionError("test reached kernel loading")

@@ -5,12 +5,10 @@ precompiled artifacts of tests/gpu_plan.toml's bf16 K = V = 128, 4-head, l2norm 
 
 Ragged lengths with empty and one-token sequences and a partial last chunk; the result is
 checked against the float64 recurrence so a silent wrong answer fails too."""
-import os
 import sys
 
 import torch
 
-os.environ.setdefault("PRECAST_EXPERIMENTAL_GDN", "1")  # not yet validated on a GPU
 
 from precast import gated_delta_net
 from precast.reference.gated_delta_net import gdn_recurrent_reference, rms_error_ratio

@@ -23,11 +23,6 @@ from precast.reference.offsets import offsets_from_lengths
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_matmuls")]
 
-
-@pytest.fixture(autouse=True)
-def _run_unvalidated_kernels(monkeypatch):
-    """These tests are what validates them (precast.lifecycle.gdn_fwd)."""
-    monkeypatch.setenv("PRECAST_EXPERIMENTAL_GDN", "1")
 DEV = "cuda"
 BF, FP, F32 = torch.bfloat16, torch.float16, torch.float32
 TOL = {BF: 2e-2, FP: 1e-2}  # RMS(got - ref) / RMS(ref)

@@ -1,6 +1,6 @@
 """Gated DeltaNet forward, stage 1 of 2 for SM90: the per-chunk WY factors (no state).
 
-NOT YET RUN ON A GPU (written 2026-11-29 without device time left; cross-compiled only).
+Verified on an H200 (2026-11-30) by tests/test_gdn_stages_gpu.py and tests/test_gdn_fwd_gpu.py.
 
 One CTA (one warpgroup) per (64-token chunk, output head). With the chunk's rows Qc, Kc, Vc
 (q and k L2-normalized first when asked), in-chunk cumulative log gates G (fp32), gamma =
@@ -33,19 +33,13 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import select_modes, warp_inclusive_sum, wgmma
+from .gdn_layout import CHUNK
 
-CHUNK = 64
 THREADS = 128
 PREPARE_BARRIER = 1
 INVERT_BARRIER = 2  # the 64 threads solving for T's columns
 L2NORM_EPS = 1e-24
 
-
-def workspace_shapes(total_tokens: int, num_seqs: int, heads: int, k_dim: int, v_dim: int):
-    """(work16 shape, work32 shape) for a batch of T tokens in N sequences: one row block
-    per (chunk, head), chunks bounded by T // 64 + N."""
-    chunks = total_tokens // CHUNK + num_seqs
-    return (chunks, heads, CHUNK, 3 * k_dim + v_dim + CHUNK), (chunks, heads)
 
 
 class GdnChunkPrepareSm90:

@@ -2,9 +2,8 @@
 gdn_recurrence_sm90 as warp-specialized roles of one CTA per (sequence, output head), with
 shared memory instead of the workspace between them.
 
-NOT YET RUN ON A GPU (written 2026-11-29 without device time left; cross-compiled only).
-Run the two-stage kernels' tests first: this kernel reuses their device code and adds only
-the pipeline below.
+NOT YET RUN ON A GPU (cross-compiled only; no op path yet). The two-stage kernels whose
+device code it reuses pass their GPU tests (2026-11-30); the pipeline below is untested.
 
 - warp 0 (producer): TMA loads of the chunk's raw Q, K, V rows into stage c % 2;
 - warpgroup 1 (preparing role): gates, L2 norms, A, T, W, U, M for chunk c (stage 1's

@@ -1,6 +1,6 @@
 """Gated DeltaNet forward, stage 2 of 2 for SM90: the state recurrence over chunks.
 
-NOT YET RUN ON A GPU (written 2026-11-29 without device time left; cross-compiled only).
+Verified on an H200 (2026-11-30) by tests/test_gdn_stages_gpu.py and tests/test_gdn_fwd_gpu.py.
 
 One CTA per (sequence, output head) walks the sequence's chunks in order, reading the WY
 factors stage 1 (gdn_chunk_sm90) left in the workspace: [Qd | Kd | W | U | M] rows and G_L.
@@ -277,10 +277,12 @@ class GdnChunkRecurrenceSm90:
         """acc_o (O^T of chunk c) -> o rows of the sequence (none past its end)."""
         acc_o, thr_tok = parts[5], parts[9]
         rows = cutlass.min(length - c * CHUNK, CHUNK)
-        # o rows of the chunk as (V, tokens), partitioned like the accumulator
-        g_o = cute.domain_offset((start + c * CHUNK, 0), mO[None, head, None])
-        g_t = thr_tok.partition_C(cute.composition(
-            g_o, cute.make_ordered_layout((64 * self.nwg, CHUNK), order=(1, 0))))
+        # o rows of the chunk as (V, tokens), partitioned like the accumulator. (A
+        # composition with a (V, 64):(64, 1) layout, as for the shared-memory tiles, would
+        # be wrong here: the token extent of mO is T, not 64.)
+        g_o = cute.domain_offset((start + c * CHUNK, 0), mO[None, head, None])  # (T, V)
+        g_t = thr_tok.partition_C(cute.local_tile(select_modes(g_o, [1, 0]),
+                                                  (64 * self.nwg, CHUNK), (0, 0)))
         c_tok = thr_tok.partition_C(cute.make_identity_tensor((64 * self.nwg, CHUNK)))
         for e in cutlass.range_constexpr(cute.size(acc_o)):
             if c_tok[e][1] < rows:

@@ -20,7 +20,6 @@ head offsets beyond 2^31 - 1 elements (the kernels index heads with 32-bit strid
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, Mapping, Optional, Tuple
 
 import torch
@@ -166,7 +165,7 @@ def _fake_workspace(s: GdnShapes) -> tuple:
     import cutlass
     import cutlass.cute as cute
     from ..kernels.fake import fake_packed
-    from ..kernels.gdn_chunk_sm90 import workspace_shapes
+    from ..kernels.gdn_layout import workspace_shapes
     chunks = cute.sym_int()
     _, heads, rows, cols = workspace_shapes(0, 1, s.HO, s.K, s.V)[0]
     work16 = cute.runtime.make_fake_tensor(
@@ -181,19 +180,6 @@ def _fake_offsets():
     import cutlass.cute as cute
     from ..kernels.fake import fake_packed
     return fake_packed(cutlass.Int32, (cute.sym_int(),), 4)
-
-
-EXPERIMENTAL_ENV = "PRECAST_EXPERIMENTAL_GDN"
-
-
-def check_unvalidated_kernels_allowed() -> None:
-    """The GDN kernels compile but have not yet been run against the reference on a GPU
-    (2026-11-29): until they have, execute() runs them only when asked to explicitly, rather
-    than risk returning wrong numbers. Compiling and precompiling are not gated."""
-    check_value(os.environ.get(EXPERIMENTAL_ENV) == "1", NotImplementedError,
-                "GdnFwdSm90.execute: the Gated DeltaNet kernels have not been validated on a "
-                f"GPU yet; set {EXPERIMENTAL_ENV}=1 to run them anyway (tests and benchmarks "
-                "do)")
 
 
 class GdnFwdSm90(Op):
@@ -352,7 +338,7 @@ class GdnFwdSm90(Op):
         tokens in N sequences: work16 (T // 64 + N, HO, 64, 3K + V + 64) in the io dtype and
         work32 (T // 64 + N, HO) float32, both contiguous. No zeroing needed: the prepare
         kernel writes every row the recurrence reads."""
-        from ..kernels.gdn_chunk_sm90 import workspace_shapes
+        from ..kernels.gdn_layout import workspace_shapes
         s = self.shapes
         return workspace_shapes(check_int("total_tokens", total_tokens, lo=0),
                                 check_int("num_seqs", num_seqs, lo=0), s.HO, s.K, s.V)
@@ -408,7 +394,6 @@ class GdnFwdSm90(Op):
         """
         if not self._checked:
             self.check_support()
-        check_unvalidated_kernels_allowed()
         check_value(o is not None, ValueError, "o is required: a [T, HO, V] output buffer of "
                     "q's dtype")
         check_value(final_state is not None or not self.output_final_state, ValueError,
