@@ -1,8 +1,9 @@
 """The stage-1 workspace contract of the Gated DeltaNet forward kernels
 (precast/reference/gdn_workspace.py): stage 2's per-chunk updates, written in its transposed
-form (S^T in, Delta^T = U^T - S^T W^T, O^T = S^T Qd^T + Delta^T M^T, S^T = exp(G_L) S^T +
-Delta^T Kd), applied to the reference workspace reproduce the token-by-token recurrence in
-float64: o, the final state and the checkpoints. CPU only."""
+form (S^T in, Delta^T = U^T - S^T W^T, O^T = S^T Q^T diag(q_f) + Delta^T M^T,
+S^T = exp(G_L) S^T + Delta^T diag(k_f) K, with the raw q and k rows), applied to the reference
+workspace reproduce the token-by-token recurrence in float64: o, the final state and the
+checkpoints. CPU only."""
 import pytest
 import torch
 
@@ -12,8 +13,9 @@ from precast.reference.gdn_workspace import gdn_chunk_workspace_reference
 C = CHUNK_SIZE
 
 
-def stage2_emulated(work, g_last, lens, s0, K, V):
-    """Stage 2 in torch: per sequence, per chunk, the transposed updates."""
+def stage2_emulated(work, factors, q, k, lens, s0, K, V):
+    """Stage 2 in torch: per sequence, per chunk, the transposed updates (q, k with their
+    heads expanded to HO)."""
     HO = s0.shape[1]
     o = work.new_zeros((sum(lens), HO, V))
     final = torch.empty_like(s0)
@@ -25,12 +27,17 @@ def stage2_emulated(work, g_last, lens, s0, K, V):
         for c in range(chunks):
             checkpoints.append(st.clone())
             w = work[p + c]
-            qd, kd, w_, u, m = (w[..., :K], w[..., K:2 * K], w[..., 2 * K:3 * K],
-                                w[..., 3 * K:3 * K + V], w[..., 3 * K + V:])
-            delta_t = u.transpose(-1, -2) - st @ w_.transpose(-1, -2)
-            o_t = st @ qd.transpose(-1, -2) + delta_t @ m.transpose(-1, -2)
-            st = torch.exp(g_last[p + c])[:, None, None] * st + delta_t @ kd
+            w_, u, m = w[..., :K], w[..., K:K + V], w[..., K + V:]
+            q_f, k_f, g_last = (factors[p + c, :, :C], factors[p + c, :, C:2 * C],
+                                factors[p + c, :, 2 * C])
             rows = min(length - c * C, C)
+            first = start + c * C
+            qc, kc = (x.new_zeros((C, HO, K)) for x in (q, k))  # past the end: zeros
+            qc[:rows], kc[:rows] = q[first:first + rows], k[first:first + rows]
+            qc, kc = qc.movedim(1, 0), kc.movedim(1, 0)  # [HO, C, K]
+            delta_t = u.transpose(-1, -2) - st @ w_.transpose(-1, -2)
+            o_t = (st @ qc.transpose(-1, -2)) * q_f[:, None, :] + delta_t @ m.transpose(-1, -2)
+            st = torch.exp(g_last)[:, None, None] * st + (delta_t * k_f[:, None, :]) @ kc
             o[start + c * C:start + c * C + rows] = o_t[..., :rows].movedim(-1, 0)
         final[b] = st
         p += chunks
@@ -56,14 +63,16 @@ def test_stage2_on_the_workspace_reproduces_the_recurrence(lens, hq, hv, k_dim, 
     s0 = 0.1 * torch.randn(len(lens), HO, v_dim, k_dim, generator=g, **f64)
     ref = gdn_recurrent_reference(q, k, v, gate, beta, cu, initial_state=s0,
                                   use_qk_l2norm_in_kernel=l2norm, checkpoint_every_n_tokens=C)
-    work, g_last = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
-                                                 use_qk_l2norm_in_kernel=l2norm,
-                                                 compute_dtype=torch.float64)
-    assert work.shape == (T // C + len(lens), HO, C, 3 * k_dim + v_dim + C)
-    assert g_last.shape == (T // C + len(lens), HO)
+    work, factors = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
+                                                  use_qk_l2norm_in_kernel=l2norm,
+                                                  compute_dtype=torch.float64)
+    assert work.shape == (T // C + len(lens), HO, C, k_dim + v_dim + C)
+    assert factors.shape == (T // C + len(lens), HO, 2 * C + 1)
     chunks = sum(-(-n // C) for n in lens)
-    assert torch.count_nonzero(work[chunks:]) == 0 and torch.count_nonzero(g_last[chunks:]) == 0
-    o, final, checkpoints = stage2_emulated(work, g_last, lens, s0, k_dim, v_dim)
+    assert torch.count_nonzero(work[chunks:]) == 0
+    assert torch.count_nonzero(factors[chunks:]) == 0
+    qe, ke = (x.repeat_interleave(HO // x.shape[1], dim=1) for x in (q, k))
+    o, final, checkpoints = stage2_emulated(work, factors, qe, ke, lens, s0, k_dim, v_dim)
     torch.testing.assert_close(o, ref["o"], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(final, ref["final_state"], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(checkpoints, ref["checkpoints"], rtol=1e-10, atol=1e-10)
@@ -75,7 +84,9 @@ def test_rows_past_a_sequence_end_are_zero():
     v = torch.randn(70, 1, 8, generator=g)
     gate, beta = -torch.rand(70, 1, generator=g), torch.rand(70, 1, generator=g)
     cu = torch.tensor([0, 70], dtype=torch.int32)
-    work, g_last = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu)
+    work, factors = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu)
     assert torch.count_nonzero(work[1, :, 6:]) == 0  # chunk 1 holds rows 64..69 only
     assert torch.count_nonzero(work[1, :, :6]) > 0
-    torch.testing.assert_close(g_last[1, 0], gate[64:, 0].sum())
+    for part in (factors[1, :, :64], factors[1, :, 64:128]):  # q_f, k_f
+        assert torch.count_nonzero(part[:, 6:]) == 0 and torch.count_nonzero(part[:, :6]) == 6
+    torch.testing.assert_close(factors[1, 0, 128], gate[64:, 0].sum())  # G_L

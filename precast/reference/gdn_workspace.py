@@ -4,11 +4,15 @@ stages, so a GPU test can check each stage alone (stage 1 against this; stage 2 
 this instead of stage 1's output).
 
 Per packed chunk p (sequence b's chunk c is p = sum_{b' < b} ceil(len_b' / 64) + c) and
-output head h: ``work[p, h]`` is 64 rows of [Qd | Kd | W | U | M] (K, K, K, V and 64
-columns) and ``g_last[p, h]`` the chunk's cumulative log gate at its last real token, with
-    Qd = scale diag(exp(G)) Qc,  Kd = diag(exp(G_L - G)) Kc,  W = T diag(beta exp(G)) Kc,
-    U = T diag(beta) Vc,         M = scale (Gamma * Qc Kc^T)   (causal, diagonal included)
-(rows past a sequence's end are zero). Rows p past the batch's chunk count stay zero.
+output head h, with Q^, K^ the chunk's q, k rows (L2-normalized when asked: q^ = r_q q with
+r_q = rsqrt(max(|q|^2, 1e-24)), else r_q = 1) and G the in-chunk cumulative log gate:
+``work[p, h]`` is 64 rows of [W | U | M] (K, V and 64 columns),
+    W = T diag(beta exp(G)) K^,   U = T diag(beta) V,   M = scale (Gamma * Q^ K^^T)
+(causal, diagonal included), and ``factors[p, h]`` is [q_f | k_f | G_L] (64, 64, 1):
+    q_f = scale exp(G) r_q,   k_f = exp(G_L - G) r_k,   G_L = G at the last real token,
+the per-row factors that turn the raw q, k rows into Qd = diag(q_f) Q and
+Kd = diag(k_f) K (stage 2 reads q and k themselves). Rows past a sequence's end, and
+rows p past the batch's chunk count, are zero.
 """
 from __future__ import annotations
 
@@ -18,10 +22,17 @@ from .gated_delta_net import CHUNK_SIZE, _chunk_factors, _expand_heads, l2norm_r
 from .offsets import sequence_offsets
 
 
+def _row_scales(x: torch.Tensor, l2norm: bool) -> torch.Tensor:
+    """r with r x = l2norm_rows(x) (ones without the norm)."""
+    if not l2norm:
+        return torch.ones(x.shape[:-1], dtype=x.dtype, device=x.device)
+    return torch.rsqrt(torch.clamp((x * x).sum(-1), min=1e-24))
+
+
 def gdn_chunk_workspace_reference(q, k, v, g, beta, cu_seqlens, *, scale=None,
                                   use_qk_l2norm_in_kernel: bool = False,
                                   compute_dtype: torch.dtype = torch.float32):
-    """(work [T // 64 + N, HO, 64, 3K + V + 64], g_last [T // 64 + N, HO]) in
+    """(work [T // 64 + N, HO, 64, K + V + 64], factors [T // 64 + N, HO, 129]) in
     ``compute_dtype``, on q's device."""
     T, HQ, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -30,28 +41,32 @@ def gdn_chunk_workspace_reference(q, k, v, g, beta, cu_seqlens, *, scale=None,
     N = len(offs) - 1
     scale = K ** -0.5 if scale is None else scale
     qe, ke, ve = (_expand_heads(x, HO).to(compute_dtype) for x in (q, k, v))
-    if use_qk_l2norm_in_kernel:
-        qe, ke = l2norm_rows(qe), l2norm_rows(ke)
+    r_q, r_k = (_row_scales(x, use_qk_l2norm_in_kernel) for x in (qe, ke))  # [T, HO]
+    qn, kn = qe * r_q[..., None], ke * r_k[..., None]
     g, beta = g.to(compute_dtype), beta.to(compute_dtype)
     C = CHUNK_SIZE
     chunks = T // C + N
-    work = q.new_zeros((chunks, HO, C, 3 * K + V + C), dtype=compute_dtype)
-    g_last = q.new_zeros((chunks, HO), dtype=compute_dtype)
+    work = q.new_zeros((chunks, HO, C, K + V + C), dtype=compute_dtype)
+    factors = q.new_zeros((chunks, HO, 2 * C + 1), dtype=compute_dtype)
     p = 0
     for b in range(N):
         s, e = offs[b], offs[b + 1]
         if e == s:
             continue
-        G, Gamma, _, U, W, Kd, _, kc, n, pad = _chunk_factors(ke[s:e], ve[s:e], g[s:e],
-                                                               beta[s:e], C)
-        qc = qe[s:e]
-        if pad:
-            qc = torch.cat([qc, qc.new_zeros((pad, *qc.shape[1:]))], dim=0)
-        qc = qc.reshape(n, C, HO, K).movedim(2, 0)  # [HO, n, C, K]
-        Qd = scale * torch.exp(G)[..., None] * qc
+        G, Gamma, _, U, W, _, _, kc, n, pad = _chunk_factors(kn[s:e], ve[s:e], g[s:e],
+                                                              beta[s:e], C)
+
+        def chunked(x):  # [L, HO, *] -> [HO, n, C, *], zero rows past the end
+            if pad:
+                x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))], dim=0)
+            return x.reshape(n, C, *x.shape[1:]).movedim(2, 0)
+        qc, rq, rk = chunked(qn[s:e]), chunked(r_q[s:e]), chunked(r_k[s:e])
+        real = chunked(torch.ones(e - s, HO, dtype=compute_dtype, device=q.device))
         M = scale * Gamma * (qc @ kc.transpose(-1, -2))
-        block = torch.cat([Qd, Kd, W, U, M], dim=-1)  # [HO, n, C, F]
-        work[p:p + n] = block.movedim(1, 0)
-        g_last[p:p + n] = G[..., -1].movedim(1, 0)
+        g_last = G[..., -1:]
+        q_f = scale * torch.exp(G) * rq * real
+        k_f = torch.exp(g_last - G) * rk * real
+        work[p:p + n] = torch.cat([W, U, M], dim=-1).movedim(1, 0)  # [n, HO, C, F]
+        factors[p:p + n] = torch.cat([q_f, k_f, g_last], dim=-1).movedim(1, 0)
         p += n
-    return work, g_last
+    return work, factors
