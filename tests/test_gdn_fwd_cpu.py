@@ -27,7 +27,7 @@ BF, FP, F32, F64, I32, I64 = (torch.bfloat16, torch.float16, torch.float32, torc
 T, N, HQ, HK, HV, K, V = 128, 4, 4, 4, 8, 64, 128
 HO = max(HQ, HV)
 CHUNKS = T // 64 + N  # workspace chunk rows
-F = 3 * K + V + 64  # workspace columns
+F = K + V + 64  # workspace columns
 COMPILED_OPS = sys.modules["precast.op_cache"]
 
 
@@ -348,28 +348,36 @@ def same(a, b) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
+def after_qk(prep, rec):
+    """The recurrence's arguments after its leading q, k (the prepare launch's own)."""
+    assert rec[0] is prep[0] and rec[1] is prep[1]
+    return rec[2:]
+
+
 def test_execute_launches_prepare_then_recurrence(launches):
     op = gdn(use_qk_l2norm_in_kernel=True).check_support()
     a = call()
     op.execute(**a, stream=7)
     assert [mode for mode, _ in launches.calls] == ["prepare", "recurrence"]
     (_, prep), (_, rec) = launches.calls
+    rec = after_qk(prep, rec)
     work16, work32 = op._workspaces[(None, 7)]  # (device index, stream): meta has no index
     assert tuple(work16.shape) == (CHUNKS, HO, 64, F) and work16.dtype == BF
-    assert tuple(work32.shape) == (CHUNKS, HO) and work32.dtype == F32
+    assert tuple(work32.shape) == (CHUNKS, HO, 136) and work32.dtype == F32
     # prepare(q, k, v, g, beta, cu_seqlens, work16, work32, scale, stream)
     assert len(prep) == 10
     assert same(prep[:6], [a[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")])
     assert prep[6]._base is work16 and prep[7]._base is work32
     assert prep[8:] == (1 / math.sqrt(K), 7)
-    # recurrence(work16, work32, cu_seqlens, o, state0, state_indices, final, ckpt, n, stream)
+    # recurrence(q, k, work16, work32, cu_seqlens, o, state0, state_indices, final, ckpt, n,
+    # stream), after q and k
     assert len(rec) == 10
     assert same(rec[:4], [prep[6], prep[7], a["cu_seqlens"], a["o"]])
     assert rec[4:8] == (None,) * 4 and rec[8:] == (0, 7)
     # the workspace made once, uninitialized (prepare writes what the recurrence reads), on
     # the launch stream, after asking whether it captures
     assert launches.events == [("stream", 7, None), ("empty", (CHUNKS, HO, 64, F), BF),
-                               ("empty", (CHUNKS, HO), F32), ("end stream",),
+                               ("empty", (CHUNKS, HO, 136), F32), ("end stream",),
                                ("launch", "prepare"), ("launch", "recurrence")]
     assert launches.capture_queries == [7] and launches.ready == [None]
 
@@ -382,13 +390,14 @@ def test_execute_passes_every_state_tensor(launches):
     s0, fin, ckpt = (meta(N, HO, V, K), meta(N, HO, V, K, dtype=F32),
                      meta(rows, HO, V, K, dtype=F32))
     op.execute(**call(), initial_state=s0, final_state=fin, checkpoints=ckpt, stream=3)
-    (_, _), (_, rec) = launches.calls
+    (_, prep), (_, rec) = launches.calls
+    rec = after_qk(prep, rec)
     assert same(rec[4:8], [s0, None, fin, ckpt]) and rec[8:] == (n, 3)
     # n is a runtime value: another spacing, same op
     ckpt64 = meta(T // 64 + N, HO, V, K, dtype=F32)
     op.execute(**call(), initial_state=s0, final_state=fin, checkpoints=ckpt64, stream=3,
                checkpoint_every_n_tokens=64)
-    assert launches.calls[-1][1][7] is ckpt64 and launches.calls[-1][1][8] == 64
+    assert launches.calls[-1][1][9] is ckpt64 and launches.calls[-1][1][10] == 64
     with pytest.raises(ValueError, match="checkpoints: shape"):  # rows follow this call's n
         op.execute(**call(), initial_state=s0, final_state=fin, checkpoints=ckpt, stream=3,
                    checkpoint_every_n_tokens=64)
@@ -398,7 +407,8 @@ def test_execute_state_pool_in_place(launches):
     op = gdn(sample_initial_state=state(rows=10), sample_state_indices=desc((N,), I32))
     pool, idx = meta(10, HO, V, K, dtype=F32), meta(N, dtype=I32)
     op.check_support().execute(**call(), initial_state=pool, state_indices=idx, stream=2)
-    (_, _), (_, rec) = launches.calls
+    (_, prep), (_, rec) = launches.calls
+    rec = after_qk(prep, rec)
     assert same(rec[4:8], [pool, idx, None, None])
 
 
@@ -423,6 +433,7 @@ def test_execute_runtime_batches_and_strided_views(launches):
     a = call(t=t, n=17, q=q, k=k, v=v, g=gates[:, :HO], beta=gates[:, HO:])
     op.execute(**a, stream=5)
     (_, prep), (_, rec) = launches.calls
+    rec = after_qk(prep, rec)
     assert same(prep[:5], [q, k, v, a["g"], a["beta"]])
     assert tuple(prep[6].shape) == (t // 64 + 17, HO, 64, F)
 
@@ -430,7 +441,7 @@ def test_execute_runtime_batches_and_strided_views(launches):
 def test_workspace_shapes_delegate_to_the_kernel_module():
     from precast.kernels.gdn_layout import workspace_shapes
     op = gdn()
-    assert op.workspace_shapes(T, N) == ((CHUNKS, HO, 64, F), (CHUNKS, HO))
+    assert op.workspace_shapes(T, N) == ((CHUNKS, HO, 64, F), (CHUNKS, HO, 136))
     for t, n in [(0, 0), (0, 3), (63, 1), (64, 1), (65, 2), (10**6, 1000)]:
         assert op.workspace_shapes(t, n) == workspace_shapes(t, n, HO, K, V)
         assert op.workspace_shapes(t, n)[0][0] == t // 64 + n
@@ -446,13 +457,14 @@ def test_execute_with_a_workspace_allocates_nothing(launches):
     ws = (meta(*s16), meta(*s32, dtype=F32))
     op.execute(**call(), stream=3, workspace=ws)
     (_, prep), (_, rec) = launches.calls
+    rec = after_qk(prep, rec)
     assert prep[6] is ws[0] and prep[7] is ws[1] and rec[0] is ws[0] and rec[1] is ws[1]
     assert kinds(launches) == ["launch", "launch"]
     assert op._workspaces == {} and launches.capture_queries == []
     # also while the stream captures, and as a list
     launches.capturing = True
     op.execute(**call(), stream=3, workspace=list(ws))
-    assert launches.calls[-1][1][0] is ws[0] and op._workspaces == {}
+    assert launches.calls[-1][1][2] is ws[0] and op._workspaces == {}
     assert launches.capture_queries == []
 
 
@@ -467,7 +479,7 @@ WORKSPACE_RULES = [
      "workspace\\[1\\]: dtype bfloat16 is not supported; expected float32"),
     ("fewer-chunks", lambda s16, s32: (meta(s16[0] - 1, *s16[1:]), meta(*s32, dtype=F32)),
      ValueError, "workspace\\[0\\]: extent 5 on axis 0 does not match"),
-    ("more-chunks", lambda s16, s32: (meta(*s16), meta(s32[0] + 1, HO, dtype=F32)),
+    ("more-chunks", lambda s16, s32: (meta(*s16), meta(s32[0] + 1, *s32[1:], dtype=F32)),
      ValueError, "workspace\\[1\\]: extent 7 on axis 0"),
     ("padded", lambda s16, s32: (meta(*s16[:3], F + 8)[..., :F], meta(*s32, dtype=F32)),
      ValueError, "workspace\\[0\\]: must be contiguous"),
@@ -491,14 +503,14 @@ def test_own_workspace_per_stream_grown_and_reused(launches):
     small = op._workspaces[(None, 7)]
     op.execute(**call(t=T // 2, n=1), stream=7)  # fewer chunks: views of the same pair
     assert op._workspaces[(None, 7)] is small
-    assert launches.calls[-1][1][0]._base is small[0]
-    assert tuple(launches.calls[-1][1][0].shape)[0] == T // 2 // 64 + 1
+    assert launches.calls[-1][1][2]._base is small[0]
+    assert tuple(launches.calls[-1][1][2].shape)[0] == T // 2 // 64 + 1
     assert launches.capture_queries == [7]
     op.execute(**call(t=4 * T, n=N), stream=7)  # more: grown (at least doubled)
     big = op._workspaces[(None, 7)]
     assert big is not small and big[0].shape[0] == 2 * CHUNKS == big[1].shape[0]
     assert op._outgrown == [small]  # kept alive for graphs captured with it
-    assert launches.calls[-1][1][0]._base is big[0]
+    assert launches.calls[-1][1][2]._base is big[0]
     op.execute(**call(), stream=8)  # another stream: its own
     assert set(op._workspaces) == {(None, 7), (None, 8)}
     assert op._workspaces[(None, 8)][0] is not big[0]
@@ -529,7 +541,7 @@ def test_own_workspace_refused_while_capturing(launches):
     ws = op._workspaces[(None, 7)]
     launches.capturing = True
     op.execute(**call(), stream=7)  # made before the capture: reused
-    assert launches.calls[-1][1][0]._base is ws[0]
+    assert launches.calls[-1][1][2]._base is ws[0]
     with pytest.raises(RuntimeError, match="no workspace of 8 chunk rows"):  # not grown
         op.execute(**call(t=2 * T), stream=7)
     assert op._workspaces[(None, 7)] is ws and kinds(launches).count("empty") == 2
@@ -612,10 +624,10 @@ def test_workspace_may_not_alias_anything(on_cpu):
     with pytest.raises(ValueError, match="workspace\\[0\\] overlaps o in memory"):
         op.execute(**{**a, "o": big[math.prod(s16) - 8:][:T * HO * V].view(T, HO, V)},
                    workspace=(work16, torch.zeros(s32)), stream=1)
-    work32 = torch.zeros(CHUNKS * HO + T * HO)
+    work32 = torch.zeros(math.prod(s32) + T * HO)
     g = work32[:T * HO].view(T, HO)
     with pytest.raises(ValueError, match="workspace\\[1\\] overlaps g in memory"):
-        op.execute(**{**a, "g": g}, workspace=(work16, work32[:CHUNKS * HO].view(s32)),
+        op.execute(**{**a, "g": g}, workspace=(work16, work32[:math.prod(s32)].view(s32)),
                    stream=1)
     # disjoint parts of one buffer are fine
     op.execute(**{**a, "o": big[math.prod(s16):].view(T, HO, V)},
@@ -645,6 +657,7 @@ def test_allocating_function(no_compile):
     assert r.o is o and r["final_state"] is final is None and r.checkpoints is None
     assert tuple(o.shape) == (T, HO, V) and o.dtype == BF
     (_, prep), (_, rec) = no_compile.calls
+    rec = after_qk(prep, rec)
     assert rec[3] is o and prep[8] == 1 / math.sqrt(K)
     (op,) = COMPILED_OPS._ops.values()
     assert op.static_config() == BASE_CONFIG
@@ -662,7 +675,7 @@ def test_allocating_function(no_compile):
     o, final = r
     assert tuple(final.shape) == (N, HO, V, K) and final.dtype == F32
     assert tuple(r.checkpoints.shape) == (T // 128 + N, HO, V, K) and r.checkpoints.dtype == F32
-    rec = no_compile.calls[-1][1]
+    rec = after_qk(no_compile.calls[-2][1], no_compile.calls[-1][1])
     assert same(rec[3:8], [o, rec[4], None, final, r.checkpoints]) and rec[8] == 128
     # checkpoints default to the io dtype
     r = gated_delta_net(**inputs(), checkpoint_every_n_tokens=64, stream=0)
@@ -695,7 +708,7 @@ def test_allocating_function_pool_written_back_when_copied(no_compile):
     pool = meta(10, HO, K, V, dtype=F32).transpose(2, 3)  # K not contiguous: a copy runs
     idx = meta(N, dtype=I32)
     gated_delta_net(**inputs(), initial_state=pool, state_indices=idx, stream=0)
-    rec = no_compile.calls[-1][1]
+    rec = after_qk(no_compile.calls[-2][1], no_compile.calls[-1][1])
     assert rec[4] is not pool and rec[4].is_contiguous() and rec[5] is idx
     copies = [e for e in no_compile.events if e[0] == "copy"]
     assert copies[-1][1] is pool and copies[-1][2] is rec[4]  # after the launches
@@ -704,7 +717,7 @@ def test_allocating_function_pool_written_back_when_copied(no_compile):
     no_compile.events.clear()
     pool = meta(10, HO, V, K, dtype=F32)
     gated_delta_net(**inputs(), initial_state=pool, state_indices=idx, stream=0)
-    assert no_compile.calls[-1][1][4] is pool and "copy" not in kinds(no_compile)
+    assert no_compile.calls[-1][1][6] is pool and "copy" not in kinds(no_compile)
 
 
 def test_allocating_function_validates(no_compile):
@@ -806,15 +819,17 @@ def test_kernel_builder_arguments(stub_kernels, config, none_args):
     assert q.shape[0] is k.shape[0] is v.shape[0] is g.shape[0] is beta.shape[0]
     assert g.element_type == cutlass.BFloat16 and beta.element_type == cutlass.Float32
     assert g.shape[1] == beta.shape[1] == 8 and g.stride[1] == 1
-    assert tuple(work16.shape[1:]) == (8, 64, 3 * 64 + 128 + 64)
+    assert tuple(work16.shape[1:]) == (8, 64, 64 + 128 + 64)
     assert work16.element_type == cutlass.Float16 and work32.element_type == cutlass.Float32
-    assert work16.shape[0] is work32.shape[0] and work32.shape[1] == 8
+    assert work16.shape[0] is work32.shape[0] and tuple(work32.shape[1:]) == (8, 136)
     assert isinstance(prep[8], cutlass.Float32)
     kernel, rec = builders["recurrence"]()
+    assert [tuple(t.shape[1:]) for t in rec[:2]] == [(2, 64), (8, 64)]  # q, k
+    rec = rec[2:]
     flags = (config.get("state_dtype", "none") != "none", config.get("state_pool", False),
              config.get("output_final_state", False), config.get("checkpoint_dtype", "none")
              != "none")
-    assert stub_kernels[-1] == ("recurrence", (cutlass.Float16, 64, 128, 8) + flags)
+    assert stub_kernels[-1] == ("recurrence", (cutlass.Float16, 64, 128, 2, 8, 8) + flags)
     assert len(rec) == 10
     assert tuple(i for i, x in enumerate(rec) if x is None) == none_args
     assert tuple(rec[3].shape[1:]) == (8, 128)  # o

@@ -44,32 +44,36 @@ def test_stage1_workspace_matches_the_reference():
     q, k, v, gate, beta, cu = batch(LENS)
     op = compiled_op(q, k, v, gate, beta, cu)
     prepare = op._ready(0)["prepare"]
-    want, want_g = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
+    want, want_f = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
                                                  use_qk_l2norm_in_kernel=True)
-    work16 = torch.full(want.shape, float("nan"), dtype=q.dtype, device=DEV)
-    work32 = torch.full(want_g.shape, float("nan"), device=DEV)
+    s16, s32 = op.workspace_shapes(q.shape[0], len(LENS))
+    assert tuple(want.shape) == s16 and tuple(want_f.shape) == s32[:2] + (2 * C + 1,)
+    work16 = torch.full(s16, float("nan"), dtype=q.dtype, device=DEV)
+    work32 = torch.full(s32, float("nan"), device=DEV)
     prepare(q, k, v, gate, beta, cu, work16, work32, K ** -0.5,
             torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     chunks = sum(-(-n // C) for n in LENS)
-    got, got_g = work16[:chunks], work32[:chunks]
-    assert not torch.isnan(got).any() and not torch.isnan(got_g).any()
-    for name, lo, hi in (("Qd", 0, K), ("Kd", K, 2 * K), ("W", 2 * K, 3 * K),
-                         ("U", 3 * K, 3 * K + V), ("M", 3 * K + V, 3 * K + V + C)):
+    got, got_f = work16[:chunks], work32[:chunks, :, :2 * C + 1]  # the rest is padding
+    assert not torch.isnan(got).any() and not torch.isnan(got_f).any()
+    for name, lo, hi in (("W", 0, K), ("U", K, K + V), ("M", K + V, K + V + C)):
         err = rel_err(got[..., lo:hi], want[:chunks, ..., lo:hi])
         assert err < 2e-2, f"{name}: max|got - want| / max|want| = {err:.3g}"
-    torch.testing.assert_close(got_g, want_g[:chunks], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_f, want_f[:chunks], rtol=1e-4, atol=1e-5)
 
 
 def test_stage2_on_the_reference_workspace_matches_the_recurrence():
     q, k, v, gate, beta, cu = batch(LENS, seed=1)
     op = compiled_op(q, k, v, gate, beta, cu)
     recurrence = op._ready(0)["recurrence"]
-    work, g_last = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
-                                                 use_qk_l2norm_in_kernel=True)
+    work, factors = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
+                                                  use_qk_l2norm_in_kernel=True)
+    s16, s32 = op.workspace_shapes(q.shape[0], len(LENS))
+    work32 = torch.zeros(s32, device=DEV)
+    work32[..., :2 * C + 1] = factors
     o = torch.full((sum(LENS), H, V), float("nan"), dtype=q.dtype, device=DEV)
     final = torch.full((len(LENS), H, V, K), float("nan"), device=DEV)
-    recurrence(work.to(q.dtype), g_last, cu, o, None, None, final, None, 0,
+    recurrence(q, k, work.to(q.dtype), work32, cu, o, None, None, final, None, 0,
                torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     ref = gdn_recurrent_reference(q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True)

@@ -2,26 +2,27 @@
 
 Verified on an H200 (2026-11-30) by tests/test_gdn_stages_gpu.py and tests/test_gdn_fwd_gpu.py.
 
-One CTA (one warpgroup) per (64-token chunk, output head). With the chunk's rows Qc, Kc, Vc
-(q and k L2-normalized first when asked), in-chunk cumulative log gates G (fp32), gamma =
-exp(G), beta, and the notation of precast/reference/gated_delta_net.py:
+One CTA (one warpgroup) per (64-token chunk, output head). With the chunk's raw rows Qc, Kc,
+Vc, the row scales r_q, r_k of the L2 norm (ones without it; computed from the diagonals of
+Qc Qc^T and Kc Kc^T, so q and k are never rewritten), in-chunk cumulative log gates G
+(fp32), gamma = exp(G), beta, and the notation of precast/reference/gated_delta_net.py:
 
-    A  = strict_tril(diag(beta) (Gamma * Kc Kc^T))        (64 x 64, fp32 in shared memory)
+    A  = strict_tril(diag(beta r_k) (Gamma * Kc Kc^T) diag(r_k))   (fp32, shared memory)
     T  = (I + A)^-1                                       (forward substitution, fp32)
-    W  = T diag(beta gamma) Kc,   U = T diag(beta) Vc      (wgmma, fp32 accumulators)
-    M  = scale (Gamma * Qc Kc^T), causal with the diagonal
-    Qd = scale diag(gamma) Qc,    Kd = diag(exp(G_L - G)) Kc
+    W  = T diag(beta gamma r_k) Kc,   U = T diag(beta) Vc  (wgmma, fp32 accumulators)
+    M  = scale diag(r_q) (Gamma * Qc Kc^T) diag(r_k), causal with the diagonal
+    q_f = scale gamma r_q,   k_f = exp(G_L - G) r_k        (zero past the sequence end)
 
-are written, 16-bit, into one workspace row block per (chunk, head):
-``work16[chunk, head, 0:64, :]`` = [Qd | Kd | W | U | M] (K, K, K, V and 64 columns), and
-G_L into ``work32[chunk, head]`` (fp32: the state decays by exp(G_L) per chunk, which 16 bits
-would not carry over thousands of chunks). Chunks are packed over the batch: sequence b's
-chunk c is number sum_{b' < b} ceil(len_b' / 64) + c, so the workspace has at most
-T // 64 + N chunk rows (``workspace_shapes``); stage 2 (gdn_recurrence_sm90) walks them in
-order with the state.
+W, U, M go, 16-bit, into one workspace row block per (chunk, head) and [q_f | k_f | G_L]
+into its fp32 factor row (precast/kernels/gdn_layout.py; the contract is
+precast/reference/gdn_workspace.py). Stage 2 (gdn_recurrence_sm90) reads q and k
+themselves and applies q_f, k_f to its products. Chunks are packed over the batch:
+sequence b's chunk c is number sum_{b' < b} ceil(len_b' / 64) + c, so the workspace has at
+most T // 64 + N chunk rows.
 
 Rows past a sequence's end are zeros in shared memory (Q, K, V) and get g = beta = 0, which
-makes their rows of A, W, U, M zero and leaves G constant, so G_L is the last real token's.
+makes their rows of A, W, U, M and their factors zero and leaves G constant, so G_L is the
+last real token's.
 """
 import cuda.bindings.driver as cuda
 
@@ -33,12 +34,16 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import select_modes, warp_inclusive_sum, wgmma
-from .gdn_layout import CHUNK
+from .gdn_layout import CHUNK, FACTOR_COLS, G_LAST, K_FACTORS, Q_FACTORS
 
 THREADS = 128
 PREPARE_BARRIER = 1
 INVERT_BARRIER = 2  # the 64 threads solving for T's columns
 L2NORM_EPS = 1e-24
+# Rows of the per-token values in shared memory (sRows): the L2 row scales r_q, r_k and the
+# column scales of T for W and U.
+R_Q, R_K, T_W, T_U = range(4)
+ROW_VALUES = 4
 
 
 
@@ -61,7 +66,7 @@ class GdnChunkPrepareSm90:
                  mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mWork16: cute.Tensor,
                  mWork32: cute.Tensor, scale: Float32, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K), mV (T, HV, V); mG, mBeta (T, HO); mCuSeqlens
-        (N + 1,) int32; mWork16 / mWork32 as ``workspace_shapes``."""
+        (N + 1,) int32; mWork16 / mWork32 as gdn_layout.workspace_shapes."""
         dt = self.dtype
         C = CHUNK
         layouts, loads, mmas = self.prepare_setup(mQ, mK, mV, 1)
@@ -74,6 +79,7 @@ class GdnChunkPrepareSm90:
             bar: cute.struct.MemRange[cutlass.Int64, 1]
             gate: cute.struct.MemRange[Float32, C]  # G (cumulative log gate)
             beta: cute.struct.MemRange[Float32, C]
+            rows: cute.struct.MemRange[Float32, ROW_VALUES * C]  # see row_values
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
@@ -145,6 +151,7 @@ class GdnChunkPrepareSm90:
             sA = storage.sA.get_tensor(cute.make_layout((C, C), stride=(C, 1)))
             sGate = storage.gate.get_tensor(cute.make_layout(C))
             sBeta = storage.beta.get_tensor(cute.make_layout(C))
+            sRows = storage.rows.get_tensor(cute.make_layout((ROW_VALUES, C), stride=(C, 1)))
             bar = storage.bar.data_ptr()
             start = mCuSeqlens[batch]
             rows = cutlass.min(mCuSeqlens[batch + 1] - start - chunk * C, C)
@@ -157,52 +164,48 @@ class GdnChunkPrepareSm90:
                                 chunk, head)
             self.load_gates(mG, mBeta, sGate, sBeta, start + chunk * C, rows, head, tidx)
             cute.arch.mbarrier_wait(bar, 0)
-            out = self.workspace_parts(mWork16[packed, head, None, None])
+            out = self.workspace_parts(mWork16[packed, head, None, None],
+                                       mWork32[packed, head, None])
             self.prepare_chunk(mma_s, mma_wk, mma_wv, sQ, sK, sV, 0, sTw, sTu, sA, sGate,
-                               sBeta, out, rows, scale, tidx)
-            if tidx == 0:
-                mWork32[packed, head] = sGate[C - 1]
+                               sBeta, sRows, out, rows, scale, tidx)
 
     @cute.jit
     def prepare_chunk(self, mma_s, mma_wk, mma_wv, sQ, sK, sV, stage, sTw, sTu, sA, sGate,
-                      sBeta, out, rows: Int32, scale: Float32, tidx: Int32):
+                      sBeta, sRows, out, rows: Int32, scale: Float32, tidx: Int32):
         """One warpgroup (thread ``tidx`` of 128), after the chunk's Q, K, V (stage
         ``stage`` of sQ, sK, sV) and its g, beta (sGate, sBeta) are in shared memory:
-        writes (Qd, Kd, W, U, M) into the five 2-D views ``out``; sGate ends as G."""
+        writes (W, U, M, factors) into the four views ``out`` (2-D, 2-D, 2-D, 1-D); sGate
+        ends as G. Q and K are only read (rows past ``rows`` are zeroed)."""
         C = CHUNK
         q2, k2, v2 = (t[None, None, stage] for t in (sQ, sK, sV))  # (rows, cols) views
         if rows < C:  # rows of the next sequence (or TMA zero fill): zeros
             self.zero_rows(q2, k2, v2, rows, tidx)
-        if const_expr(self.l2norm):
-            self.normalize_rows(q2, tidx)
-            self.normalize_rows(k2, tidx)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.sync()
         if tidx < cute.arch.WARP_SIZE:
             self.cumulative_gates(sGate)
-        self.sync()
-        self.scores(mma_s, sQ, sK, stage, sA, sGate, sBeta, out[4], scale, tidx)
+        self.scores(mma_s, sQ, sK, stage, sA, sGate, sBeta, sRows, out[2], scale, tidx)
         self.sync()
         if tidx < C:
+            self.row_values(sGate, sBeta, sRows, out[3], rows, scale, tidx)
             self.invert(sA, tidx)
         self.sync()
-        self.scaled_inverse(sA, sTw[None, None, 0], sTu[None, None, 0], sGate, sBeta, tidx)
+        self.scaled_inverse(sA, sTw[None, None, 0], sTu[None, None, 0], sRows, tidx)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.sync()
-        self.factors(mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out[2], out[3], tidx)
-        # W's wgmma has read K: scale Q and K into Qd and Kd.
-        self.decayed_rows(q2, k2, sGate, out[0], out[1], scale, tidx)
+        self.factors(mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out[0], out[1], tidx)
 
     def sync(self):
         """The preparing warpgroup's barrier (the whole CTA here; one warpgroup of the
         fused kernel)."""
         cute.arch.barrier(barrier_id=PREPARE_BARRIER, number_of_threads=THREADS)
 
-    def workspace_parts(self, block):
-        """A (64, 3K + V + 64) workspace row block as its (Qd, Kd, W, U, M) column views."""
+    def workspace_parts(self, block, factors):
+        """A (64, K + V + 64) workspace row block and its factor row as the views
+        (W, U, M, factors) prepare_chunk writes."""
         K, V = self.k_dim, self.v_dim
-        return tuple(cute.domain_offset((0, first), block)
-                     for first in (0, K, 2 * K, 3 * K, 3 * K + V))
+        return tuple(cute.domain_offset((0, first), block) for first in (0, K, K + V)) + (
+            factors,)
 
     @cute.jit
     def find_chunk(self, packed: Int32, mCuSeqlens, num_batches: Int32):
@@ -275,25 +278,6 @@ class GdnChunkPrepareSm90:
                 sV[idx // V, idx % V] = self.dtype(0.0)
 
     @cute.jit
-    def normalize_rows(self, sX, tidx: Int32):
-        """x * rsqrt(max(sum x^2, eps)) in fp32, rounded back in place: two threads per row
-        (lanes 2r, 2r + 1 of a warp), each summing half of it."""
-        K = self.k_dim
-        half = K // 2
-        row = tidx // 2
-        col0 = (tidx % 2) * half
-        total = Float32(0.0)
-        # Rolled loops: unrolled, the 64 swizzled addresses are loop-invariant in the fused
-        # kernel's chunk loop and got hoisted out of it and spilled.
-        for c in cutlass.range(half, unroll=4):
-            x = sX[row, col0 + c].to(Float32)
-            total = total + x * x
-        total = total + cute.arch.shuffle_sync_bfly(total, 1)
-        inv = cute.math.rsqrt(cutlass.max(total, Float32(L2NORM_EPS)))
-        for c in cutlass.range(half, unroll=4):
-            sX[row, col0 + c] = (sX[row, col0 + c].to(Float32) * inv).to(self.dtype)
-
-    @cute.jit
     def cumulative_gates(self, sGate):
         """Warp 0: G = inclusive prefix sum of g over the chunk (two rows per lane)."""
         lane = cute.arch.lane_idx()
@@ -305,21 +289,35 @@ class GdnChunkPrepareSm90:
         sGate[2 * lane + 1] = ends
 
     @cute.jit
-    def scores(self, mma_s, sQ, sK, stage, sA, sGate, sBeta, out_m, scale: Float32,
+    def scores(self, mma_s, sQ, sK, stage, sA, sGate, sBeta, sRows, out_m, scale: Float32,
                tidx: Int32):
         """K K^T -> A (gated, strictly lower, fp32 in shared memory); Q K^T -> M (gated,
-        causal with the diagonal, scaled; 16-bit into ``out_m``)."""
+        causal with the diagonal, scaled; 16-bit into ``out_m``); with the L2 norm, r_q and
+        r_k from the diagonals of Q Q^T and K K^T into sRows first. Ends with the
+        warpgroup synchronized (sGate written before is read here)."""
         C = CHUNK
         thr = mma_s.get_slice(tidx)
-        tSrQ = thr.make_fragment_A(thr.partition_A(sQ))[None, None, None, stage]
+        tSrQa = thr.make_fragment_A(thr.partition_A(sQ))[None, None, None, stage]
+        tSrQb = thr.make_fragment_B(thr.partition_B(sQ))[None, None, None, stage]
         tSrKa = thr.make_fragment_A(thr.partition_A(sK))[None, None, None, stage]
         tSrKb = thr.make_fragment_B(thr.partition_B(sK))[None, None, None, stage]
         acc_kk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
         acc_qk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
-        wgmma(mma_s, acc_kk, tSrKa, tSrKb, False)
-        wgmma(mma_s, acc_qk, tSrQ, tSrKb, False)
-        warpgroup.wait_group(0)
         coords = thr.partition_C(cute.make_identity_tensor((C, C)))
+        wgmma(mma_s, acc_kk, tSrKa, tSrKb, False)
+        if const_expr(self.l2norm):
+            acc_qq = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
+            wgmma(mma_s, acc_qq, tSrQa, tSrQb, False)
+            warpgroup.wait_group(0)
+            for e in cutlass.range_constexpr(cute.size(acc_kk)):
+                if coords[e][0] == coords[e][1]:
+                    i = coords[e][0]
+                    eps = Float32(L2NORM_EPS)
+                    sRows[R_Q, i] = cute.math.rsqrt(cutlass.max(acc_qq[e], eps))
+                    sRows[R_K, i] = cute.math.rsqrt(cutlass.max(acc_kk[e], eps))
+        wgmma(mma_s, acc_qk, tSrQa, tSrKb, False)
+        warpgroup.wait_group(0)
+        self.sync()  # G and the row scales
         t_m = thr.partition_C(out_m)  # this thread's elements of M, in accumulator order
         for e in cutlass.range_constexpr(cute.size(acc_kk)):
             i = coords[e][0]
@@ -327,43 +325,81 @@ class GdnChunkPrepareSm90:
             seen = j <= i
             decay = cute.math.exp(cutlass.select_(seen, sGate[i] - sGate[j], Float32(0.0)),
                                   fastmath=True)
+            kk = acc_kk[e]
+            qk = acc_qk[e] * scale
+            if const_expr(self.l2norm):
+                r_kj = sRows[R_K, j]
+                kk = kk * sRows[R_K, i] * r_kj
+                qk = qk * sRows[R_Q, i] * r_kj
             a = Float32(0.0)
             m = Float32(0.0)
             if j < i:
-                a = sBeta[i] * acc_kk[e] * decay
+                a = sBeta[i] * kk * decay
             if seen:
-                m = scale * acc_qk[e] * decay
+                m = qk * decay
             sA[i, j] = a
             t_m[e] = m.to(self.dtype)
+
+    @cute.jit
+    def row_values(self, sGate, sBeta, sRows, out_f, rows: Int32, scale: Float32, j: Int32):
+        """Thread j < 64: token j's column scales of T (into sRows) and its factors q_f,
+        k_f (and, thread 0, G_L) into the factor row ``out_f``."""
+        C = CHUNK
+        g = sGate[j]
+        g_last = sGate[C - 1]
+        r_q = Float32(1.0)
+        r_k = Float32(1.0)
+        if const_expr(self.l2norm):
+            r_q = sRows[R_Q, j]
+            r_k = sRows[R_K, j]
+        beta = sBeta[j]
+        sRows[T_W, j] = beta * cute.math.exp(g, fastmath=True) * r_k
+        sRows[T_U, j] = beta
+        real = j < rows
+        out_f[Q_FACTORS + j] = cutlass.select_(
+            real, scale * cute.math.exp(g, fastmath=True) * r_q, Float32(0.0))
+        out_f[K_FACTORS + j] = cutlass.select_(
+            real, cute.math.exp(g_last - g, fastmath=True) * r_k, Float32(0.0))
+        if j == 0:
+            out_f[G_LAST] = g_last
 
     @cute.jit
     def invert(self, sA, j: Int32):
         """Thread j < 64: column j of T = (I + A)^-1 by forward substitution in fp32,
         written over A once every column has been solved (A's plain layout: one address
         register, where the swizzled 16-bit stores were 128 loop-invariant addresses that the
-        fused kernel hoisted and spilled)."""
+        fused kernel hoisted and spilled). Each row's sum runs in four independent partial
+        sums over 16-byte loads of A's row (the row is the same for every thread: one
+        broadcast load per four terms)."""
         C = CHUNK
         x = cute.make_rmem_tensor(cute.make_layout(C), Float32)
+        a4 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
         for i in cutlass.range_constexpr(C):
-            acc = cutlass.select_(j == i, Float32(1.0), Float32(0.0))
-            for l in cutlass.range_constexpr(i):
-                acc = acc - sA[i, l] * x[l]
-            x[i] = acc
+            part = [cutlass.select_(j == i, Float32(1.0), Float32(0.0)), Float32(0.0),
+                    Float32(0.0), Float32(0.0)]
+            for l4 in cutlass.range_constexpr(i // 4):
+                cute.autovec_copy(cute.local_tile(sA[i, None], (4,), (l4,)), a4)
+                for u in cutlass.range_constexpr(4):
+                    part[u] = part[u] - a4[u] * x[4 * l4 + u]
+            for l in cutlass.range_constexpr(i // 4 * 4, i):
+                part[0] = part[0] - sA[i, l] * x[l]
+            x[i] = (part[0] + part[1]) + (part[2] + part[3])
         cute.arch.barrier(barrier_id=INVERT_BARRIER, number_of_threads=C)
         for i in cutlass.range_constexpr(C):
             sA[i, j] = x[i]
 
     @cute.jit
-    def scaled_inverse(self, sT, sTw, sTu, sGate, sBeta, tidx: Int32):
-        """T diag(beta gamma) and T diag(beta) in 16 bits: the A operands of W and U."""
+    def scaled_inverse(self, sT, sTw, sTu, sRows, tidx: Int32):
+        """T diag(beta gamma r_k) and T diag(beta) in 16 bits: the A operands of W and U.
+        Thread tidx owns column tidx % 64 (its two scales loaded once)."""
         C = CHUNK
-        for idx in cutlass.range(tidx, C * C, THREADS, unroll=1):
-            i = idx // C
-            j = idx % C
+        j = tidx % C
+        t_w = sRows[T_W, j]
+        t_u = sRows[T_U, j]
+        for i in cutlass.range(tidx // C, C, THREADS // C, unroll=4):
             t = sT[i, j]
-            beta = sBeta[j]
-            sTw[i, j] = (t * beta * cute.math.exp(sGate[j], fastmath=True)).to(self.dtype)
-            sTu[i, j] = (t * beta).to(self.dtype)
+            sTw[i, j] = (t * t_w).to(self.dtype)
+            sTu[i, j] = (t * t_u).to(self.dtype)
 
     @cute.jit
     def factors(self, mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out_w, out_u, tidx: Int32):
@@ -386,20 +422,3 @@ class GdnChunkPrepareSm90:
             t_out = thr.partition_C(out)
             for e in cutlass.range_constexpr(cute.size(acc)):
                 t_out[e] = acc[e].to(self.dtype)
-
-    @cute.jit
-    def decayed_rows(self, sQ, sK, sGate, out_q, out_k, scale: Float32, tidx: Int32):
-        """Qd = scale exp(G_i) q_i and Kd = exp(G_L - G_j) k_j into ``out_q``, ``out_k``
-        (which may be sQ and sK themselves: each element is read, then written, by one
-        thread)."""
-        K, C = self.k_dim, CHUNK
-        last = sGate[C - 1]
-        for idx in cutlass.range(tidx, C * K, THREADS, unroll=1):
-            i = idx // K
-            c = idx % K
-            g = sGate[i]
-            out_q[i, c] = (sQ[i, c].to(Float32) * scale
-                          * cute.math.exp(g, fastmath=True)).to(self.dtype)
-            out_k[i, c] = (sK[i, c].to(Float32)
-                              * cute.math.exp(last - g, fastmath=True)).to(self.dtype)
-

@@ -2,18 +2,17 @@
 gdn_recurrence_sm90 as warp-specialized roles of one CTA per (sequence, output head), with
 shared memory instead of the workspace between them.
 
-NOT YET RUN ON A GPU (cross-compiled only; no op path yet). The two-stage kernels whose
-device code it reuses pass their GPU tests (2026-11-30); the pipeline below is untested.
+Verified against the fp64 recurrence on an H200 (2026-11-30, raw kernel; no op path yet).
 
 - warp 0 (producer): TMA loads of the chunk's raw Q, K, V rows into stage c % 2;
-- warpgroup 1 (preparing role): gates, L2 norms, A, T, W, U, M for chunk c (stage 1's
-  code), writing Qd over Q, Kd over K, U over V, and W, M into their stage buffers, one
-  chunk ahead of the state;
+- warpgroup 1 (preparing role): gates, L2 row scales, A, T, W, U, M and the factor row of
+  chunk c (stage 1's code), writing U over V and W, M, the factors into their stage
+  buffers, one chunk ahead of the state; Q and K stay as loaded;
 - warpgroups 2.. (state role, V / 64 of them): stage 2's per-chunk update on those buffers.
 Per stage three mbarriers: raw_full (TMA bytes), prepared (128 preparing threads arrive),
 empty (every state thread arrives once its wgmmas have read the stage).
 Only q, k, v, g, beta are read and o (and the states) written: ~64 KB per (chunk, head)
-against ~210 KB for the two-stage kernels.
+against ~150 KB for the two-stage kernels.
 """
 import cuda.bindings.driver as cuda
 
@@ -24,7 +23,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
-from .gdn_chunk_sm90 import CHUNK, GdnChunkPrepareSm90
+from .gdn_chunk_sm90 import ROW_VALUES, GdnChunkPrepareSm90
+from .gdn_layout import CHUNK, FACTOR_COLS
 from .gdn_recurrence_sm90 import THREADS_PER_WG, GdnChunkRecurrenceSm90
 
 STAGES = 2
@@ -37,8 +37,9 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
                  pool: bool, final_state: bool, checkpoints: bool):
         super().__init__(dtype, k_dim, v_dim, q_heads, k_heads, v_heads, l2norm, g_dtype,
                          beta_dtype)
-        self.state_role = GdnChunkRecurrenceSm90(dtype, k_dim, v_dim, self.heads,
-                                                 initial_state, pool, final_state, checkpoints)
+        self.state_role = GdnChunkRecurrenceSm90(dtype, k_dim, v_dim, q_heads, k_heads,
+                                                 v_heads, initial_state, pool, final_state,
+                                                 checkpoints, overlap_products=False)
         self.nwg = v_dim // 64
         self.num_threads = (2 + self.nwg) * THREADS_PER_WG
         # Per-thread register counts of the warpgroups sum to at most 512 (64 K registers,
@@ -81,7 +82,8 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
             empty: cute.struct.MemRange[cutlass.Int64, STAGES]
             gate: cute.struct.MemRange[Float32, C]
             beta: cute.struct.MemRange[Float32, C]
-            g_last: cute.struct.MemRange[Float32, STAGES]
+            rows: cute.struct.MemRange[Float32, ROW_VALUES * C]
+            factors: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * FACTOR_COLS], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
@@ -136,7 +138,9 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
         sA = storage.sA.get_tensor(cute.make_layout((C, C), stride=(C, 1)))
         sGate = storage.gate.get_tensor(cute.make_layout(C))
         sBeta = storage.beta.get_tensor(cute.make_layout(C))
-        sGL = storage.g_last.get_tensor(cute.make_layout(STAGES))
+        sRows = storage.rows.get_tensor(cute.make_layout((ROW_VALUES, C), stride=(C, 1)))
+        sF = storage.factors.get_tensor(cute.make_layout((STAGES, FACTOR_COLS),
+                                                         stride=(FACTOR_COLS, 1)))
         start = mCuSeqlens[batch]
         length = mCuSeqlens[batch + 1] - start
         chunks = (length + C - 1) // C
@@ -151,11 +155,11 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
             else:
                 cute.arch.setmaxregister_increase(self.prepare_regs)
             self.prepare(mma_s, mma_wk, mma_wv, sQ, sK, sV, sW, sM, sTw, sTu, sA, sGate, sBeta,
-                         sGL, raw_full, prepared, mG, mBeta, start, length, chunks, head, scale,
-                         tidx - THREADS_PER_WG)
+                         sRows, sF, raw_full, prepared, mG, mBeta, start, length, chunks, head,
+                         scale, tidx - THREADS_PER_WG)
         else:
             cute.arch.setmaxregister_increase(self.state_regs)
-            self.advance_state(mma_tok, mma_state, sQ, sK, sV, sW, sM, sGL, prepared, empty,
+            self.advance_state(mma_tok, mma_state, sQ, sK, sV, sW, sM, sF, prepared, empty,
                                mO, mState0, mStateIdx, mFinal, mCkpt, mCuSeqlens, ckpt_every,
                                batch, head, start, length, chunks, tidx - 2 * THREADS_PER_WG)
 
@@ -171,7 +175,7 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
 
     @cute.jit
     def prepare(self, mma_s, mma_wk, mma_wv, sQ, sK, sV, sW, sM, sTw, sTu, sA, sGate, sBeta,
-                sGL, raw_full, prepared, mG, mBeta, start: Int32, length: Int32,
+                sRows, sF, raw_full, prepared, mG, mBeta, start: Int32, length: Int32,
                 chunks: Int32, head: Int32, scale: Float32, ptidx: Int32):
         C = CHUNK
         for c in cutlass.range(chunks, unroll=1):
@@ -180,18 +184,16 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
             self.sync()  # the previous chunk's reads of the gate buffers are done
             self.load_gates(mG, mBeta, sGate, sBeta, start + c * C, rows, head, ptidx)
             cute.arch.mbarrier_wait(raw_full + s, (c // STAGES) % 2)
-            out = (sQ[None, None, s], sK[None, None, s], sW[None, None, s], sV[None, None, s],
-                   sM[None, None, s])
+            # W, U (over V), M and the factor row of stage s
+            out = (sW[None, None, s], sV[None, None, s], sM[None, None, s], sF[s, None])
             self.prepare_chunk(mma_s, mma_wk, mma_wv, sQ, sK, sV, s, sTw, sTu, sA, sGate,
-                               sBeta, out, rows, scale, ptidx)
-            if ptidx == 0:
-                sGL[s] = sGate[C - 1]
+                               sBeta, sRows, out, rows, scale, ptidx)
             # Generic-proxy writes, read next by the state's wgmma (async proxy).
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(prepared + s)
 
     @cute.jit
-    def advance_state(self, mma_tok, mma_state, sQ, sK, sV, sW, sM, sGL, prepared, empty, mO,
+    def advance_state(self, mma_tok, mma_state, sQ, sK, sV, sW, sM, sF, prepared, empty, mO,
                       mState0, mStateIdx, mFinal, mCkpt, mCuSeqlens, ckpt_every: Int32,
                       batch: Int32, head: Int32, start: Int32, length: Int32, chunks: Int32,
                       stidx: Int32):
@@ -202,8 +204,7 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
             s = c % STAGES
             self.state_role.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
             cute.arch.mbarrier_wait(prepared + s, (c // STAGES) % 2)
-            decay = cute.math.exp(sGL[s], fastmath=True)
-            self.state_role.chunk_update(parts, sV[None, None, s], s, decay)
+            self.state_role.chunk_update(parts, sV[None, None, s], s, sF[s, None])
             cute.arch.mbarrier_arrive(empty + s)
             self.state_role.store_o(parts, mO, start, length, c, head)
         self.state_role.store_state(parts, mState0, mFinal, state_row, batch, head)

@@ -1,12 +1,18 @@
 """The Gated DeltaNet forward's workspace layout: plain Python (neither cutlass nor torch),
-so that the op's execute() sizes it where the compiler is not installed."""
+so that the op's execute() sizes it where the compiler is not installed.
+
+Per (chunk, output head), the contract of precast/reference/gdn_workspace.py:
+work16 holds 64 rows of [W | U | M] (K, V and 64 columns, the io dtype); work32 holds
+[q_f | k_f | G_L] (64, 64, 1 floats), padded to FACTOR_COLS so that each row block starts
+32-byte aligned."""
 
 CHUNK = 64
+Q_FACTORS, K_FACTORS, G_LAST = 0, CHUNK, 2 * CHUNK  # columns of a work32 row
+FACTOR_COLS = 2 * CHUNK + 8
 
 
 def workspace_shapes(total_tokens: int, num_seqs: int, heads: int, k_dim: int, v_dim: int):
     """(work16 shape, work32 shape) for a batch of T tokens in N sequences: one row block
-    per (chunk, head), chunks bounded by T // 64 + N. work16 rows hold
-    [Qd | Kd | W | U | M] (K, K, K, V and 64 columns); work32 holds G_L."""
+    per (chunk, head), chunks bounded by T // 64 + N."""
     chunks = total_tokens // CHUNK + num_seqs
-    return (chunks, heads, CHUNK, 3 * k_dim + v_dim + CHUNK), (chunks, heads)
+    return (chunks, heads, CHUNK, k_dim + v_dim + CHUNK), (chunks, heads, FACTOR_COLS)

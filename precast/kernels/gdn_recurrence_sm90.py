@@ -3,17 +3,19 @@
 Verified on an H200 (2026-11-30) by tests/test_gdn_stages_gpu.py and tests/test_gdn_fwd_gpu.py.
 
 One CTA per (sequence, output head) walks the sequence's chunks in order, reading the WY
-factors stage 1 (gdn_chunk_sm90) left in the workspace: [Qd | Kd | W | U | M] rows and G_L.
-The state is held transposed, S^T (V x K, V-major as stored), fp32 in the registers of
-V / 64 consumer warpgroups (64 V-rows each), so every chunk product takes S^T or Delta^T as
-a register A operand and the chunk's factors as shared-memory B operands:
+factors stage 1 (gdn_chunk_sm90) left in the workspace ([W | U | M] rows, the factor row
+[q_f | k_f | G_L]) and the chunk's raw q and k rows. The state is held transposed, S^T
+(V x K, V-major as stored), fp32 in the registers of V / 64 consumer warpgroups (64 V-rows
+each), so every chunk product takes S^T or Delta^T as a register A operand and the chunk's
+tiles as shared-memory B operands:
 
-    X^T     = S^T W^T,  O^T = S^T Qd^T            (N = 64 each, K-dim = K)
-    Delta^T = U^T - X^T                           (fp32, then 16-bit)
-    O^T    += Delta^T M^T                         (N = 64, K-dim = 64)
-    S^T     = exp(G_L) S^T + Delta^T Kd           (N = K, Kd read transposed)
+    X^T     = S^T W^T,  O^T = (S^T Q^T) diag(q_f)       (N = 64 each, K-dim = K)
+    Delta^T = U^T - X^T                                 (fp32, then 16-bit, twice:
+                                                         as is and times diag(k_f))
+    O^T    += Delta^T M^T                               (N = 64, K-dim = 64)
+    S^T     = exp(G_L) S^T + (Delta^T diag(k_f)) K      (N = K, K read transposed)
 
-A producer warp streams the factors through a TMA ring. The state entering local positions
+A producer warp streams the tiles through a TMA ring. The state entering local positions
 0, n, 2n, ... is written to the checkpoint rows (n a multiple of 64), and the final state to
 final_state or back into the pool row. o rows past the sequence end are not written.
 """
@@ -28,7 +30,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import acc_as_operand_a, advanced, select_modes, wgmma
-from .gdn_chunk_sm90 import CHUNK
+from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
 
 THREADS_PER_WG = 128
 STAGES = 2
@@ -37,15 +39,21 @@ CONSUMER_REGS = 232
 
 
 class GdnChunkRecurrenceSm90:
-    def __init__(self, dtype, k_dim: int, v_dim: int, heads: int, initial_state: bool,
-                 pool: bool, final_state: bool, checkpoints: bool):
+    def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
+                 v_heads: int, initial_state: bool, pool: bool, final_state: bool,
+                 checkpoints: bool, overlap_products: bool = True):
         """initial_state: an [N or N_pool, HO, V, K] state is read (with pool: at row
         state_indices[b], and the final state written back there); final_state: the end
-        state goes to an [N, HO, V, K] fp32 tensor; checkpoints: [rows, HO, V, K]."""
+        state goes to an [N, HO, V, K] fp32 tensor; checkpoints: [rows, HO, V, K].
+        overlap_products: S^T W^T and S^T Q^T in flight together (more registers live:
+        off in the fused kernel)."""
         assert k_dim in (64, 128) and v_dim in (64, 128)
         assert not pool or initial_state
         self.dtype = dtype
-        self.k_dim, self.v_dim, self.heads = k_dim, v_dim, heads
+        self.k_dim, self.v_dim = k_dim, v_dim
+        self.heads = max(q_heads, v_heads)
+        self.q_group, self.k_group = self.heads // q_heads, self.heads // k_heads
+        self.overlap_products = overlap_products
         self.initial_state, self.pool = initial_state, pool
         self.final_state, self.checkpoints = final_state, checkpoints
         self.nwg = v_dim // 64
@@ -53,16 +61,16 @@ class GdnChunkRecurrenceSm90:
 
     # ------------------------------------------------------------------ host side
     @cute.jit
-    def __call__(self, mWork16: cute.Tensor, mWork32: cute.Tensor, mCuSeqlens: cute.Tensor,
-                 mO: cute.Tensor, mState0: cute.Tensor, mStateIdx: cute.Tensor,
-                 mFinal: cute.Tensor, mCkpt: cute.Tensor, ckpt_every: Int32,
-                 stream: cuda.CUstream):
-        """mWork16 (chunks, HO, 64, 3K + V + 64), mWork32 (chunks, HO); mO (T, HO, V);
-        states (rows, HO, V, K). Unused tensors: None."""
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mWork16: cute.Tensor,
+                 mWork32: cute.Tensor, mCuSeqlens: cute.Tensor, mO: cute.Tensor,
+                 mState0: cute.Tensor, mStateIdx: cute.Tensor, mFinal: cute.Tensor,
+                 mCkpt: cute.Tensor, ckpt_every: Int32, stream: cuda.CUstream):
+        """mQ (T, HQ, K), mK (T, HK, K); mWork16 / mWork32 as gdn_layout.workspace_shapes;
+        mO (T, HO, V); states (rows, HO, V, K). Unused tensors: None."""
         dt = self.dtype
         K, V, C = self.k_dim, self.v_dim, CHUNK
-        # Factor tiles of one (chunk, head): rows x columns, K-major B operands (Qd, W, M)
-        # and Kd read transposed; U is read element-wise.
+        # Tiles of one (chunk, head): rows x columns, K-major B operands (Q, W, M) and K read
+        # transposed; U is read element-wise.
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, STAGES)
         sU_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, V), dt, STAGES)
         sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, STAGES)
@@ -71,6 +79,11 @@ class GdnChunkRecurrenceSm90:
         # (chunks, HO, 64, F) -> (64, F, HO, chunks): rows and columns first, as TMA tiles.
         mW = select_modes(mWork16, [2, 3, 1, 0])
         tma_k, mW_k = cpasync.make_tiled_tma_atom(g2s, mW, one(sK_layout), (C, K))
+        # q and k (T, H, K) -> (T, K, H)
+        tma_q, mQ_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mQ, [0, 2, 1]),
+                                                  one(sK_layout), (C, K))
+        tma_kr, mK_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mK, [0, 2, 1]),
+                                                   one(sK_layout), (C, K))
         tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, mW, one(sU_layout), (C, V))
         tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
         self.stage_bytes = (3 * cute.size_in_bytes(dt, one(sK_layout))
@@ -87,24 +100,25 @@ class GdnChunkRecurrenceSm90:
         @cute.struct
         class SharedStorage:
             bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
-            sQd: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sKd: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
             sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
 
         self.storage = SharedStorage
         num_batches = mCuSeqlens.shape[0] - 1
-        self.kernel(mma_tok, mma_state, mW_k, mW_u, mW_m, tma_k, tma_u, tma_m, sK_layout,
-                    sU_layout, sM_layout, mWork32, mCuSeqlens, mO, mState0, mStateIdx,
-                    mFinal, mCkpt, ckpt_every, num_batches).launch(
+        self.kernel(mma_tok, mma_state, mQ_t, mK_t, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k,
+                    tma_u, tma_m, sK_layout, sU_layout, sM_layout, mWork32, mCuSeqlens, mO,
+                    mState0, mStateIdx, mFinal, mCkpt, ckpt_every, num_batches).launch(
             grid=[self.heads, cutlass.max(num_batches, 1), 1],
             block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma, mW_k: cute.Tensor,
-               mW_u: cute.Tensor, mW_m: cute.Tensor, tma_k: cute.CopyAtom,
+    def kernel(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma, mQ: cute.Tensor,
+               mK: cute.Tensor, mW_k: cute.Tensor, mW_u: cute.Tensor, mW_m: cute.Tensor,
+               tma_q: cute.CopyAtom, tma_kr: cute.CopyAtom, tma_k: cute.CopyAtom,
                tma_u: cute.CopyAtom, tma_m: cute.CopyAtom, sK_layout: cute.ComposedLayout,
                sU_layout: cute.ComposedLayout, sM_layout: cute.ComposedLayout,
                mWork32: cute.Tensor, mCuSeqlens: cute.Tensor, mO: cute.Tensor,
@@ -123,8 +137,8 @@ class GdnChunkRecurrenceSm90:
             consumer_group=consumers, tx_count=self.stage_bytes, defer_sync=True)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        sQd = storage.sQd.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sKd = storage.sKd.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sQ = storage.sQ.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sW = storage.sW.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sU = storage.sU.get_tensor(sU_layout.outer, swizzle=sU_layout.inner)
         sM = storage.sM.get_tensor(sM_layout.outer, swizzle=sM_layout.inner)
@@ -138,51 +152,59 @@ class GdnChunkRecurrenceSm90:
             first_chunk = first_chunk + (mCuSeqlens[b + 1] - mCuSeqlens[b] + CHUNK - 1) // CHUNK
         if warp == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.produce(mW_k, mW_u, mW_m, tma_k, tma_u, tma_m, sQd, sKd, sW, sU, sM, pipe,
-                         head, first_chunk, chunks)
+            self.produce(mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ, sK,
+                         sW, sU, sM, pipe, head, start, first_chunk, chunks)
         elif warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume(mma_tok, mma_state, sQd, sKd, sW, sU, sM, pipe, mWork32, mO,
+            self.consume(mma_tok, mma_state, sQ, sK, sW, sU, sM, pipe, mWork32, mO,
                          mState0, mStateIdx, mFinal, mCkpt, ckpt_every, mCuSeqlens, batch,
                          head, start, length, first_chunk, chunks, tidx - THREADS_PER_WG)
 
     @cute.jit
-    def produce(self, mW_k, mW_u, mW_m, tma_k, tma_u, tma_m, sQd, sKd, sW, sU, sM, pipe,
-                head: Int32, first_chunk: Int32, chunks: Int32):
+    def produce(self, mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ, sK,
+                sW, sU, sM, pipe, head: Int32, start: Int32, first_chunk: Int32,
+                chunks: Int32):
         K, V, C = self.k_dim, self.v_dim, CHUNK
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-        # (atom, tensor, smem, first column, columns)
-        tiles = ((tma_k, mW_k, sQd, 0, K), (tma_k, mW_k, sKd, K, K),
-                 (tma_k, mW_k, sW, 2 * K, K), (tma_u, mW_u, sU, 3 * K, V),
-                 (tma_m, mW_m, sM, 3 * K + V, C))
+        # workspace tiles: (atom, tensor, smem, first column, columns)
+        tiles = ((tma_k, mW_k, sW, 0, K), (tma_u, mW_u, sU, K, V),
+                 (tma_m, mW_m, sM, K + V, C))
         for c in cutlass.range(chunks, unroll=1):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
+            for atom, m, s, h in ((tma_q, mQ, sQ, head // self.q_group),
+                                  (tma_kr, mK, sK, head // self.k_group)):
+                g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, K),
+                                    (c, 0))
+                self.tma_load(atom, g, s, state.index, bar)
             for atom, m, s, col, cols in tiles:
                 block = m[None, None, head, first_chunk + c]  # (64, F)
                 g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
-                t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                                 cute.group_modes(s, 0, 2),
-                                                 cute.group_modes(g, 0, 2))
-                cute.copy(atom, t_g, t_s[None, state.index], tma_bar_ptr=bar)
+                self.tma_load(atom, g, s, state.index, bar)
             state = advanced(state)
 
     @cute.jit
-    def consume(self, mma_tok, mma_state, sQd, sKd, sW, sU, sM, pipe, mWork32, mO, mState0,
+    def tma_load(self, atom, g, s, stage, bar):
+        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                         cute.group_modes(g, 0, 2))
+        cute.copy(atom, t_g, t_s[None, stage], tma_bar_ptr=bar)
+
+    @cute.jit
+    def consume(self, mma_tok, mma_state, sQ, sK, sW, sU, sM, pipe, mWork32, mO, mState0,
                 mStateIdx, mFinal, mCkpt, ckpt_every: Int32, mCuSeqlens, batch: Int32,
                 head: Int32, start: Int32, length: Int32, first_chunk: Int32, chunks: Int32,
                 consumer_tidx: Int32):
-        parts = self.state_parts(mma_tok, mma_state, sQd, sKd, sW, sM, consumer_tidx)
+        parts = self.state_parts(mma_tok, mma_state, sQ, sK, sW, sM, consumer_tidx)
         state_row, ckpt_row = self.load_state(parts, mState0, mStateIdx, mCuSeqlens,
                                               ckpt_every, batch, head)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for c in cutlass.range(chunks, unroll=1):
             self.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
-            decay = cute.math.exp(mWork32[first_chunk + c, head], fastmath=True)
             pipe.consumer_wait(state)
-            self.chunk_update(parts, sU[None, None, state.index], state.index, decay)
+            self.chunk_update(parts, sU[None, None, state.index], state.index,
+                              mWork32[first_chunk + c, head, None])
             cute.arch.sync_warp()
             pipe.consumer_release(state)
             state = advanced(state)
@@ -191,28 +213,28 @@ class GdnChunkRecurrenceSm90:
 
     # The state role's pieces, shared with the fused kernel (gdn_fwd_sm90).
     @cute.jit
-    def state_parts(self, mma_tok, mma_state, sQd, sKd, sW, sM, consumer_tidx: Int32):
+    def state_parts(self, mma_tok, mma_state, sQ, sK, sW, sM, consumer_tidx: Int32):
         """Accumulators, their 16-bit operand copies, shared-memory B fragments (every
         stage) and element coordinates of one state thread."""
         K, C = self.k_dim, CHUNK
         rows = 64 * self.nwg
-        stages = cute.size(sKd, mode=[2])
+        stages = cute.size(sK, mode=[2])
         wg = consumer_tidx // THREADS_PER_WG
         wg_tok = mma_tok.get_slice(wg * THREADS_PER_WG)
         wg_state = mma_state.get_slice(wg * THREADS_PER_WG)
         thr_tok = mma_tok.get_slice(consumer_tidx)
         thr_state = mma_state.get_slice(consumer_tidx)
-        kd_t = cute.composition(sKd, cute.make_ordered_layout((K, C, stages), order=(1, 0, 2)))
+        k_t = cute.composition(sK, cute.make_ordered_layout((K, C, stages), order=(1, 0, 2)))
         frags = (wg_tok.make_fragment_B(wg_tok.partition_B(sW)),
-                 wg_tok.make_fragment_B(wg_tok.partition_B(sQd)),
+                 wg_tok.make_fragment_B(wg_tok.partition_B(sQ)),
                  wg_tok.make_fragment_B(wg_tok.partition_B(sM)),
-                 wg_state.make_fragment_B(wg_state.partition_B(kd_t)))
+                 wg_state.make_fragment_B(wg_state.partition_B(k_t)))
         acc_state = cute.make_rmem_tensor(wg_state.partition_shape_C((rows, K)), Float32)
         acc_x = cute.make_rmem_tensor(wg_tok.partition_shape_C((rows, C)), Float32)
         acc_o = cute.make_rmem_tensor(wg_tok.partition_shape_C((rows, C)), Float32)
         state16 = cute.make_rmem_tensor(acc_state.layout, self.dtype)
-        delta16 = cute.make_rmem_tensor(acc_x.layout, self.dtype)
-        return (mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, delta16,
+        deltas = tuple(cute.make_rmem_tensor(acc_x.layout, self.dtype) for _ in range(2))
+        return (mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, deltas,
                 thr_state, thr_tok)
 
     @cute.jit
@@ -246,30 +268,46 @@ class GdnChunkRecurrenceSm90:
                 self.save_state(parts, mCkpt, ckpt_row + (c * CHUNK) // ckpt_every, head)
 
     @cute.jit
-    def chunk_update(self, parts, sU, s, decay: Float32):
-        """One chunk (its factors in stage s, U as the 2-D view ``sU``): O^T into acc_o,
-        the state advanced; every wgmma waited for."""
-        (mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, delta16, thr_state,
+    def chunk_update(self, parts, sU, s, factors):
+        """One chunk (its tiles in stage s, U as the 2-D view ``sU``, its factor row
+        [q_f | k_f | G_L] as the 1-D view ``factors``): O^T into acc_o, the state
+        advanced; every wgmma waited for."""
+        (mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, deltas, thr_state,
          thr_tok) = parts
-        tXrW, tXrQ, tOrM, tSrKd = frags
+        delta16, delta_k16 = deltas  # Delta^T and Delta^T diag(k_f)
+        tXrW, tXrQ, tOrM, tSrK = frags
+        rows, C = 64 * self.nwg, CHUNK
         # U^T as (V rows, tokens), partitioned like the accumulator
         u_t = thr_tok.partition_C(cute.composition(
-            sU, cute.make_ordered_layout((64 * self.nwg, CHUNK), order=(1, 0))))
+            sU, cute.make_ordered_layout((rows, C), order=(1, 0))))
+        # q_f and k_f broadcast over the V rows, partitioned like the accumulator
+        by_token = cute.make_layout((rows, C), stride=(0, 1))
+        t_qf = thr_tok.partition_C(cute.make_tensor(
+            cute.domain_offset((Q_FACTORS,), factors).iterator, by_token))
+        t_kf = thr_tok.partition_C(cute.make_tensor(
+            cute.domain_offset((K_FACTORS,), factors).iterator, by_token))
         tXrS = cute.make_tensor(state16.iterator, acc_as_operand_a(acc_state.layout))
         tSrD = cute.make_tensor(delta16.iterator, acc_as_operand_a(acc_x.layout))
+        tSrDk = cute.make_tensor(delta_k16.iterator, acc_as_operand_a(acc_x.layout))
         state16.store(acc_state.load().to(self.dtype))
         wgmma(mma_tok, acc_x, tXrS, tXrW[None, None, None, s], False)
+        if const_expr(self.overlap_products):
+            wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
+        decay = cute.math.exp(factors[G_LAST], fastmath=True)
         warpgroup.wait_group(0)
         for e in cutlass.range_constexpr(cute.size(acc_x)):  # Delta^T = U^T - X^T
-            acc_x[e] = u_t[e].to(Float32) - acc_x[e]
-        delta16.store(acc_x.load().to(self.dtype))
-        # O's first product waits until X is done: fewer accumulators live at once (the
-        # fused kernel's state warpgroups have ~184 registers).
-        wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
+            d = u_t[e].to(Float32) - acc_x[e]
+            delta16[e] = d.to(self.dtype)
+            delta_k16[e] = (d * t_kf[e]).to(self.dtype)
+        if const_expr(not self.overlap_products):
+            wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
+            warpgroup.wait_group(0)
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[e] = acc_o[e] * t_qf[e]
         wgmma(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
         for e in cutlass.range_constexpr(cute.size(acc_state)):
             acc_state[e] = acc_state[e] * decay
-        wgmma(mma_state, acc_state, tSrD, tSrKd[None, None, None, s], True)
+        wgmma(mma_state, acc_state, tSrDk, tSrK[None, None, None, s], True)
         warpgroup.wait_group(0)
 
     @cute.jit

@@ -161,17 +161,20 @@ def _fake_state(dtype: torch.dtype, s: GdnShapes):
 
 
 def _fake_workspace(s: GdnShapes) -> tuple:
-    """work16 (chunks, HO, 64, F), compact but for a 64-bit chunk stride; work32 (chunks, HO)."""
+    """work16 (chunks, HO, 64, F) and work32 (chunks, HO, FACTOR_COLS), compact but for
+    64-bit chunk strides."""
     import cutlass
     import cutlass.cute as cute
-    from ..kernels.fake import fake_packed
     from ..kernels.gdn_layout import workspace_shapes
     chunks = cute.sym_int()
-    _, heads, rows, cols = workspace_shapes(0, 1, s.HO, s.K, s.V)[0]
+    (_, heads, rows, cols), (_, _, factor_cols) = workspace_shapes(0, 1, s.HO, s.K, s.V)
     work16 = cute.runtime.make_fake_tensor(
         _cute_type(s.dtype), (chunks, heads, rows, cols),
         _strides64(1, s.dtype.itemsize) + (rows * cols, cols, 1), assumed_align=DATA_ALIGN)
-    return work16, fake_packed(cutlass.Float32, (chunks, heads), DATA_ALIGN)
+    work32 = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (chunks, heads, factor_cols),
+        _strides64(1, 4) + (factor_cols, 1), assumed_align=DATA_ALIGN)
+    return work16, work32
 
 
 def _fake_offsets():
@@ -318,9 +321,11 @@ class GdnFwdSm90(Op):
             from ..kernels.gdn_recurrence_sm90 import GdnChunkRecurrenceSm90
             io = _cute_type(s.dtype)
             state, ckpt = s.state_dtype, s.checkpoint_dtype
-            kernel = GdnChunkRecurrenceSm90(io, s.K, s.V, s.HO, state is not None,
+            kernel = GdnChunkRecurrenceSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, state is not None,
                                             s.uses_pool, s.output_final_state, ckpt is not None)
-            args = (*_fake_workspace(s), _fake_offsets(),
+            tokens = cute.sym_int()
+            args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
+                    *_fake_workspace(s), _fake_offsets(),
                     fake_tokens(io, cute.sym_int(), s.HO, s.V),
                     None if state is None else _fake_state(state, s),
                     _fake_offsets() if s.uses_pool else None,
@@ -335,8 +340,8 @@ class GdnFwdSm90(Op):
     def workspace_shapes(self, total_tokens: int, num_seqs: int
                          ) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
         """Shapes of the workspace pair ``execute(workspace=(work16, work32))`` takes for T
-        tokens in N sequences: work16 (T // 64 + N, HO, 64, 3K + V + 64) in the io dtype and
-        work32 (T // 64 + N, HO) float32, both contiguous. No zeroing needed: the prepare
+        tokens in N sequences: work16 (T // 64 + N, HO, 64, K + V + 64) in the io dtype and
+        work32 (T // 64 + N, HO, 136) float32, both contiguous. No zeroing needed: the prepare
         kernel writes every row the recurrence reads."""
         from ..kernels.gdn_layout import workspace_shapes
         s = self.shapes
@@ -441,5 +446,6 @@ class GdnFwdSm90(Op):
         with device_guard(index):
             kernels["prepare"](q, k, v, g, beta, cu_seqlens, work16, work32, s.scale, handle)
             # ckpt_every is unused (compiled out) without checkpoints.
-            kernels["recurrence"](work16, work32, cu_seqlens, o, initial_state, state_indices,
-                                  final_state, checkpoints, n if checkpointing else 0, handle)
+            kernels["recurrence"](q, k, work16, work32, cu_seqlens, o, initial_state,
+                                  state_indices, final_state, checkpoints,
+                                  n if checkpointing else 0, handle)
