@@ -38,12 +38,13 @@ from .gdn_layout import CHUNK, FACTOR_COLS, G_LAST, K_FACTORS, Q_FACTORS
 
 THREADS = 128
 PREPARE_BARRIER = 1
-INVERT_BARRIER = 2  # the 64 threads solving for T's columns
 L2NORM_EPS = 1e-24
-# Rows of the per-token values in shared memory (sRows): the L2 row scales r_q, r_k and the
-# column scales of T for W and U.
-R_Q, R_K, T_W, T_U = range(4)
-ROW_VALUES = 4
+# A's rows in shared memory (fp32), padded: the score epilogue's stores (eight rows per
+# warp store) fall in distinct banks; rows stay 16-byte aligned for the solver's loads.
+A_ROW_STRIDE = CHUNK + 4
+# Rows of the per-token values in shared memory (sRows): the L2 row scales r_q, r_k.
+R_Q, R_K = range(2)
+ROW_VALUES = 2
 
 
 
@@ -83,9 +84,10 @@ class GdnChunkPrepareSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
-            sTw: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
-            sTu: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
-            sA: cute.struct.Align[cute.struct.MemRange[Float32, C * C], 16]
+            sA: cute.struct.Align[cute.struct.MemRange[Float32, C * A_ROW_STRIDE], 16]
+            # T diag(beta): where Q was when Q holds both scaled inverses (K = 128)
+            sTu: cute.struct.Align[cute.struct.MemRange[dt, self.own_tu_elems(sT_layout)],
+                                   1024]
 
         self.storage = SharedStorage
         chunks = mWork32.shape[0]
@@ -94,6 +96,11 @@ class GdnChunkPrepareSm90:
                     sQK_layout, sV_layout, sT_layout, mG, mBeta, mCuSeqlens, mWork16,
                     mWork32, num_batches, scale).launch(
             grid=[chunks, self.heads, 1], block=[THREADS, 1, 1], stream=stream)
+
+    def own_tu_elems(self, sT_layout) -> int:
+        """Elements of stage 1's own T diag(beta) buffer: none when the Q tile (64 x K)
+        holds both 64 x 64 scaled inverses."""
+        return 0 if self.k_dim >= 2 * CHUNK else cute.cosize(sT_layout)
 
     def prepare_setup(self, mQ, mK, mV, stages: int):
         """Host-side pieces of the preparing role: shared-memory layouts (Q/K and V tiles
@@ -146,9 +153,18 @@ class GdnChunkPrepareSm90:
             sQ = storage.sQ.get_tensor(sQK_layout.outer, swizzle=sQK_layout.inner)
             sK = storage.sK.get_tensor(sQK_layout.outer, swizzle=sQK_layout.inner)
             sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-            sTw = storage.sTw.get_tensor(sT_layout.outer, swizzle=sT_layout.inner)
-            sTu = storage.sTu.get_tensor(sT_layout.outer, swizzle=sT_layout.inner)
-            sA = storage.sA.get_tensor(cute.make_layout((C, C), stride=(C, 1)))
+            # The scaled inverses live where Q was (Q is read only by the score products,
+            # complete before T is solved): 64 KB of shared memory at K = V = 128, 3 CTAs/SM.
+            t_elems = cute.cosize(sT_layout.outer)
+            sTw = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(),
+                                                   swizzle_=sT_layout.inner, dtype=self.dtype),
+                                   sT_layout.outer)
+            tu_ptr = storage.sTu.data_ptr()
+            if const_expr(self.own_tu_elems(sT_layout) == 0):
+                tu_ptr = storage.sQ.data_ptr() + t_elems
+            sTu = cute.make_tensor(cute.recast_ptr(tu_ptr, swizzle_=sT_layout.inner,
+                                                   dtype=self.dtype), sT_layout.outer)
+            sA = storage.sA.get_tensor(cute.make_layout((C, C), stride=(A_ROW_STRIDE, 1)))
             sGate = storage.gate.get_tensor(cute.make_layout(C))
             sBeta = storage.beta.get_tensor(cute.make_layout(C))
             sRows = storage.rows.get_tensor(cute.make_layout((ROW_VALUES, C), stride=(C, 1)))
@@ -187,10 +203,8 @@ class GdnChunkPrepareSm90:
         self.scores(mma_s, sQ, sK, stage, sA, sGate, sBeta, sRows, out[2], scale, tidx)
         self.sync()
         if tidx < C:
-            self.row_values(sGate, sBeta, sRows, out[3], rows, scale, tidx)
-            self.invert(sA, tidx)
-        self.sync()
-        self.scaled_inverse(sA, sTw[None, None, 0], sTu[None, None, 0], sRows, tidx)
+            t_w, t_u = self.row_values(sGate, sBeta, out[3], rows, scale, sRows, tidx)
+            self.invert(sA, sTw[None, None, 0], sTu[None, None, 0], t_w, t_u, tidx)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.sync()
         self.factors(mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out[0], out[1], tidx)
@@ -341,9 +355,10 @@ class GdnChunkPrepareSm90:
             t_m[e] = m.to(self.dtype)
 
     @cute.jit
-    def row_values(self, sGate, sBeta, sRows, out_f, rows: Int32, scale: Float32, j: Int32):
-        """Thread j < 64: token j's column scales of T (into sRows) and its factors q_f,
-        k_f (and, thread 0, G_L) into the factor row ``out_f``."""
+    def row_values(self, sGate, sBeta, out_f, rows: Int32, scale: Float32, sRows, j: Int32):
+        """Thread j < 64: token j's factors q_f, k_f (and, thread 0, G_L) into the factor
+        row ``out_f``; returns its column scales of T for W and U (beta gamma r_k, beta).
+        Reads the row scales r_q, r_k from sRows (with the L2 norm)."""
         C = CHUNK
         g = sGate[j]
         g_last = sGate[C - 1]
@@ -353,8 +368,6 @@ class GdnChunkPrepareSm90:
             r_q = sRows[R_Q, j]
             r_k = sRows[R_K, j]
         beta = sBeta[j]
-        sRows[T_W, j] = beta * cute.math.exp(g, fastmath=True) * r_k
-        sRows[T_U, j] = beta
         real = j < rows
         out_f[Q_FACTORS + j] = cutlass.select_(
             real, scale * cute.math.exp(g, fastmath=True) * r_q, Float32(0.0))
@@ -362,15 +375,15 @@ class GdnChunkPrepareSm90:
             real, cute.math.exp(g_last - g, fastmath=True) * r_k, Float32(0.0))
         if j == 0:
             out_f[G_LAST] = g_last
+        return beta * cute.math.exp(g, fastmath=True) * r_k, beta
 
     @cute.jit
-    def invert(self, sA, j: Int32):
-        """Thread j < 64: column j of T = (I + A)^-1 by forward substitution in fp32,
-        written over A once every column has been solved (A's plain layout: one address
-        register, where the swizzled 16-bit stores were 128 loop-invariant addresses that the
-        fused kernel hoisted and spilled). Each row's sum runs in four independent partial
-        sums over 16-byte loads of A's row (the row is the same for every thread: one
-        broadcast load per four terms)."""
+    def invert(self, sA, sTw, sTu, t_w: Float32, t_u: Float32, j: Int32):
+        """Thread j < 64: column j of T = (I + A)^-1 by forward substitution in fp32, stored
+        as column j of T diag(beta gamma r_k) and T diag(beta) (scales t_w, t_u) in 16
+        bits: the A operands of W and U. Each row's sum runs in four independent partial
+        sums over 16-byte loads of A's row (the same row for every thread: one broadcast
+        load per four terms)."""
         C = CHUNK
         x = cute.make_rmem_tensor(cute.make_layout(C), Float32)
         a4 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
@@ -384,22 +397,9 @@ class GdnChunkPrepareSm90:
             for l in cutlass.range_constexpr(i // 4 * 4, i):
                 part[0] = part[0] - sA[i, l] * x[l]
             x[i] = (part[0] + part[1]) + (part[2] + part[3])
-        cute.arch.barrier(barrier_id=INVERT_BARRIER, number_of_threads=C)
         for i in cutlass.range_constexpr(C):
-            sA[i, j] = x[i]
-
-    @cute.jit
-    def scaled_inverse(self, sT, sTw, sTu, sRows, tidx: Int32):
-        """T diag(beta gamma r_k) and T diag(beta) in 16 bits: the A operands of W and U.
-        Thread tidx owns column tidx % 64 (its two scales loaded once)."""
-        C = CHUNK
-        j = tidx % C
-        t_w = sRows[T_W, j]
-        t_u = sRows[T_U, j]
-        for i in cutlass.range(tidx // C, C, THREADS // C, unroll=4):
-            t = sT[i, j]
-            sTw[i, j] = (t * t_w).to(self.dtype)
-            sTu[i, j] = (t * t_u).to(self.dtype)
+            sTw[i, j] = (x[i] * t_w).to(self.dtype)
+            sTu[i, j] = (x[i] * t_u).to(self.dtype)
 
     @cute.jit
     def factors(self, mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out_w, out_u, tidx: Int32):

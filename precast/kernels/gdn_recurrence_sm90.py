@@ -294,20 +294,26 @@ class GdnChunkRecurrenceSm90:
         if const_expr(self.overlap_products):
             wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
         decay = cute.math.exp(factors[G_LAST], fastmath=True)
-        warpgroup.wait_group(0)
+        # X^T is the state's critical path; S^T Q^T (in flight with it) waits until the
+        # state's update is issued.
+        warpgroup.wait_group(1 if const_expr(self.overlap_products) else 0)
         for e in cutlass.range_constexpr(cute.size(acc_x)):  # Delta^T = U^T - X^T
             d = u_t[e].to(Float32) - acc_x[e]
             delta16[e] = d.to(self.dtype)
             delta_k16[e] = (d * t_kf[e]).to(self.dtype)
-        if const_expr(not self.overlap_products):
+        for e in cutlass.range_constexpr(cute.size(acc_state)):
+            acc_state[e] = acc_state[e] * decay
+        if const_expr(self.overlap_products):
+            wgmma(mma_state, acc_state, tSrDk, tSrK[None, None, None, s], True)
+            warpgroup.wait_group(1)  # S^T Q^T
+        else:
             wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
             warpgroup.wait_group(0)
         for e in cutlass.range_constexpr(cute.size(acc_o)):
             acc_o[e] = acc_o[e] * t_qf[e]
         wgmma(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
-        for e in cutlass.range_constexpr(cute.size(acc_state)):
-            acc_state[e] = acc_state[e] * decay
-        wgmma(mma_state, acc_state, tSrDk, tSrK[None, None, None, s], True)
+        if const_expr(not self.overlap_products):
+            wgmma(mma_state, acc_state, tSrDk, tSrK[None, None, None, s], True)
         warpgroup.wait_group(0)
 
     @cute.jit
