@@ -875,13 +875,14 @@ def test_gpu_tests_use_planned_configurations():
     assert len(planned) == len(CONFIGS)  # and nothing planned goes unused
 
 
-def test_default_plan_has_the_issue_shape():
+def test_default_plan_has_the_issue_shapes():
     from precast.cli import DEFAULT_PLAN
     planned = planned_configs(DEFAULT_PLAN)
     issue = {**BASE_CONFIG, "k_dim": 128, "v_dim": 128, "q_heads": 64, "k_heads": 64,
              "v_heads": 64, "beta_dtype": "bfloat16", "use_qk_l2norm_in_kernel": True,
              "output_final_state": True}
-    assert issue in planned and 2 <= len(planned) <= 3
+    grouped = {**issue, "q_heads": 16, "k_heads": 16}  # the bench's 32k-token GVA case
+    assert issue in planned and grouped in planned and len(planned) == 4
 
 
 def test_reference_measures():

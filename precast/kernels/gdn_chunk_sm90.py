@@ -74,6 +74,15 @@ class GdnChunkPrepareSm90:
         sQK_layout, sV_layout, sT_layout = layouts
         tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma = loads
         mma_s, mma_wk, mma_wv = mmas
+        # The outputs leave by TMA stores from shared memory: W over K, U over V, M where
+        # Q was (W, U, M row block of mWork16, viewed (64, F, HO, chunks)).
+        sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, 1)
+        one = lambda layout: cute.slice_(layout, (None, None, 0))  # noqa: E731
+        s2g = cpasync.CopyBulkTensorTileS2GOp()
+        mW = select_modes(mWork16, [2, 3, 1, 0])
+        stores = tuple(cpasync.make_tiled_tma_atom(s2g, mW, one(layout), (C, cols))
+                       for layout, cols in ((sQK_layout, self.k_dim), (sV_layout, self.v_dim),
+                                            (sM_layout, C)))
 
         @cute.struct
         class SharedStorage:
@@ -93,8 +102,9 @@ class GdnChunkPrepareSm90:
         chunks = mWork32.shape[0]
         num_batches = mCuSeqlens.shape[0] - 1
         self.kernel(mma_s, mma_wk, mma_wv, mQ_tma, mK_tma, mV_tma, tma_q, tma_k, tma_v,
-                    sQK_layout, sV_layout, sT_layout, mG, mBeta, mCuSeqlens, mWork16,
-                    mWork32, num_batches, scale).launch(
+                    sQK_layout, sV_layout, sT_layout, sM_layout, mG, mBeta, mCuSeqlens,
+                    stores[0][1], stores[0][0], stores[1][0], stores[2][0], mWork32,
+                    num_batches, scale).launch(
             grid=[chunks, self.heads, 1], block=[THREADS, 1, 1], stream=stream)
 
     def own_tu_elems(self, sT_layout) -> int:
@@ -139,9 +149,10 @@ class GdnChunkPrepareSm90:
                mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, sQK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sT_layout: cute.ComposedLayout,
-               mG: cute.Tensor, mBeta: cute.Tensor, mCuSeqlens: cute.Tensor,
-               mWork16: cute.Tensor, mWork32: cute.Tensor, num_batches: Int32,
-               scale: Float32):
+               sM_layout: cute.ComposedLayout, mG: cute.Tensor, mBeta: cute.Tensor,
+               mCuSeqlens: cute.Tensor, mWork16: cute.Tensor, store_w: cute.CopyAtom,
+               store_u: cute.CopyAtom, store_m: cute.CopyAtom, mWork32: cute.Tensor,
+               num_batches: Int32, scale: Float32):
         C = CHUNK
         tidx, _, _ = cute.arch.thread_idx()
         packed, head, _ = cute.arch.block_idx()
@@ -180,18 +191,42 @@ class GdnChunkPrepareSm90:
                                 chunk, head)
             self.load_gates(mG, mBeta, sGate, sBeta, start + chunk * C, rows, head, tidx)
             cute.arch.mbarrier_wait(bar, 0)
-            out = self.workspace_parts(mWork16[packed, head, None, None],
-                                       mWork32[packed, head, None])
+            # M waits in registers until the scaled inverses over Q are done with
+            thr_s = mma_s.get_slice(tidx)
+            m16 = cute.make_rmem_tensor(thr_s.partition_shape_C((C, C)), self.dtype)
+            out = (sK[None, None, 0], sV[None, None, 0], m16, mWork32[packed, head, None])
             self.prepare_chunk(mma_s, mma_wk, mma_wv, sQ, sK, sV, 0, sTw, sTu, sA, sGate,
                                sBeta, sRows, out, rows, scale, tidx)
+            sM = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(),
+                                                  swizzle_=sM_layout.inner, dtype=self.dtype),
+                                  sM_layout.outer)
+            t_sm = thr_s.partition_C(sM[None, None, 0])
+            for e in cutlass.range_constexpr(cute.size(m16)):
+                t_sm[e] = m16[e]
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.sync()
+            if warp == 0:  # the whole warp: each TMA copy elects its issuing lane itself
+                K, V = self.k_dim, self.v_dim
+                for atom, s, col, cols in ((store_w, sK, 0, K), (store_u, sV, K, V),
+                                           (store_m, sM, K + V, C)):
+                    block = mWork16[None, None, head, packed]  # (64, F)
+                    g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
+                    t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                     cute.group_modes(s, 0, 2),
+                                                     cute.group_modes(g, 0, 2))
+                    cute.copy(atom, t_s[None, 0], t_g)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # before the CTA exits
 
     @cute.jit
     def prepare_chunk(self, mma_s, mma_wk, mma_wv, sQ, sK, sV, stage, sTw, sTu, sA, sGate,
                       sBeta, sRows, out, rows: Int32, scale: Float32, tidx: Int32):
         """One warpgroup (thread ``tidx`` of 128), after the chunk's Q, K, V (stage
         ``stage`` of sQ, sK, sV) and its g, beta (sGate, sBeta) are in shared memory:
-        writes (W, U, M, factors) into the four views ``out`` (2-D, 2-D, 2-D, 1-D); sGate
-        ends as G. Q and K are only read (rows past ``rows`` are zeroed)."""
+        writes W, U (2-D views, which may be sK, sV of the stage), M (this thread's
+        elements in the score accumulator's order) and the factor row (1-D) into ``out``;
+        sGate ends as G. Q and K are only read by it (rows past ``rows`` are zeroed).
+        Shared-memory outputs are written by the generic proxy and not yet fenced."""
         C = CHUNK
         q2, k2, v2 = (t[None, None, stage] for t in (sQ, sK, sV))  # (rows, cols) views
         if rows < C:  # rows of the next sequence (or TMA zero fill): zeros
@@ -213,13 +248,6 @@ class GdnChunkPrepareSm90:
         """The preparing warpgroup's barrier (the whole CTA here; one warpgroup of the
         fused kernel)."""
         cute.arch.barrier(barrier_id=PREPARE_BARRIER, number_of_threads=THREADS)
-
-    def workspace_parts(self, block, factors):
-        """A (64, K + V + 64) workspace row block and its factor row as the views
-        (W, U, M, factors) prepare_chunk writes."""
-        K, V = self.k_dim, self.v_dim
-        return tuple(cute.domain_offset((0, first), block) for first in (0, K, K + V)) + (
-            factors,)
 
     @cute.jit
     def find_chunk(self, packed: Int32, mCuSeqlens, num_batches: Int32):
@@ -303,10 +331,11 @@ class GdnChunkPrepareSm90:
         sGate[2 * lane + 1] = ends
 
     @cute.jit
-    def scores(self, mma_s, sQ, sK, stage, sA, sGate, sBeta, sRows, out_m, scale: Float32,
+    def scores(self, mma_s, sQ, sK, stage, sA, sGate, sBeta, sRows, t_m, scale: Float32,
                tidx: Int32):
         """K K^T -> A (gated, strictly lower, fp32 in shared memory); Q K^T -> M (gated,
-        causal with the diagonal, scaled; 16-bit into ``out_m``); with the L2 norm, r_q and
+        causal with the diagonal, scaled; 16-bit into ``t_m``, this thread's elements in
+        accumulator order); with the L2 norm, r_q and
         r_k from the diagonals of Q Q^T and K K^T into sRows first. Ends with the
         warpgroup synchronized (sGate written before is read here)."""
         C = CHUNK
@@ -332,7 +361,6 @@ class GdnChunkPrepareSm90:
         wgmma(mma_s, acc_qk, tSrQa, tSrKb, False)
         warpgroup.wait_group(0)
         self.sync()  # G and the row scales
-        t_m = thr.partition_C(out_m)  # this thread's elements of M, in accumulator order
         for e in cutlass.range_constexpr(cute.size(acc_kk)):
             i = coords[e][0]
             j = coords[e][1]

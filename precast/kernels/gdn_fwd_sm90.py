@@ -185,7 +185,8 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
             self.load_gates(mG, mBeta, sGate, sBeta, start + c * C, rows, head, ptidx)
             cute.arch.mbarrier_wait(raw_full + s, (c // STAGES) % 2)
             # W, U (over V), M and the factor row of stage s
-            out = (sW[None, None, s], sV[None, None, s], sM[None, None, s], sF[s, None])
+            out = (sW[None, None, s], sV[None, None, s],
+                   mma_s.get_slice(ptidx).partition_C(sM[None, None, s]), sF[s, None])
             self.prepare_chunk(mma_s, mma_wk, mma_wv, sQ, sK, sV, s, sTw, sTu, sA, sGate,
                                sBeta, sRows, out, rows, scale, ptidx)
             # Generic-proxy writes, read next by the state's wgmma (async proxy).
