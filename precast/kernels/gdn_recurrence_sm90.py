@@ -34,6 +34,7 @@ from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
 
 THREADS_PER_WG = 128
 STAGES = 2
+O_BARRIER = 1  # the consumer warpgroups, around the o staging tile
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
@@ -86,6 +87,11 @@ class GdnChunkRecurrenceSm90:
                                                    one(sK_layout), (C, K))
         tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, mW, one(sU_layout), (C, V))
         tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
+        # o of a whole chunk leaves by a TMA store of a (64 tokens, V) staging tile
+        sO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, V), dt, 1)
+        store_o, mO_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
+                                                    select_modes(mO, [0, 2, 1]),
+                                                    one(sO_layout), (C, V))
         self.stage_bytes = (3 * cute.size_in_bytes(dt, one(sK_layout))
                             + cute.size_in_bytes(dt, one(sU_layout))
                             + cute.size_in_bytes(dt, one(sM_layout)))
@@ -105,12 +111,14 @@ class GdnChunkRecurrenceSm90:
             sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
             sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
 
         self.storage = SharedStorage
         num_batches = mCuSeqlens.shape[0] - 1
         self.kernel(mma_tok, mma_state, mQ_t, mK_t, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k,
-                    tma_u, tma_m, sK_layout, sU_layout, sM_layout, mWork32, mCuSeqlens, mO,
-                    mState0, mStateIdx, mFinal, mCkpt, ckpt_every, num_batches).launch(
+                    tma_u, tma_m, sK_layout, sU_layout, sM_layout, sO_layout, store_o, mO_t,
+                    mWork32, mCuSeqlens, mO, mState0, mStateIdx, mFinal, mCkpt, ckpt_every,
+                    num_batches).launch(
             grid=[self.heads, cutlass.max(num_batches, 1), 1],
             block=[self.num_threads, 1, 1], stream=stream)
 
@@ -121,6 +129,7 @@ class GdnChunkRecurrenceSm90:
                tma_q: cute.CopyAtom, tma_kr: cute.CopyAtom, tma_k: cute.CopyAtom,
                tma_u: cute.CopyAtom, tma_m: cute.CopyAtom, sK_layout: cute.ComposedLayout,
                sU_layout: cute.ComposedLayout, sM_layout: cute.ComposedLayout,
+               sO_layout: cute.ComposedLayout, store_o: cute.CopyAtom, mO_t: cute.Tensor,
                mWork32: cute.Tensor, mCuSeqlens: cute.Tensor, mO: cute.Tensor,
                mState0: cute.Tensor, mStateIdx: cute.Tensor, mFinal: cute.Tensor,
                mCkpt: cute.Tensor, ckpt_every: Int32, num_batches: Int32):
@@ -142,6 +151,7 @@ class GdnChunkRecurrenceSm90:
         sW = storage.sW.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sU = storage.sU.get_tensor(sU_layout.outer, swizzle=sU_layout.inner)
         sM = storage.sM.get_tensor(sM_layout.outer, swizzle=sM_layout.inner)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         start = mCuSeqlens[batch]
         length = mCuSeqlens[batch + 1] - start
@@ -158,7 +168,8 @@ class GdnChunkRecurrenceSm90:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume(mma_tok, mma_state, sQ, sK, sW, sU, sM, pipe, mWork32, mO,
+            self.consume(mma_tok, mma_state, sQ, sK, sW, sU, sM, (sO, store_o, mO_t), pipe,
+                         mWork32, mO,
                          mState0, mStateIdx, mFinal, mCkpt, ckpt_every, mCuSeqlens, batch,
                          head, start, length, first_chunk, chunks, tidx - THREADS_PER_WG)
 
@@ -192,7 +203,8 @@ class GdnChunkRecurrenceSm90:
         cute.copy(atom, t_g, t_s[None, stage], tma_bar_ptr=bar)
 
     @cute.jit
-    def consume(self, mma_tok, mma_state, sQ, sK, sW, sU, sM, pipe, mWork32, mO, mState0,
+    def consume(self, mma_tok, mma_state, sQ, sK, sW, sU, sM, staged_o, pipe, mWork32, mO,
+                mState0,
                 mStateIdx, mFinal, mCkpt, ckpt_every: Int32, mCuSeqlens, batch: Int32,
                 head: Int32, start: Int32, length: Int32, first_chunk: Int32, chunks: Int32,
                 consumer_tidx: Int32):
@@ -208,7 +220,9 @@ class GdnChunkRecurrenceSm90:
             cute.arch.sync_warp()
             pipe.consumer_release(state)
             state = advanced(state)
-            self.store_o(parts, mO, start, length, c, head)
+            self.store_o(parts, mO, start, length, c, head, staged_o)
+        if consumer_tidx < cute.arch.WARP_SIZE:  # the o tile's last store has read it
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_state(parts, mState0, mFinal, state_row, batch, head)
 
     # The state role's pieces, shared with the fused kernel (gdn_fwd_sm90).
@@ -235,7 +249,7 @@ class GdnChunkRecurrenceSm90:
         state16 = cute.make_rmem_tensor(acc_state.layout, self.dtype)
         deltas = tuple(cute.make_rmem_tensor(acc_x.layout, self.dtype) for _ in range(2))
         return (mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, deltas,
-                thr_state, thr_tok)
+                thr_state, thr_tok, consumer_tidx)
 
     @cute.jit
     def load_state(self, parts, mState0, mStateIdx, mCuSeqlens, ckpt_every: Int32,
@@ -273,7 +287,7 @@ class GdnChunkRecurrenceSm90:
         [q_f | k_f | G_L] as the 1-D view ``factors``): O^T into acc_o, the state
         advanced; every wgmma waited for."""
         (mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, deltas, thr_state,
-         thr_tok) = parts
+         thr_tok, _) = parts
         delta16, delta_k16 = deltas  # Delta^T and Delta^T diag(k_f)
         tXrW, tXrQ, tOrM, tSrK = frags
         rows, C = 64 * self.nwg, CHUNK
@@ -317,17 +331,55 @@ class GdnChunkRecurrenceSm90:
         warpgroup.wait_group(0)
 
     @cute.jit
-    def store_o(self, parts, mO, start: Int32, length: Int32, c: Int32, head: Int32):
-        """acc_o (O^T of chunk c) -> o rows of the sequence (none past its end)."""
-        acc_o, thr_tok = parts[5], parts[9]
+    def store_o(self, parts, mO, start: Int32, length: Int32, c: Int32, head: Int32,
+                staged_o=None):
+        """acc_o (O^T of chunk c) -> o rows of the sequence (none past its end). With
+        ``staged_o`` = (sO, TMA store atom, its view of o), a whole chunk goes through the
+        (64, V) staging tile and one TMA store issued by the first consumer warp; a partial
+        last chunk (and the fused kernel, without staged_o) stores element by element."""
         rows = cutlass.min(length - c * CHUNK, CHUNK)
+        if const_expr(staged_o is None):
+            self.store_o_rows(parts, mO, start, rows, c, head)
+        else:
+            if rows == CHUNK:
+                self.store_o_staged(parts, staged_o, start, c, head)
+            else:
+                self.store_o_rows(parts, mO, start, rows, c, head)
+
+    @cute.jit
+    def store_o_staged(self, parts, staged_o, start: Int32, c: Int32, head: Int32):
+        acc_o, thr_tok, consumer_tidx = parts[5], parts[9], parts[10]
+        V, C = 64 * self.nwg, CHUNK
+        sO, store_o, mO_t = staged_o
+        issuer = consumer_tidx < cute.arch.WARP_SIZE
+        if issuer:  # the previous chunk's store has read the tile
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
+        s_t = thr_tok.partition_C(cute.composition(
+            sO[None, None, 0], cute.make_ordered_layout((V, C), order=(1, 0))))
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            s_t[e] = acc_o[e].to(self.dtype)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
+        if issuer:  # the whole warp: the TMA copy elects its issuing lane itself
+            g = cute.local_tile(cute.domain_offset((start + c * C, 0), mO_t[None, None, head]),
+                                (C, V), (0, 0))
+            t_s, t_g = cpasync.tma_partition(store_o, 0, cute.make_layout(1),
+                                             cute.group_modes(sO, 0, 2),
+                                             cute.group_modes(g, 0, 2))
+            cute.copy(store_o, t_s[None, 0], t_g)
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def store_o_rows(self, parts, mO, start: Int32, rows: Int32, c: Int32, head: Int32):
+        acc_o, thr_tok = parts[5], parts[9]
+        V, C = 64 * self.nwg, CHUNK
         # o rows of the chunk as (V, tokens), partitioned like the accumulator. (A
         # composition with a (V, 64):(64, 1) layout, as for the shared-memory tiles, would
         # be wrong here: the token extent of mO is T, not 64.)
-        g_o = cute.domain_offset((start + c * CHUNK, 0), mO[None, head, None])  # (T, V)
-        g_t = thr_tok.partition_C(cute.local_tile(select_modes(g_o, [1, 0]),
-                                                  (64 * self.nwg, CHUNK), (0, 0)))
-        c_tok = thr_tok.partition_C(cute.make_identity_tensor((64 * self.nwg, CHUNK)))
+        g_o = cute.domain_offset((start + c * C, 0), mO[None, head, None])  # (T, V)
+        g_t = thr_tok.partition_C(cute.local_tile(select_modes(g_o, [1, 0]), (V, C), (0, 0)))
+        c_tok = thr_tok.partition_C(cute.make_identity_tensor((V, C)))
         for e in cutlass.range_constexpr(cute.size(acc_o)):
             if c_tok[e][1] < rows:
                 g_t[e] = acc_o[e].to(mO.element_type)
