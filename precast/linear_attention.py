@@ -53,7 +53,7 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     """Gated DeltaNet forward over packed sequences.
 
     q [T, HQ, K], k [T, HK, K], v [T, HV, V] (bf16 or fp16), g and beta [T, HO]
-    (HO = max(HQ, HV); g natural-log gates), cu_seqlens [N + 1] int32. Returns
+    (HO = max(HQ, HV); g natural-log gates), cu_seqlens [N + 1] int32 or int64. Returns
     ``(o [T, HO, V], final_state [N, HO, V, K] float32 or None)``; with
     ``checkpoint_every_n_tokens`` n (a multiple of 64) ``.checkpoints`` holds
     [T // n + N, HO, V, K] rows of ``checkpoint_dtype`` (default the io dtype): each

@@ -222,13 +222,43 @@ def test_from_config_invalid_combinations(config, exc, match):
 
 
 # --- what the kernels cannot do yet --------------------------------------------------------------
-def test_int64_cu_seqlens_not_supported_yet():
-    op = gdn(**samples(cu_dtype=I64))
-    with pytest.raises(NotImplementedError, match=r"cu_seqlens: int64 offsets are not supported "
-                       r"yet \(the kernels read int32\); pass cu_seqlens.to\(torch.int32\)"):
-        op.check_support()
-    with pytest.raises(NotImplementedError, match="int64 offsets"):
-        gdn().check_support().execute(**call(cu_seqlens=meta(N + 1, dtype=I64)), stream=1)
+def test_int64_cu_seqlens_run_from_an_int32_copy_on_the_stream(launches):
+    """int64 offsets: converted on the launch stream into an int32 buffer the op keeps per
+    (device, stream), made once and reused; both kernels read it; the values are never
+    read on the host."""
+    op = gdn(**samples(cu_dtype=I64)).check_support()
+    cu64 = meta(N + 1, dtype=I64)
+    op.execute(**call(cu_seqlens=cu64), stream=4)
+    (_, prep), (_, rec) = launches.calls
+    offsets = prep[5]
+    assert offsets.dtype == I32 and tuple(offsets.shape) == (N + 1,)
+    assert after_qk(prep, rec)[2] is offsets
+    buffer = op._offset_buffers[(None, 4)]
+    assert offsets._base is buffer
+    assert ("empty", (N + 1,), I32) in launches.events
+    copies = [e for e in launches.events if e[0] == "copy"]
+    assert copies and copies[-1][1] is offsets and copies[-1][2] is cu64
+    assert kinds(launches).index("copy") < kinds(launches).index("launch")
+    # the next call on the stream reuses the buffer; fewer sequences use its first rows
+    launches.events.clear()
+    op.execute(**call(t=T // 2, n=N - 1, cu_seqlens=meta(N, dtype=I64)), stream=4)
+    assert "empty" not in kinds(launches) and op._offset_buffers[(None, 4)] is buffer
+    assert tuple(launches.calls[-1][1][4].shape) == (N,)
+    # int32 offsets are passed as they are
+    op32 = gdn().check_support()
+    a = call()
+    op32.execute(**a, stream=4)
+    assert launches.calls[-1][1][4] is a["cu_seqlens"] and op32._offset_buffers == {}
+
+
+def test_int64_cu_seqlens_buffer_not_made_while_capturing(launches):
+    op = gdn(**samples(cu_dtype=I64)).check_support()
+    launches.capturing = True
+    with pytest.raises(RuntimeError, match="no int32 buffer of 5 offsets for int64 cu_seqlens"):
+        op.execute(**call(cu_seqlens=meta(N + 1, dtype=I64)),
+                   workspace=tuple(meta(*shape, dtype=dt) for shape, dt in
+                                   zip(op.workspace_shapes(T, N), (BF, F32))), stream=2)
+    assert launches.calls == []
 
 
 def test_at_most_65535_sequences():
@@ -720,13 +750,19 @@ def test_allocating_function_pool_written_back_when_copied(no_compile):
     assert no_compile.calls[-1][1][6] is pool and "copy" not in kinds(no_compile)
 
 
+def test_allocating_function_takes_int64_offsets(no_compile):
+    cu64 = meta(N + 1, dtype=I64)
+    gated_delta_net(**inputs(cu_seqlens=cu64), stream=0)
+    (_, prep), (_, rec) = no_compile.calls
+    assert prep[5].dtype == I32 and after_qk(prep, rec)[2] is prep[5]
+    assert any(e[0] == "copy" and e[2] is cu64 for e in no_compile.events)
+
+
 def test_allocating_function_validates(no_compile):
     with pytest.raises(ValueError, match="q: tensor is on cpu"):
         gated_delta_net(**inputs(q=torch.zeros(T, HQ, K, dtype=BF)), stream=0)
     with pytest.raises(NotImplementedError, match="head dim K = 96"):
         gated_delta_net(**inputs(q=meta(T, HQ, 96), k=meta(T, HK, 96)), stream=0)
-    with pytest.raises(NotImplementedError, match="int64 offsets"):
-        gated_delta_net(**inputs(cu_seqlens=meta(N + 1, dtype=I64)), stream=0)
     with pytest.raises(ValueError, match="checkpoint_dtype is given but"):
         gated_delta_net(**inputs(), checkpoint_dtype=F32, stream=0)
     assert COMPILED_OPS._ops == {} and no_compile.calls == []  # nothing invalid is cached

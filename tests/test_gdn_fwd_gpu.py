@@ -380,6 +380,25 @@ def test_side_stream_equals_the_current_stream():
     assert torch.equal(out.o, expect.o) and torch.equal(out.final_state, expect.final_state)
 
 
+def test_int64_offsets_equal_int32():
+    """int64 cu_seqlens (flash-linear-attention's type) run from the op's int32 copy: the
+    same bits as int32 offsets, through execute() and the allocating function."""
+    name = "bf16-state-checkpoints"
+    b = make_batch(name, RAGGED, seed=85)
+    written = sum(-(-n // 64) for n in b.lengths)  # checkpoint rows; the rest stay NaN
+    expect = launch(name, b)
+    b64 = Batch(b.lengths, b.q, b.k, b.v, b.g, b.beta, b.cu_seqlens.long(), b.initial_state)
+    got = launch(name, b64)
+    r = gated_delta_net(b.q, b.k, b.v, b.g, b.beta, b.cu_seqlens.long(),
+                        initial_state=b.initial_state, output_final_state=True,
+                        use_qk_l2norm_in_kernel=True, checkpoint_every_n_tokens=64,
+                        checkpoint_dtype=F32)  # the configuration's static fields
+    for o, final, ckpt in ((got.o, got.final_state, got.checkpoints),
+                           (r.o, r.final_state, r.checkpoints)):
+        assert torch.equal(o, expect.o) and torch.equal(final, expect.final_state)
+        assert torch.equal(ckpt[:written], expect.checkpoints[:written])
+
+
 def test_cuda_graph_capture_and_replay():
     """execute() captured on a varlen batch with a caller-owned workspace; replays after q,
     v and g change in place equal eager runs; capture allocates nothing."""

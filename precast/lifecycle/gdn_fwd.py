@@ -14,9 +14,12 @@ batch_invariant=True is accepted and costs nothing: no CTA of either kernel read
 sequence's tokens or results (chunks never straddle sequences, the recurrence owns one
 sequence), so a sequence's outputs are bitwise the same alone or in any batch.
 
+int64 cu_seqlens are converted on the stream into an int32 buffer the op keeps per device
+and stream (the kernels read int32; the values stay on the device).
+
 What the kernels cannot do yet (NotImplementedError from check_support() and execute()):
-int64 cu_seqlens; more than 65535 sequences (one recurrence grid row each); q, k, v or o
-head offsets beyond 2^31 - 1 elements (the kernels index heads with 32-bit strides).
+more than 65535 sequences (one recurrence grid row each); q, k, v or o head offsets beyond
+2^31 - 1 elements (the kernels index heads with 32-bit strides).
 """
 from __future__ import annotations
 
@@ -96,9 +99,6 @@ def _check_head_offsets(name: str, t) -> None:
 def check_kernel_limits(s: GdnShapes, tokens: Mapping[str, object]) -> None:
     """What valid calls the kernels cannot run yet (beyond gdn_rules); ``tokens`` names the
     [T, heads, dim] tensors (q, k, v, o)."""
-    check_value(s.cu_seqlens_dtype == torch.int32, NotImplementedError,
-                f"cu_seqlens: {dtype_name(s.cu_seqlens_dtype)} offsets are not supported yet (the "
-                "kernels read int32); pass cu_seqlens.to(torch.int32)")
     check_value(s.N <= MAX_SEQUENCES, NotImplementedError,
                 f"cu_seqlens: N = {s.N} sequences; the recurrence kernel takes at most "
                 f"{MAX_SEQUENCES} (one grid row per sequence)")
@@ -220,6 +220,8 @@ class GdnFwdSm90(Op):
         # stay alive: a graph captured earlier may still use them.
         self._workspaces: Dict[Tuple[Optional[int], int], Tuple[torch.Tensor, ...]] = {}
         self._outgrown: list = []
+        # int32 copies of int64 cu_seqlens, per (device, stream): see _offsets_as_int32
+        self._offset_buffers: Dict[Tuple[Optional[int], int], torch.Tensor] = {}
 
     # --- the static configuration -----------------------------------------------------------
     def _call_shapes(self, q, k, v, g, beta, cu_seqlens, *, scale, initial_state=None,
@@ -380,6 +382,27 @@ class GdnFwdSm90(Op):
                     "this stream with as many tokens and sequences before capturing")
         return pair[0][:chunks], pair[1][:chunks]
 
+    def _offsets_as_int32(self, index: Optional[int], handle: int, cu_seqlens,
+                          num_seqs: int) -> torch.Tensor:
+        """int64 cu_seqlens converted, on the stream, into this op's int32 buffer for
+        (device, stream) (launch.stream_workspace): the kernels read int32 offsets. Every
+        valid offset is at most T < 2^31, so the conversion is exact; values are never read
+        on the host."""
+        def make(rows):
+            with torch.cuda.stream(torch_stream(handle, index)):
+                return torch.empty((rows,), dtype=torch.int32, device=f"cuda:{index}")
+        buffer = stream_workspace(
+            self._offset_buffers, self._outgrown, (index, handle), num_seqs + 1, make,
+            lambda: stream_is_capturing(handle),
+            lambda: "GdnFwdSm90.execute: the stream is capturing a CUDA graph and this op has "
+                    f"no int32 buffer of {num_seqs + 1} offsets for int64 cu_seqlens on it; "
+                    "execute once on this stream with as many sequences before capturing, or "
+                    "pass int32 cu_seqlens")
+        offsets = buffer[:num_seqs + 1]
+        with torch.cuda.stream(torch_stream(handle, index)):
+            offsets.copy_(cu_seqlens)
+        return offsets
+
     def execute(self, q, k, v, g, beta, cu_seqlens, o, *, initial_state=None,
                 state_indices=None, final_state=None, checkpoints=None, workspace=None,
                 stream=None, scale: Optional[float] = None,
@@ -389,7 +412,9 @@ class GdnFwdSm90(Op):
         of each sequence, in order; rows past sum(ceil(len / n)) are not written) and the
         pool rows state_indices of initial_state (in place). Never reads device memory;
         allocates nothing when ``workspace`` is given (see workspace_shapes; else the op
-        keeps one per device and stream), but for the pool rows gathered when T == 0. scale
+        keeps one per device and stream), but for the pool rows gathered when T == 0 and
+        the int32 copy of int64 cu_seqlens (kept per device and stream, like the
+        workspace: execute once before capturing a graph with int64 offsets). scale
         and checkpoint_every_n_tokens default to the constructor's.
 
         T == 0 (every sequence empty; TMA cannot describe empty tensors): no kernel runs;
@@ -443,6 +468,8 @@ class GdnFwdSm90(Op):
         if workspace is None:
             workspace = self._own_workspace(index, handle, s.T, s.N)
         work16, work32 = workspace
+        if s.cu_seqlens_dtype == torch.int64:
+            cu_seqlens = self._offsets_as_int32(index, handle, cu_seqlens, s.N)
         with device_guard(index):
             kernels["prepare"](q, k, v, g, beta, cu_seqlens, work16, work32, s.scale, handle)
             # ckpt_every is unused (compiled out) without checkpoints.
