@@ -17,7 +17,7 @@ import precast
 from precast import GdnFwdSm90, TensorDesc, gated_delta_net
 from precast.lifecycle import gdn_fwd as gdn_module
 from precast.lifecycle.cache import ArtifactCache
-from precast.lifecycle.gdn_fwd import KERNEL_MODES, readable_in_place
+from precast.lifecycle.gdn_fwd import kernel_modes, readable_in_place
 from precast.lifecycle.op import OP_REGISTRY, Op
 from precast.plan import OP_MODULES, expand
 
@@ -189,7 +189,9 @@ def test_from_config_round_trip(config):
     assert GdnFwdSm90.from_config(**cfg).static_config() == cfg
     (entry,) = expand({"name": "GdnFwdSm90", **cfg})
     assert dict(entry.config) == cfg
-    assert tuple(op._kernel_builders()) == KERNEL_MODES == ("prepare", "recurrence")
+    split = ("recurrence_split",) if cfg["v_dim"] == 128 else ()
+    assert tuple(op._kernel_builders()) == kernel_modes(cfg["v_dim"]) == (
+        "prepare", "recurrence") + split
 
 
 @pytest.mark.parametrize("config,exc,match", [
@@ -222,6 +224,21 @@ def test_from_config_invalid_combinations(config, exc, match):
 
 
 # --- what the kernels cannot do yet --------------------------------------------------------------
+def test_split_recurrence_when_the_pairs_fill_at_most_half_the_sms(launches, monkeypatch):
+    """N * HO = 32 (sequence, head) pairs: two CTAs each on a device of >= 64 SMs; V = 64
+    has no split kernel."""
+    op = gdn().check_support()
+    for sms, mode in ((63, "recurrence"), (64, "recurrence_split"), (132, "recurrence_split")):
+        monkeypatch.setattr(gdn_module, "sm_count", lambda index: sms)
+        op.execute(**call(), stream=1)
+        assert [m for m, _ in launches.calls[-2:]] == ["prepare", mode]
+    (_, prep), (_, rec) = launches.calls[-2:]
+    assert after_qk(prep, rec)[:2] == (prep[6], prep[7])  # the same workspace either way
+    op64 = gdn(**samples(v=64)).check_support()
+    op64.execute(**call(v=meta(T, HV, 64), o=meta(T, HO, 64)), stream=1)
+    assert launches.calls[-1][0] == "recurrence"
+
+
 def test_int64_cu_seqlens_run_from_an_int32_copy_on_the_stream(launches):
     """int64 offsets: converted on the launch stream into an int32 buffer the op keeps per
     (device, stream), made once and reused; both kernels read it; the values are never
@@ -367,8 +384,11 @@ def test_execute_checks_first_when_unchecked(launches):
 # --- execute: launches (kernels stood in for) -----------------------------------------------------
 @pytest.fixture
 def launches(monkeypatch):
-    """conftest.record_launches for GdnFwdSm90 (its workspace is made by torch.empty)."""
-    return record_launches(monkeypatch, gdn_module, lambda op: KERNEL_MODES, "empty")
+    """conftest.record_launches for GdnFwdSm90 (its workspace is made by torch.empty), on
+    a device of 16 SMs: N * HO = 32 (sequence, head) pairs take the one-CTA recurrence."""
+    monkeypatch.setattr(gdn_module, "sm_count", lambda index: 16)
+    return record_launches(monkeypatch, gdn_module, lambda op: kernel_modes(op.shapes.V),
+                           "empty")
 
 def kinds(rec):
     return [e[0] for e in rec.events]
@@ -879,16 +899,17 @@ def test_kernel_builder_arguments(stub_kernels, config, none_args):
 
 @pytest.mark.compile
 def test_both_kernels_cross_compile(tmp_path):
-    """prepare and recurrence of one configuration (every optional tensor present) build for
-    sm_90a and land in one cache entry."""
+    """prepare, recurrence and the split recurrence of one configuration (every optional
+    tensor present, V = 128) build for sm_90a and land in one cache entry."""
     op = GdnFwdSm90.from_config(state_dtype="float32", output_final_state=True,
                                 use_qk_l2norm_in_kernel=True, checkpoint_dtype="float32",
                                 beta_dtype="bfloat16").check_support()
     cache = ArtifactCache(tmp_path)
     op.compile(arch="sm_90a", cache=cache)
-    assert op.is_compiled and sorted(op._kernels) == ["prepare", "recurrence"]
+    assert op.is_compiled and sorted(op._kernels) == ["prepare", "recurrence",
+                                                        "recurrence_split"]
     ((_, manifest),) = list(cache.entries())
-    assert set(manifest["kernels"]) == {"prepare", "recurrence"}
+    assert set(manifest["kernels"]) == {"prepare", "recurrence", "recurrence_split"}
     assert manifest["key"]["op"] == "GdnFwdSm90" and manifest["key"]["arch"] == "sm_90a"
     assert manifest["key"]["config"] == op.static_config()
 

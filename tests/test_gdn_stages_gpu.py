@@ -81,3 +81,27 @@ def test_stage2_on_the_reference_workspace_matches_the_recurrence():
     for name, got, want in (("o", o, ref["o"]), ("final state", final, ref["final_state"])):
         ratio = rms_error_ratio(got, want)
         assert ratio < 2e-2, f"{name}: RMS error ratio {ratio:.3g}"
+
+
+def test_split_recurrence_equals_one_cta_per_sequence_and_head():
+    """Stage 2 with two CTAs per (sequence, head) (64 state rows each) is bitwise the
+    one-CTA kernel: every row's arithmetic is the same."""
+    q, k, v, gate, beta, cu = batch(LENS, seed=2)
+    op = compiled_op(q, k, v, gate, beta, cu)
+    kernels = op._ready(0)
+    work, factors = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
+                                                  use_qk_l2norm_in_kernel=True)
+    s16, s32 = op.workspace_shapes(q.shape[0], len(LENS))
+    work32 = torch.zeros(s32, device=DEV)
+    work32[..., :2 * C + 1] = factors
+    outs = []
+    for mode in ("recurrence", "recurrence_split"):
+        o = torch.full((sum(LENS), H, V), float("nan"), dtype=q.dtype, device=DEV)
+        final = torch.full((len(LENS), H, V, K), float("nan"), device=DEV)
+        kernels[mode](q, k, work.to(q.dtype), work32, cu, o, None, None, final, None, 0,
+                      torch.cuda.current_stream().cuda_stream)
+        outs.append((o, final))
+    torch.cuda.synchronize()
+    (o1, f1), (o2, f2) = outs
+    assert not torch.isnan(o2).any() and not torch.isnan(f2).any()
+    assert torch.equal(o1, o2) and torch.equal(f1, f2)

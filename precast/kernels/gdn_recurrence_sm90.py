@@ -42,12 +42,15 @@ CONSUMER_REGS = 232
 class GdnChunkRecurrenceSm90:
     def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
                  v_heads: int, initial_state: bool, pool: bool, final_state: bool,
-                 checkpoints: bool, overlap_products: bool = True):
+                 checkpoints: bool, overlap_products: bool = True, v_splits: int = 1):
         """initial_state: an [N or N_pool, HO, V, K] state is read (with pool: at row
         state_indices[b], and the final state written back there); final_state: the end
         state goes to an [N, HO, V, K] fp32 tensor; checkpoints: [rows, HO, V, K].
         overlap_products: S^T W^T and S^T Q^T in flight together (more registers live:
-        off in the fused kernel)."""
+        off in the fused kernel). v_splits: CTAs per (sequence, head), each owning
+        V / v_splits of the state's rows (the rows evolve independently; every CTA reads the
+        chunk's q, k, W, M and its columns of U): more CTAs when (sequence, head) pairs are
+        fewer than the SMs."""
         assert k_dim in (64, 128) and v_dim in (64, 128)
         assert not pool or initial_state
         self.dtype = dtype
@@ -57,7 +60,10 @@ class GdnChunkRecurrenceSm90:
         self.overlap_products = overlap_products
         self.initial_state, self.pool = initial_state, pool
         self.final_state, self.checkpoints = final_state, checkpoints
-        self.nwg = v_dim // 64
+        assert v_dim % (64 * v_splits) == 0
+        self.v_splits = v_splits
+        self.v_rows = v_dim // v_splits  # state rows (V) of one CTA
+        self.nwg = self.v_rows // 64
         self.num_threads = (self.nwg + 1) * THREADS_PER_WG
 
     # ------------------------------------------------------------------ host side
@@ -73,7 +79,8 @@ class GdnChunkRecurrenceSm90:
         # Tiles of one (chunk, head): rows x columns, K-major B operands (Q, W, M) and K read
         # transposed; U is read element-wise.
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, STAGES)
-        sU_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, V), dt, STAGES)
+        Vc = self.v_rows  # this CTA's columns of U and o
+        sU_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, STAGES)
         sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, STAGES)
         one = lambda layout: cute.slice_(layout, (None, None, 0))
         g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -85,13 +92,13 @@ class GdnChunkRecurrenceSm90:
                                                   one(sK_layout), (C, K))
         tma_kr, mK_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mK, [0, 2, 1]),
                                                    one(sK_layout), (C, K))
-        tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, mW, one(sU_layout), (C, V))
+        tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, mW, one(sU_layout), (C, Vc))
         tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
         # o of a whole chunk leaves by a TMA store of a (64 tokens, V) staging tile
-        sO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, V), dt, 1)
+        sO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, 1)
         store_o, mO_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
                                                     select_modes(mO, [0, 2, 1]),
-                                                    one(sO_layout), (C, V))
+                                                    one(sO_layout), (C, Vc))
         self.stage_bytes = (3 * cute.size_in_bytes(dt, one(sK_layout))
                             + cute.size_in_bytes(dt, one(sU_layout))
                             + cute.size_in_bytes(dt, one(sM_layout)))
@@ -119,7 +126,7 @@ class GdnChunkRecurrenceSm90:
                     tma_u, tma_m, sK_layout, sU_layout, sM_layout, sO_layout, store_o, mO_t,
                     mWork32, mCuSeqlens, mO, mState0, mStateIdx, mFinal, mCkpt, ckpt_every,
                     num_batches).launch(
-            grid=[self.heads, cutlass.max(num_batches, 1), 1],
+            grid=[self.heads, cutlass.max(num_batches, 1), self.v_splits],
             block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -134,7 +141,7 @@ class GdnChunkRecurrenceSm90:
                mState0: cute.Tensor, mStateIdx: cute.Tensor, mFinal: cute.Tensor,
                mCkpt: cute.Tensor, ckpt_every: Int32, num_batches: Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        head, batch, _ = cute.arch.block_idx()
+        head, batch, split = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.storage)
@@ -163,7 +170,7 @@ class GdnChunkRecurrenceSm90:
         if warp == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ, sK,
-                         sW, sU, sM, pipe, head, start, first_chunk, chunks)
+                         sW, sU, sM, pipe, head, start, first_chunk, chunks, split)
         elif warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         else:
@@ -171,16 +178,16 @@ class GdnChunkRecurrenceSm90:
             self.consume(mma_tok, mma_state, sQ, sK, sW, sU, sM, (sO, store_o, mO_t), pipe,
                          mWork32, mO,
                          mState0, mStateIdx, mFinal, mCkpt, ckpt_every, mCuSeqlens, batch,
-                         head, start, length, first_chunk, chunks, tidx - THREADS_PER_WG)
+                         head, start, length, first_chunk, chunks, tidx - THREADS_PER_WG, split)
 
     @cute.jit
     def produce(self, mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ, sK,
                 sW, sU, sM, pipe, head: Int32, start: Int32, first_chunk: Int32,
-                chunks: Int32):
+                chunks: Int32, split: Int32):
         K, V, C = self.k_dim, self.v_dim, CHUNK
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-        # workspace tiles: (atom, tensor, smem, first column, columns)
-        tiles = ((tma_k, mW_k, sW, 0, K), (tma_u, mW_u, sU, K, V),
+        # workspace tiles: (atom, tensor, smem, first column, columns); U: this CTA's columns
+        tiles = ((tma_k, mW_k, sW, 0, K), (tma_u, mW_u, sU, K + split * self.v_rows, self.v_rows),
                  (tma_m, mW_m, sM, K + V, C))
         for c in cutlass.range(chunks, unroll=1):
             pipe.producer_acquire(state)
@@ -207,8 +214,8 @@ class GdnChunkRecurrenceSm90:
                 mState0,
                 mStateIdx, mFinal, mCkpt, ckpt_every: Int32, mCuSeqlens, batch: Int32,
                 head: Int32, start: Int32, length: Int32, first_chunk: Int32, chunks: Int32,
-                consumer_tidx: Int32):
-        parts = self.state_parts(mma_tok, mma_state, sQ, sK, sW, sM, consumer_tidx)
+                consumer_tidx: Int32, split: Int32):
+        parts = self.state_parts(mma_tok, mma_state, sQ, sK, sW, sM, consumer_tidx, split)
         state_row, ckpt_row = self.load_state(parts, mState0, mStateIdx, mCuSeqlens,
                                               ckpt_every, batch, head)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
@@ -227,9 +234,11 @@ class GdnChunkRecurrenceSm90:
 
     # The state role's pieces, shared with the fused kernel (gdn_fwd_sm90).
     @cute.jit
-    def state_parts(self, mma_tok, mma_state, sQ, sK, sW, sM, consumer_tidx: Int32):
+    def state_parts(self, mma_tok, mma_state, sQ, sK, sW, sM, consumer_tidx: Int32,
+                    split: Int32 = 0):
         """Accumulators, their 16-bit operand copies, shared-memory B fragments (every
-        stage) and element coordinates of one state thread."""
+        stage) and element coordinates of one state thread (of the CTA owning state rows
+        split * v_rows ...)."""
         K, C = self.k_dim, CHUNK
         rows = 64 * self.nwg
         stages = cute.size(sK, mode=[2])
@@ -249,7 +258,7 @@ class GdnChunkRecurrenceSm90:
         state16 = cute.make_rmem_tensor(acc_state.layout, self.dtype)
         deltas = tuple(cute.make_rmem_tensor(acc_x.layout, self.dtype) for _ in range(2))
         return (mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, deltas,
-                thr_state, thr_tok, consumer_tidx)
+                thr_state, thr_tok, consumer_tidx, split)
 
     @cute.jit
     def load_state(self, parts, mState0, mStateIdx, mCuSeqlens, ckpt_every: Int32,
@@ -287,7 +296,7 @@ class GdnChunkRecurrenceSm90:
         [q_f | k_f | G_L] as the 1-D view ``factors``): O^T into acc_o, the state
         advanced; every wgmma waited for."""
         (mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, deltas, thr_state,
-         thr_tok, _) = parts
+         thr_tok, _, _) = parts
         delta16, delta_k16 = deltas  # Delta^T and Delta^T diag(k_f)
         tXrW, tXrQ, tOrM, tSrK = frags
         rows, C = 64 * self.nwg, CHUNK
@@ -348,7 +357,7 @@ class GdnChunkRecurrenceSm90:
 
     @cute.jit
     def store_o_staged(self, parts, staged_o, start: Int32, c: Int32, head: Int32):
-        acc_o, thr_tok, consumer_tidx = parts[5], parts[9], parts[10]
+        acc_o, thr_tok, consumer_tidx, split = parts[5], parts[9], parts[10], parts[11]
         V, C = 64 * self.nwg, CHUNK
         sO, store_o, mO_t = staged_o
         issuer = consumer_tidx < cute.arch.WARP_SIZE
@@ -363,7 +372,7 @@ class GdnChunkRecurrenceSm90:
         cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
         if issuer:  # the whole warp: the TMA copy elects its issuing lane itself
             g = cute.local_tile(cute.domain_offset((start + c * C, 0), mO_t[None, None, head]),
-                                (C, V), (0, 0))
+                                (C, V), (0, split))
             t_s, t_g = cpasync.tma_partition(store_o, 0, cute.make_layout(1),
                                              cute.group_modes(sO, 0, 2),
                                              cute.group_modes(g, 0, 2))
@@ -372,12 +381,12 @@ class GdnChunkRecurrenceSm90:
 
     @cute.jit
     def store_o_rows(self, parts, mO, start: Int32, rows: Int32, c: Int32, head: Int32):
-        acc_o, thr_tok = parts[5], parts[9]
+        acc_o, thr_tok, split = parts[5], parts[9], parts[11]
         V, C = 64 * self.nwg, CHUNK
         # o rows of the chunk as (V, tokens), partitioned like the accumulator. (A
         # composition with a (V, 64):(64, 1) layout, as for the shared-memory tiles, would
         # be wrong here: the token extent of mO is T, not 64.)
-        g_o = cute.domain_offset((start + c * C, 0), mO[None, head, None])  # (T, V)
+        g_o = cute.domain_offset((start + c * C, split * V), mO[None, head, None])  # (T, V)
         g_t = thr_tok.partition_C(cute.local_tile(select_modes(g_o, [1, 0]), (V, C), (0, 0)))
         c_tok = thr_tok.partition_C(cute.make_identity_tensor((V, C)))
         for e in cutlass.range_constexpr(cute.size(acc_o)):
@@ -394,9 +403,10 @@ class GdnChunkRecurrenceSm90:
 
     @cute.jit
     def state_view(self, parts, mStates, row: Int32, head: Int32):
-        """This thread's elements of state ``mStates[row, head]`` (V x K), in accumulator
-        order."""
-        return parts[8].partition_C(mStates[row, head, None, None])
+        """This thread's elements of state ``mStates[row, head]`` (V x K; this CTA's rows),
+        in accumulator order."""
+        return parts[8].partition_C(cute.local_tile(mStates[row, head, None, None],
+                                                    (self.v_rows, self.k_dim), (parts[11], 0)))
 
     @cute.jit
     def save_state(self, parts, mStates, row: Int32, head: Int32):

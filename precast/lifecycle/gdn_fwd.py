@@ -31,8 +31,8 @@ from ..reference.gated_delta_net import CHUNK_SIZE
 from . import gdn_rules
 from .cache import KernelBuilder
 from .gdn_rules import MAX_SPAN, GdnShapes, check_gdn_inputs
-from .launch import (device_guard, stream_handle, stream_is_capturing, stream_workspace,
-                     torch_stream)
+from .launch import (device_guard, sm_count, stream_handle, stream_is_capturing,
+                     stream_workspace, torch_stream)
 from .op import Op
 from .tensor_desc import TensorDesc, dtype_name, parse_dtype
 from .validation import (INT32_MAX, check_bool, check_int, check_no_overlap, check_same_device,
@@ -40,7 +40,10 @@ from .validation import (INT32_MAX, check_bool, check_int, check_no_overlap, che
 
 KERNEL_SOURCES = ("precast.kernels.gdn_chunk_sm90", "precast.kernels.gdn_recurrence_sm90",
                   "precast.kernels.attention_sm90", "precast.kernels.fake")
-KERNEL_MODES = ("prepare", "recurrence")
+def kernel_modes(v_dim: int) -> Tuple[str, ...]:
+    """The kernels of an op: stage 1, stage 2 and, at V = 128, stage 2 split over two CTAs
+    per (sequence, head) (64 state rows each; see _split_recurrence)."""
+    return ("prepare", "recurrence") + (("recurrence_split",) if v_dim == 128 else ())
 # initial_state and checkpoint dtypes in the static configuration: none, float32 or the io
 # dtype ("io" keeps a plan's dtype lists free to expand over both io dtypes).
 DTYPE_OPTIONS = ("none", "float32", "io")
@@ -316,7 +319,7 @@ class GdnFwdSm90(Op):
                     *_fake_workspace(s), scalar(cutlass.Float32, 1.0), fake_stream())
             return kernel, args
 
-        def recurrence():
+        def recurrence(v_splits: int = 1):
             import cutlass
             import cutlass.cute as cute
             from ..kernels.fake import fake_stream, fake_tokens, scalar
@@ -324,7 +327,8 @@ class GdnFwdSm90(Op):
             io = _cute_type(s.dtype)
             state, ckpt = s.state_dtype, s.checkpoint_dtype
             kernel = GdnChunkRecurrenceSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, state is not None,
-                                            s.uses_pool, s.output_final_state, ckpt is not None)
+                                            s.uses_pool, s.output_final_state, ckpt is not None,
+                                            v_splits=v_splits)
             tokens = cute.sym_int()
             args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
                     *_fake_workspace(s), _fake_offsets(),
@@ -336,7 +340,15 @@ class GdnFwdSm90(Op):
                     scalar(cutlass.Int32, CHUNK_SIZE), fake_stream())
             return kernel, args
 
-        return {"prepare": prepare, "recurrence": recurrence}
+        builders = {"prepare": prepare, "recurrence": recurrence,
+                    "recurrence_split": lambda: recurrence(v_splits=2)}
+        return {mode: builders[mode] for mode in kernel_modes(s.V)}
+
+    def _split_recurrence(self, s: GdnShapes, index: Optional[int]) -> bool:
+        """Stage 2 with two CTAs per (sequence, head) when the pairs fill at most half of
+        the SMs (e.g. one long sequence): each CTA then has an SM to itself instead of
+        half of the SMs idling. Otherwise one CTA per pair reads the chunk's tiles once."""
+        return "recurrence_split" in kernel_modes(s.V) and 2 * s.N * s.HO <= sm_count(index)
 
     # --- run ----------------------------------------------------------------------------------
     def workspace_shapes(self, total_tokens: int, num_seqs: int
@@ -473,6 +485,7 @@ class GdnFwdSm90(Op):
         with device_guard(index):
             kernels["prepare"](q, k, v, g, beta, cu_seqlens, work16, work32, s.scale, handle)
             # ckpt_every is unused (compiled out) without checkpoints.
-            kernels["recurrence"](q, k, work16, work32, cu_seqlens, o, initial_state,
+            recurrence = "recurrence_split" if self._split_recurrence(s, index) else "recurrence"
+            kernels[recurrence](q, k, work16, work32, cu_seqlens, o, initial_state,
                                   state_indices, final_state, checkpoints,
                                   n if checkpointing else 0, handle)
