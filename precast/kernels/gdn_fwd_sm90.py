@@ -43,11 +43,11 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
         self.nwg = v_dim // 64
         self.num_threads = (2 + self.nwg) * THREADS_PER_WG
         # Per-thread register counts of the warpgroups sum to at most 512 (64 K registers,
-        # 128 threads each): V = 128 gives 24 + 120 + 2 x 184. ptxas then reports ~0.35 KB of
-        # spills, no wgmma serialization. The SASS shows what they are: the preparing role's
-        # per-thread swizzled shared-memory addresses (unrolled epilogues), which do not
-        # change from chunk to chunk, get hoisted out of the chunk loop and parked in local
-        # memory. Stage 1 alone computes them where they are used (122 registers, none).
+        # 128 threads each): V = 128 gives 24 + 120 + 2 x 184. ptxas then reports ~0.8 KB of
+        # spills and serialized wgmma (2026-11-30). The spills seen in the SASS earlier: the
+        # preparing role's per-thread swizzled shared-memory addresses (unrolled epilogues,
+        # now also the solver's column stores), the same in every chunk, hoisted out of the
+        # chunk loop and parked in local memory. Stage 1 alone has none (168 registers).
         self.producer_regs = PRODUCER_REGS
         budget = 65536 // THREADS_PER_WG - self.producer_regs
         self.prepare_regs = 120 if self.nwg == 2 else 240
