@@ -1,0 +1,118 @@
+"""The chunked Gated DeltaNet backward with explicit formulas
+(precast/reference/gdn_backward.py: the math for the backward kernels) against autograd of
+the token-by-token reference, in float64 on the CPU: ragged batches with empty and
+one-token sequences, grouped heads both ways, with and without the L2 norm, an initial
+state and a final-state gradient, and the states taken from the forward's checkpoints
+(every chunk, or every two chunks with the one between regenerated). Also a
+finite-difference gradcheck of the reference path on a tiny case."""
+import pytest
+import torch
+
+from precast.reference.gated_delta_net import gdn_recurrent_reference, l2norm_rows
+from precast.reference.gdn_backward import gdn_chunked_backward_reference
+
+F64 = dict(dtype=torch.float64)
+
+
+def problem(lens, hq, hk, hv, K, V, seed, state=True, unit_qk=False):
+    """Random inputs; ``unit_qk``: unit q, k rows (without the in-kernel norm the delta
+    rule diverges for |beta k|^2 >> 1, and so do its gradients)."""
+    g = torch.Generator().manual_seed(seed)
+    T, HO = sum(lens), max(hq, hv)
+    unit = l2norm_rows if unit_qk else (lambda t: t)
+    x = {"q": unit(torch.randn(T, hq, K, generator=g, **F64)),
+         "k": unit(torch.randn(T, hk, K, generator=g, **F64)),
+         "v": torch.randn(T, hv, V, generator=g, **F64),
+         "g": torch.nn.functional.logsigmoid(torch.randn(T, HO, generator=g, **F64) + 2.0),
+         "beta": torch.rand(T, HO, generator=g, **F64)}
+    if state:
+        x["initial_state"] = 0.3 * torch.randn(len(lens), HO, V, K, generator=g, **F64)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    do = torch.randn(T, HO, V, generator=g, **F64)
+    dfinal = torch.randn(len(lens), HO, V, K, generator=g, **F64)
+    return x, cu, do, dfinal
+
+
+def assert_close(got, want, name):
+    """Relative to the gradient's largest element (float64 rounding of the products)."""
+    err = ((got - want).abs().max() / want.abs().max().clamp(min=1e-300)).item()
+    assert err < 1e-10, f"{name}: max|got - want| / max|want| = {err:.3g}"
+
+
+def autograd_grads(x, cu, do, dfinal, l2norm, n=None):
+    leaves = {name: t.clone().requires_grad_() for name, t in x.items()}
+    ref = gdn_recurrent_reference(**leaves, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm,
+                                  checkpoint_every_n_tokens=n)
+    loss = (ref["o"] * do).sum()
+    if dfinal is not None:
+        loss = loss + (ref["final_state"] * dfinal).sum()
+    loss.backward()
+    return {"d" + name: t.grad for name, t in leaves.items()}, ref
+
+
+@pytest.mark.parametrize("lens,heads,dims,l2norm,state,with_dfinal", [
+    ([130, 1, 0, 64, 65], (2, 2, 4), (16, 8), True, True, True),
+    ([7] * 5 + [1] * 3, (4, 2, 2), (8, 16), False, True, False),
+    ([200], (1, 1, 1), (16, 16), True, False, True),
+    ([64, 63, 129], (2, 2, 2), (8, 8), False, False, False),
+])
+def test_chunked_backward_equals_autograd(lens, heads, dims, l2norm, state, with_dfinal):
+    x, cu, do, dfinal = problem(lens, *heads, *dims, seed=len(lens), state=state,
+                                unit_qk=not l2norm)
+    dfinal = dfinal if with_dfinal else None
+    want, _ = autograd_grads(x, cu, do, dfinal, l2norm)
+    got = gdn_chunked_backward_reference(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], cu, do, dfinal=dfinal,
+        initial_state=x.get("initial_state"), use_qk_l2norm_in_kernel=l2norm)
+    for name in ("dq", "dk", "dv", "dg", "dbeta") + (("dinitial_state",) if state else ()):
+        assert_close(got[name], want[name], name)
+
+
+@pytest.mark.parametrize("n", [64, 128])
+def test_checkpointed_states_give_the_same_gradients(n):
+    """States read from the forward's checkpoints (every n tokens; at n = 128 the chunk in
+    between is regenerated) instead of recomputed from the initial state."""
+    lens = [300, 0, 1, 192]
+    x, cu, do, dfinal = problem(lens, 2, 2, 2, 16, 8, seed=7)
+    want, ref = autograd_grads(x, cu, do, dfinal, True, n=n)
+    got = gdn_chunked_backward_reference(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], cu, do, dfinal=dfinal,
+        initial_state=x["initial_state"], use_qk_l2norm_in_kernel=True,
+        checkpoints=ref["checkpoints"].detach(), checkpoint_every_n_tokens=n)
+    for name in ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state"):
+        assert_close(got[name], want[name], name)
+
+
+def test_checkpoints_are_used_not_recomputed():
+    """A perturbed checkpoint changes the gradients of its chunks only: the backward reads
+    the states it is given."""
+    lens = [256]
+    x, cu, do, dfinal = problem(lens, 1, 1, 1, 8, 8, seed=3, unit_qk=True)
+    _, ref = autograd_grads(x, cu, do, dfinal, False, n=128)
+    ckpt = ref["checkpoints"].detach()
+    base = gdn_chunked_backward_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], cu, do,
+                                          dfinal=dfinal, initial_state=x["initial_state"],
+                                          checkpoints=ckpt, checkpoint_every_n_tokens=128)
+    bumped = ckpt.clone()
+    bumped[1] += 1.0  # the state entering token 128
+    moved = gdn_chunked_backward_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], cu, do,
+                                           dfinal=dfinal, initial_state=x["initial_state"],
+                                           checkpoints=bumped, checkpoint_every_n_tokens=128)
+    # chunks 2 and 3 (tokens 128..255) see another state: their dq changes; the dq of
+    # chunks 0 and 1 depend only on the states before token 128
+    assert not torch.allclose(moved["dq"][128:], base["dq"][128:])
+    assert torch.equal(moved["dq"][:128], base["dq"][:128])
+
+
+def test_reference_gradcheck_tiny():
+    """Finite differences in float64 through the reference path (the ground truth the
+    backward is checked against)."""
+    x, cu, do, dfinal = problem([3, 2], 1, 1, 1, 4, 3, seed=11)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+
+    def f(*tensors):
+        ref = gdn_recurrent_reference(**dict(zip(names, tensors)), cu_seqlens=cu,
+                                      use_qk_l2norm_in_kernel=True)
+        return ref["o"], ref["final_state"]
+    inputs = tuple(x[n].clone().requires_grad_() for n in names)
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-6)
