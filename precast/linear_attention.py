@@ -66,7 +66,32 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     there in place with the final states. ``batch_invariant`` is always honoured at no cost
     (see GdnFwdSm90). The compiled op is made once per static configuration; scale, n and
     the batch are runtime values.
+
+    There is no backward yet: with gradients enabled and an input that requires them, this
+    raises rather than return outputs that silently carry none (use torch.no_grad(), or
+    detach the inputs).
     """
+    differentiable = [name for name, t in (("q", q), ("k", k), ("v", v), ("g", g),
+                                           ("beta", beta), ("initial_state", initial_state))
+                      if isinstance(t, torch.Tensor) and t.requires_grad]
+    if differentiable and torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"gated_delta_net has no backward yet, and {', '.join(differentiable)} "
+            "require(s) grad: its outputs would carry no gradient. Call it under "
+            "torch.no_grad() (or pass detached inputs) for inference")
+    return _forward(q, k, v, g, beta, cu_seqlens, scale=scale, initial_state=initial_state,
+                    output_final_state=output_final_state,
+                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    checkpoint_every_n_tokens=checkpoint_every_n_tokens,
+                    checkpoint_dtype=checkpoint_dtype, state_indices=state_indices,
+                    batch_invariant=batch_invariant, stream=stream)
+
+
+def _forward(q, k, v, g, beta, cu_seqlens, *, scale, initial_state, output_final_state,
+             use_qk_l2norm_in_kernel, checkpoint_every_n_tokens, checkpoint_dtype,
+             state_indices, batch_invariant, stream) -> GatedDeltaNetResults:
+    """gated_delta_net without the gradient guard (the custom op's implementation: torch
+    refuses its backward itself, with no autograd formula registered)."""
     with in_stream_order(stream, q.device):
         q, k, v = (_in_place_or_copy("tokens", t) for t in (q, k, v))
         g, beta = (_in_place_or_copy("gate", t) for t in (g, beta))
@@ -114,11 +139,11 @@ def _gated_delta_net_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     """(o, final_state, checkpoints); custom ops return tensors only, so an output not
     asked for is an empty [0, HO, V, K] tensor. initial_state is declared mutated: it is
     the state pool when state_indices is given."""
-    o, final_state = r = gated_delta_net(
+    o, final_state = r = _forward(
         q, k, v, g, beta, cu_seqlens, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         checkpoint_every_n_tokens=checkpoint_every_n_tokens, checkpoint_dtype=checkpoint_dtype,
-        state_indices=state_indices, batch_invariant=batch_invariant)
+        state_indices=state_indices, batch_invariant=batch_invariant, stream=None)
     return (o, _absent_output(q, v) if final_state is None else final_state,
             _absent_output(q, v) if r.checkpoints is None else r.checkpoints)
 

@@ -770,6 +770,22 @@ def test_allocating_function_pool_written_back_when_copied(no_compile):
     assert no_compile.calls[-1][1][6] is pool and "copy" not in kinds(no_compile)
 
 
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta", "initial_state"])
+def test_allocating_function_refuses_inputs_that_need_gradients(no_compile, name):
+    """No backward yet: outputs that silently carry no gradient would be silent data loss,
+    so an input requiring grad is refused while grad mode is on (not under no_grad)."""
+    a = inputs()
+    if name == "initial_state":
+        a["initial_state"] = meta(N, HO, V, K, dtype=F32)
+    a[name] = a[name].clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match=f"no backward yet, and {name} require"):
+        gated_delta_net(**a, stream=0)
+    assert no_compile.calls == []
+    with torch.no_grad():
+        gated_delta_net(**a, stream=0)
+    assert [m for m, _ in no_compile.calls] == ["prepare", "recurrence"]
+
+
 def test_allocating_function_takes_int64_offsets(no_compile):
     cu64 = meta(N + 1, dtype=I64)
     gated_delta_net(**inputs(cu_seqlens=cu64), stream=0)
