@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from .gated_delta_net import CHUNK_SIZE, L2NORM_EPS, _expand_heads, l2norm_rows
+from .gated_delta_net import (CHUNK_SIZE, L2NORM_EPS, _chunk_factors, _expand_heads,
+                              l2norm_rows)
 from .offsets import sequence_offsets
 
 
@@ -66,27 +67,21 @@ def _l2norm_backward(x: torch.Tensor, dxn: torch.Tensor) -> torch.Tensor:
     return r * dxn - torch.where(s >= L2NORM_EPS, proj, torch.zeros_like(proj))
 
 
-def _chunk_backward(qc, kc, vc, gc, bc, S, dO, dSn, scale):
-    """One chunk, every head at once: qc, kc [HO, C, K], vc [HO, C, V], gc, bc [HO, C],
-    S and dSn [HO, K, V] (entering state, gradient of the leaving one), dO [HO, C, V].
+def _chunk_backward(qc, kc, vc, bc, G, Gamma, T, W, U, S, dO, dSn, scale):
+    """One chunk, every head at once: qc, kc [HO, C, K], vc [HO, C, V], bc [HO, C] and the
+    chunk's forward factors (_chunk_factors: G, Gamma, T, W, U); S and dSn [HO, K, V]
+    (entering state, gradient of the leaving one), dO [HO, C, V].
     Returns (dq, dk, dv, dg, dbeta, dS entering)."""
     C = qc.shape[1]
-    eye = torch.eye(C, dtype=qc.dtype, device=qc.device)
     incl = torch.ones(C, C, dtype=torch.bool, device=qc.device).tril()
     strict = incl.tril(-1)
-    G = torch.cumsum(gc, dim=-1)
     gamma = torch.exp(G)
     g_last = G[:, -1]
     gamma_last = torch.exp(g_last)
-    Gamma = torch.exp((G[:, :, None] - G[:, None, :]).masked_fill(~incl, float("-inf")))
     d = torch.exp(g_last[:, None] - G)
     P = kc @ kc.transpose(-1, -2)
-    A = (bc[:, :, None] * Gamma * P).masked_fill(~strict, 0.0)
-    T = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False,
-                                      unitriangular=True)
     Bk = (bc * gamma)[:, :, None] * kc
     Bv = bc[:, :, None] * vc
-    W, U = T @ Bk, T @ Bv
     Delta = U - W @ S
     QK = qc @ kc.transpose(-1, -2)
     M = (Gamma * QK).masked_fill(~incl, 0.0)
@@ -185,32 +180,26 @@ def gdn_chunked_backward_reference(q, k, v, g, beta, cu_seqlens, do, *, dfinal=N
         if L == 0:
             ds0[b] = dS.transpose(-1, -2)
             continue
-        qc, kc, vc, gc, bc, dOc = (_chunks(x[lo:hi], C) for x in (qn, kn, ve, g, beta, do))
+        qc, kc, vc, bc, dOc = (_chunks(x[lo:hi], C) for x in (qn, kn, ve, beta, do))
         n = qc.shape[1]
         # states entering each chunk: checkpoints where present, regenerated in between
+        G, Gamma, Tm, U, W, Kd, gamma_end, _, _, _ = _chunk_factors(
+            kn[lo:hi], ve[lo:hi], g[lo:hi], beta[lo:hi], C)
         states = []
         for c in range(n):
             if step is not None and c % step == 0:
                 S = checkpoints[ckpt_row + c // step].transpose(-1, -2)
             states.append(S)
-            G = torch.cumsum(gc[:, c], -1)
-            eye = torch.eye(C, **cd)
-            Gamma = torch.exp((G[:, :, None] - G[:, None, :]).masked_fill(
-                ~torch.ones(C, C, dtype=torch.bool, device=q.device).tril(), float("-inf")))
-            A = (bc[:, c, :, None] * Gamma * (kc[:, c] @ kc[:, c].transpose(-1, -2))).tril(-1)
-            Tm = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False,
-                                               unitriangular=True)
-            W = Tm @ ((bc[:, c] * torch.exp(G))[..., None] * kc[:, c])
-            U = Tm @ (bc[:, c, :, None] * vc[:, c])
-            Kd = torch.exp(G[:, -1:] - G)[..., None] * kc[:, c]
-            S = torch.exp(G[:, -1])[:, None, None] * S + Kd.transpose(-1, -2) @ (U - W @ S)
+            S = gamma_end[:, c, None, None] * S + Kd[:, c].transpose(-1, -2) @ (
+                U[:, c] - W[:, c] @ S)
         if step is not None:
             ckpt_row += -(-n // step)
         grads = [torch.zeros(HO, n, C, x, **cd) for x in (K, K, V)] + [
             torch.zeros(HO, n, C, **cd) for _ in range(2)]
         for c in reversed(range(n)):
-            *chunk_grads, dS = _chunk_backward(qc[:, c], kc[:, c], vc[:, c], gc[:, c],
-                                               bc[:, c], states[c], dOc[:, c], dS, scale)
+            *chunk_grads, dS = _chunk_backward(
+                qc[:, c], kc[:, c], vc[:, c], bc[:, c], G[:, c], Gamma[:, c], Tm[:, c],
+                W[:, c], U[:, c], states[c], dOc[:, c], dS, scale)
             for acc, grad in zip(grads, chunk_grads):
                 acc[:, c] = grad
         ds0[b] = dS.transpose(-1, -2)
