@@ -34,7 +34,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import select_modes, warp_inclusive_sum, wgmma
-from .gdn_layout import CHUNK, FACTOR_COLS, G_LAST, K_FACTORS, Q_FACTORS
+from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
 
 THREADS = 128
 PREPARE_BARRIER = 1

@@ -19,6 +19,8 @@ A producer warp streams the tiles through a TMA ring. The state entering local p
 0, n, 2n, ... is written to the checkpoint rows (n a multiple of 64), and the final state to
 final_state or back into the pool row. o rows past the sequence end are not written.
 """
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -33,6 +35,24 @@ from .attention_sm90 import acc_as_operand_a, advanced, select_modes, wgmma
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
 
 THREADS_PER_WG = 128
+
+
+class StateParts(NamedTuple):
+    """One state thread's pieces (state_parts): MMAs, shared-memory B fragments (W, Q, M,
+    K read transposed; every stage), accumulators and their 16-bit operand copies, thread
+    slices, and which rows of the state its CTA owns (split)."""
+    mma_tok: object
+    mma_state: object
+    frags: tuple
+    acc_state: object
+    acc_x: object
+    acc_o: object
+    state16: object
+    deltas: tuple  # Delta^T and Delta^T diag(k_f), 16-bit
+    thr_state: object
+    thr_tok: object
+    consumer_tidx: object
+    split: object
 STAGES = 2
 O_BARRIER = 1  # the consumer warpgroups, around the o staging tile
 PRODUCER_REGS = 40
@@ -75,7 +95,7 @@ class GdnChunkRecurrenceSm90:
         """mQ (T, HQ, K), mK (T, HK, K); mWork16 / mWork32 as gdn_layout.workspace_shapes;
         mO (T, HO, V); states (rows, HO, V, K). Unused tensors: None."""
         dt = self.dtype
-        K, V, C = self.k_dim, self.v_dim, CHUNK
+        K, C = self.k_dim, CHUNK
         # Tiles of one (chunk, head): rows x columns, K-major B operands (Q, W, M) and K read
         # transposed; U is read element-wise.
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, STAGES)
@@ -257,15 +277,15 @@ class GdnChunkRecurrenceSm90:
         acc_o = cute.make_rmem_tensor(wg_tok.partition_shape_C((rows, C)), Float32)
         state16 = cute.make_rmem_tensor(acc_state.layout, self.dtype)
         deltas = tuple(cute.make_rmem_tensor(acc_x.layout, self.dtype) for _ in range(2))
-        return (mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, deltas,
-                thr_state, thr_tok, consumer_tidx, split)
+        return StateParts(mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, deltas,
+                          thr_state, thr_tok, consumer_tidx, split)
 
     @cute.jit
     def load_state(self, parts, mState0, mStateIdx, mCuSeqlens, ckpt_every: Int32,
                    batch: Int32, head: Int32):
         """The entering state (or zeros) into the accumulator; returns (its row in
         mState0, the sequence's first checkpoint row)."""
-        acc_state = parts[3]
+        acc_state = parts.acc_state
         state_row = batch
         if const_expr(self.pool):
             state_row = mStateIdx[batch]
@@ -295,10 +315,10 @@ class GdnChunkRecurrenceSm90:
         """One chunk (its tiles in stage s, U as the 2-D view ``sU``, its factor row
         [q_f | k_f | G_L] as the 1-D view ``factors``): O^T into acc_o, the state
         advanced; every wgmma waited for."""
-        (mma_tok, mma_state, frags, acc_state, acc_x, acc_o, state16, deltas, thr_state,
-         thr_tok, _, _) = parts
-        delta16, delta_k16 = deltas  # Delta^T and Delta^T diag(k_f)
-        tXrW, tXrQ, tOrM, tSrK = frags
+        mma_tok, mma_state, acc_state = parts.mma_tok, parts.mma_state, parts.acc_state
+        acc_x, acc_o, state16, thr_tok = parts.acc_x, parts.acc_o, parts.state16, parts.thr_tok
+        delta16, delta_k16 = parts.deltas
+        tXrW, tXrQ, tOrM, tSrK = parts.frags
         rows, C = 64 * self.nwg, CHUNK
         # U^T as (V rows, tokens), partitioned like the accumulator
         u_t = thr_tok.partition_C(cute.composition(
@@ -357,7 +377,8 @@ class GdnChunkRecurrenceSm90:
 
     @cute.jit
     def store_o_staged(self, parts, staged_o, start: Int32, c: Int32, head: Int32):
-        acc_o, thr_tok, consumer_tidx, split = parts[5], parts[9], parts[10], parts[11]
+        acc_o, thr_tok, split = parts.acc_o, parts.thr_tok, parts.split
+        consumer_tidx = parts.consumer_tidx
         V, C = 64 * self.nwg, CHUNK
         sO, store_o, mO_t = staged_o
         issuer = consumer_tidx < cute.arch.WARP_SIZE
@@ -381,7 +402,7 @@ class GdnChunkRecurrenceSm90:
 
     @cute.jit
     def store_o_rows(self, parts, mO, start: Int32, rows: Int32, c: Int32, head: Int32):
-        acc_o, thr_tok, split = parts[5], parts[9], parts[11]
+        acc_o, thr_tok, split = parts.acc_o, parts.thr_tok, parts.split
         V, C = 64 * self.nwg, CHUNK
         # o rows of the chunk as (V, tokens), partitioned like the accumulator. (A
         # composition with a (V, 64):(64, 1) layout, as for the shared-memory tiles, would
@@ -405,12 +426,12 @@ class GdnChunkRecurrenceSm90:
     def state_view(self, parts, mStates, row: Int32, head: Int32):
         """This thread's elements of state ``mStates[row, head]`` (V x K; this CTA's rows),
         in accumulator order."""
-        return parts[8].partition_C(cute.local_tile(mStates[row, head, None, None],
-                                                    (self.v_rows, self.k_dim), (parts[11], 0)))
+        return parts.thr_state.partition_C(cute.local_tile(
+            mStates[row, head, None, None], (self.v_rows, self.k_dim), (parts.split, 0)))
 
     @cute.jit
     def save_state(self, parts, mStates, row: Int32, head: Int32):
-        acc_state = parts[3]
+        acc_state = parts.acc_state
         dst = self.state_view(parts, mStates, row, head)
         for e in cutlass.range_constexpr(cute.size(acc_state)):
             dst[e] = acc_state[e].to(mStates.element_type)
