@@ -131,8 +131,23 @@ def l2norm_rows(x: torch.Tensor) -> torch.Tensor:
     if not x.is_floating_point():
         raise ValueError(f"l2norm_rows expects a floating tensor, got {x.dtype}")
     xf = x.float() if x.dtype in _HALF else x
-    ss = (xf * xf).sum(dim=-1, keepdim=True)
-    return xf * torch.rsqrt(torch.clamp(ss, min=L2NORM_EPS))
+    return xf * l2_row_scales(xf)[..., None]
+
+
+def l2_row_scales(x: torch.Tensor) -> torch.Tensor:
+    """``r = rsqrt(max(sum(x^2), 1e-24))`` over the last dimension (``l2norm_rows(x) = r x``
+    for float32/float64 x), in x's dtype."""
+    return torch.rsqrt(torch.clamp((x * x).sum(dim=-1), min=L2NORM_EPS))
+
+
+def to_chunks(x: torch.Tensor, C: int = CHUNK_SIZE) -> torch.Tensor:
+    """One sequence's rows ``[L, HO, *]`` as ``[HO, n, C, *]`` chunks (n = ceil(L / C)),
+    zero rows past the end."""
+    L = x.shape[0]
+    n = -(-L // C)
+    if n * C > L:
+        x = torch.cat([x, x.new_zeros((n * C - L, *x.shape[1:]))], dim=0)
+    return x.reshape(n, C, *x.shape[1:]).movedim(2, 0)
 
 
 # ---------------------------------------------------------------------------
@@ -468,14 +483,7 @@ def _chunk_factors(k, v, g, beta, C: int):
     L = k.shape[0]
     n = -(-L // C)
     pad = n * C - L
-
-    def chunks(x):  # [L, HO, *] -> [HO, n, C, *]
-        if pad:
-            x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))], dim=0)
-        x = x.reshape(n, C, *x.shape[1:])
-        return x.movedim(2, 0)
-
-    kc, vc, gc, bc = chunks(k), chunks(v), chunks(g), chunks(beta)
+    kc, vc, gc, bc = (to_chunks(x, C) for x in (k, v, g, beta))
     G = torch.cumsum(gc, dim=-1)
     incl = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
     strict = incl.tril(-1)
@@ -496,9 +504,8 @@ def _chunked_sequence(q, k, v, g, beta, S, scale, ckpt, C: int = CHUNK_SIZE):
     L, HO, Vd = v.shape
     if L == 0:
         return v.new_zeros((0, HO, Vd)), S, []
-    G, Gamma, _, U, W, Kd, gamma_end, kc, n, pad = _chunk_factors(k, v, g, beta, C)
-    qc = q if not pad else torch.cat([q, q.new_zeros((pad, *q.shape[1:]))], dim=0)
-    qc = qc.reshape(n, C, *q.shape[1:]).movedim(2, 0)  # [HO, n, C, K]
+    G, Gamma, _, U, W, Kd, gamma_end, kc, n, _ = _chunk_factors(k, v, g, beta, C)
+    qc = to_chunks(q, C)  # [HO, n, C, K]
     # Intra-chunk attention with the causal decay mask (diagonal included).
     P = Gamma * (qc @ kc.transpose(-1, -2))  # Gamma is already zero above the diagonal
     Qd = torch.exp(G)[..., None] * qc  # diag(gamma) Q

@@ -39,18 +39,8 @@ from __future__ import annotations
 import torch
 
 from .gated_delta_net import (CHUNK_SIZE, L2NORM_EPS, _chunk_factors, _expand_heads,
-                              l2norm_rows)
+                              l2_row_scales, l2norm_rows, to_chunks)
 from .offsets import sequence_offsets
-
-
-def _chunks(x: torch.Tensor, C: int) -> torch.Tensor:
-    """[L, HO, *] -> [HO, n, C, *], zero rows past the end."""
-    L = x.shape[0]
-    n = -(-L // C)
-    pad = n * C - L
-    if pad:
-        x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))], dim=0)
-    return x.reshape(n, C, *x.shape[1:]).movedim(2, 0)
 
 
 def _unchunk(x: torch.Tensor, L: int) -> torch.Tensor:
@@ -61,10 +51,10 @@ def _unchunk(x: torch.Tensor, L: int) -> torch.Tensor:
 
 def _l2norm_backward(x: torch.Tensor, dxn: torch.Tensor) -> torch.Tensor:
     """d/dx of x * rsqrt(max(|x|^2, eps)), applied to dxn (rows on the last axis)."""
-    s = (x * x).sum(-1, keepdim=True)
-    r = torch.rsqrt(torch.clamp(s, min=L2NORM_EPS))
+    r = l2_row_scales(x)[..., None]
     proj = (x * dxn).sum(-1, keepdim=True) * r ** 3 * x
-    return r * dxn - torch.where(s >= L2NORM_EPS, proj, torch.zeros_like(proj))
+    clamped = (x * x).sum(-1, keepdim=True) < L2NORM_EPS  # r is a constant there
+    return r * dxn - torch.where(clamped, torch.zeros_like(proj), proj)
 
 
 def _chunk_backward(qc, kc, vc, bc, G, Gamma, T, W, U, S, dO, dSn, scale):
@@ -180,7 +170,7 @@ def gdn_chunked_backward_reference(q, k, v, g, beta, cu_seqlens, do, *, dfinal=N
         if L == 0:
             ds0[b] = dS.transpose(-1, -2)
             continue
-        qc, kc, vc, bc, dOc = (_chunks(x[lo:hi], C) for x in (qn, kn, ve, beta, do))
+        qc, kc, vc, bc, dOc = (to_chunks(x[lo:hi], C) for x in (qn, kn, ve, beta, do))
         n = qc.shape[1]
         # states entering each chunk: checkpoints where present, regenerated in between
         G, Gamma, Tm, U, W, Kd, gamma_end, _, _, _ = _chunk_factors(

@@ -18,15 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from .gated_delta_net import CHUNK_SIZE, _chunk_factors, _expand_heads, l2norm_rows
+from .gated_delta_net import (CHUNK_SIZE, _chunk_factors, _expand_heads, l2_row_scales,
+                              to_chunks)
 from .offsets import sequence_offsets
-
-
-def _row_scales(x: torch.Tensor, l2norm: bool) -> torch.Tensor:
-    """r with r x = l2norm_rows(x) (ones without the norm)."""
-    if not l2norm:
-        return torch.ones(x.shape[:-1], dtype=x.dtype, device=x.device)
-    return torch.rsqrt(torch.clamp((x * x).sum(-1), min=1e-24))
 
 
 def gdn_chunk_workspace_reference(q, k, v, g, beta, cu_seqlens, *, scale=None,
@@ -41,7 +35,8 @@ def gdn_chunk_workspace_reference(q, k, v, g, beta, cu_seqlens, *, scale=None,
     N = len(offs) - 1
     scale = K ** -0.5 if scale is None else scale
     qe, ke, ve = (_expand_heads(x, HO).to(compute_dtype) for x in (q, k, v))
-    r_q, r_k = (_row_scales(x, use_qk_l2norm_in_kernel) for x in (qe, ke))  # [T, HO]
+    r_q, r_k = (l2_row_scales(x) if use_qk_l2norm_in_kernel  # [T, HO]
+                else torch.ones(x.shape[:-1], dtype=x.dtype, device=x.device) for x in (qe, ke))
     qn, kn = qe * r_q[..., None], ke * r_k[..., None]
     g, beta = g.to(compute_dtype), beta.to(compute_dtype)
     C = CHUNK_SIZE
@@ -53,15 +48,10 @@ def gdn_chunk_workspace_reference(q, k, v, g, beta, cu_seqlens, *, scale=None,
         s, e = offs[b], offs[b + 1]
         if e == s:
             continue
-        G, Gamma, _, U, W, _, _, kc, n, pad = _chunk_factors(kn[s:e], ve[s:e], g[s:e],
-                                                              beta[s:e], C)
-
-        def chunked(x):  # [L, HO, *] -> [HO, n, C, *], zero rows past the end
-            if pad:
-                x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))], dim=0)
-            return x.reshape(n, C, *x.shape[1:]).movedim(2, 0)
-        qc, rq, rk = chunked(qn[s:e]), chunked(r_q[s:e]), chunked(r_k[s:e])
-        real = chunked(torch.ones(e - s, HO, dtype=compute_dtype, device=q.device))
+        G, Gamma, _, U, W, _, _, kc, n, _ = _chunk_factors(kn[s:e], ve[s:e], g[s:e],
+                                                            beta[s:e], C)
+        qc, rq, rk = (to_chunks(x[s:e], C) for x in (qn, r_q, r_k))
+        real = to_chunks(torch.ones(e - s, HO, dtype=compute_dtype, device=q.device), C)
         M = scale * Gamma * (qc @ kc.transpose(-1, -2))
         g_last = G[..., -1:]
         q_f = scale * torch.exp(G) * rq * real
