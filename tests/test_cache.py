@@ -3,6 +3,7 @@ for sm_90a). Tests that run the compiler are marked ``compile``."""
 import dataclasses
 import hashlib
 import importlib
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -368,6 +369,26 @@ def test_key_changes_with_op_arch_fingerprint_and_versions(monkeypatch):
     assert patched.fingerprint == "cafe" * 6 and patched.family != base.family
     # the kernel sources and the op's own module (fake arguments, argument order)
     assert seen == [HstuLmsdFwdSm90.kernel_sources + (HstuLmsdFwdSm90.__module__,)]
+
+
+def test_kernel_sources_cover_every_kernel_module_they_import():
+    """A change to any precast.kernels module an op's kernels import (a layout shared with
+    the host, a helper) must change the op's fingerprint: each op lists them all."""
+    import ast
+    from precast.plan import OP_REGISTRY, _load_ops
+    _load_ops()
+    for name, op in OP_REGISTRY.items():
+        listed, todo, missing = set(op.kernel_sources), list(op.kernel_sources), set()
+        while todo:
+            spec = importlib.util.find_spec(todo.pop())
+            for node in ast.walk(ast.parse(Path(spec.origin).read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 1:  # from .x import
+                    dep = f"precast.kernels.{node.module}"
+                    if dep not in listed:
+                        missing.add(dep)
+                        listed.add(dep)
+                        todo.append(dep)
+        assert not missing, f"{name}: kernel_sources lacks {sorted(missing)}"
 
 
 def test_source_fingerprint_follows_file_contents(tmp_path, monkeypatch):

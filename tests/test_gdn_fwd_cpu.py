@@ -81,9 +81,10 @@ def test_exported_and_registered():
     assert "precast.lifecycle.gdn_fwd" in OP_MODULES
     assert hasattr(torch.ops.precast, "gated_delta_net")
     assert GdnFwdSm90.supported_archs == ("sm_90a",)
+    # every module the kernels' code comes from, the shared workspace layout included
     assert set(GdnFwdSm90.kernel_sources) == {
         "precast.kernels.gdn_chunk_sm90", "precast.kernels.gdn_recurrence_sm90",
-        "precast.kernels.attention_sm90", "precast.kernels.fake"}
+        "precast.kernels.gdn_layout", "precast.kernels.attention_sm90", "precast.kernels.fake"}
 
 
 # --- static configuration and cache key ---------------------------------------------------------

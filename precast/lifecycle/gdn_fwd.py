@@ -38,12 +38,18 @@ from .tensor_desc import TensorDesc, dtype_name, parse_dtype
 from .validation import (INT32_MAX, check_bool, check_int, check_no_overlap, check_same_device,
                          check_tensor, check_value)
 
+# Fingerprinted with the op's module: the kernels and the workspace layout they share.
 KERNEL_SOURCES = ("precast.kernels.gdn_chunk_sm90", "precast.kernels.gdn_recurrence_sm90",
-                  "precast.kernels.attention_sm90", "precast.kernels.fake")
+                  "precast.kernels.gdn_layout", "precast.kernels.attention_sm90",
+                  "precast.kernels.fake")
+
+
 def kernel_modes(v_dim: int) -> Tuple[str, ...]:
     """The kernels of an op: stage 1, stage 2 and, at V = 128, stage 2 split over two CTAs
     per (sequence, head) (64 state rows each; see _split_recurrence)."""
     return ("prepare", "recurrence") + (("recurrence_split",) if v_dim == 128 else ())
+
+
 # initial_state and checkpoint dtypes in the static configuration: none, float32 or the io
 # dtype ("io" keeps a plan's dtype lists free to expand over both io dtypes).
 DTYPE_OPTIONS = ("none", "float32", "io")
@@ -487,5 +493,5 @@ class GdnFwdSm90(Op):
             # ckpt_every is unused (compiled out) without checkpoints.
             recurrence = "recurrence_split" if self._split_recurrence(s, index) else "recurrence"
             kernels[recurrence](q, k, work16, work32, cu_seqlens, o, initial_state,
-                                  state_indices, final_state, checkpoints,
-                                  n if checkpointing else 0, handle)
+                                state_indices, final_state, checkpoints,
+                                n if checkpointing else 0, handle)
