@@ -62,20 +62,26 @@ def test_stage1_workspace_matches_the_reference():
     torch.testing.assert_close(got_f, want_f[:chunks], rtol=1e-4, atol=1e-5)
 
 
-def test_stage2_on_the_reference_workspace_matches_the_recurrence():
-    q, k, v, gate, beta, cu = batch(LENS, seed=1)
+def recurrence_on_the_reference_workspace(mode, q, k, v, gate, beta, cu):
+    """Stage 2 kernel ``mode`` of the batch's op, fed the reference workspace (its factor
+    rows padded as gdn_layout lays them out): NaN-poisoned (o, final state)."""
     op = compiled_op(q, k, v, gate, beta, cu)
-    recurrence = op._ready(0)["recurrence"]
     work, factors = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
                                                   use_qk_l2norm_in_kernel=True)
-    s16, s32 = op.workspace_shapes(q.shape[0], len(LENS))
+    _, s32 = op.workspace_shapes(q.shape[0], len(LENS))
     work32 = torch.zeros(s32, device=DEV)
     work32[..., :2 * C + 1] = factors
     o = torch.full((sum(LENS), H, V), float("nan"), dtype=q.dtype, device=DEV)
     final = torch.full((len(LENS), H, V, K), float("nan"), device=DEV)
-    recurrence(q, k, work.to(q.dtype), work32, cu, o, None, None, final, None, 0,
-               torch.cuda.current_stream().cuda_stream)
+    op._ready(0)[mode](q, k, work.to(q.dtype), work32, cu, o, None, None, final, None, 0,
+                       torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
+    return o, final
+
+
+def test_stage2_on_the_reference_workspace_matches_the_recurrence():
+    q, k, v, gate, beta, cu = batch(LENS, seed=1)
+    o, final = recurrence_on_the_reference_workspace("recurrence", q, k, v, gate, beta, cu)
     ref = gdn_recurrent_reference(q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True)
     assert not torch.isnan(o).any() and not torch.isnan(final).any()
     for name, got, want in (("o", o, ref["o"]), ("final state", final, ref["final_state"])):
@@ -86,22 +92,8 @@ def test_stage2_on_the_reference_workspace_matches_the_recurrence():
 def test_split_recurrence_equals_one_cta_per_sequence_and_head():
     """Stage 2 with two CTAs per (sequence, head) (64 state rows each) is bitwise the
     one-CTA kernel: every row's arithmetic is the same."""
-    q, k, v, gate, beta, cu = batch(LENS, seed=2)
-    op = compiled_op(q, k, v, gate, beta, cu)
-    kernels = op._ready(0)
-    work, factors = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
-                                                  use_qk_l2norm_in_kernel=True)
-    s16, s32 = op.workspace_shapes(q.shape[0], len(LENS))
-    work32 = torch.zeros(s32, device=DEV)
-    work32[..., :2 * C + 1] = factors
-    outs = []
-    for mode in ("recurrence", "recurrence_split"):
-        o = torch.full((sum(LENS), H, V), float("nan"), dtype=q.dtype, device=DEV)
-        final = torch.full((len(LENS), H, V, K), float("nan"), device=DEV)
-        kernels[mode](q, k, work.to(q.dtype), work32, cu, o, None, None, final, None, 0,
-                      torch.cuda.current_stream().cuda_stream)
-        outs.append((o, final))
-    torch.cuda.synchronize()
-    (o1, f1), (o2, f2) = outs
+    batch_ = batch(LENS, seed=2)
+    o1, f1 = recurrence_on_the_reference_workspace("recurrence", *batch_)
+    o2, f2 = recurrence_on_the_reference_workspace("recurrence_split", *batch_)
     assert not torch.isnan(o2).any() and not torch.isnan(f2).any()
     assert torch.equal(o1, o2) and torch.equal(f1, f2)
