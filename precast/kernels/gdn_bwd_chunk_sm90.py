@@ -1,0 +1,560 @@
+"""Gated DeltaNet backward for SM90, the chunk-parallel gradients of q, k, v, g and beta.
+
+One CTA (one warpgroup) per (64-token chunk, output head), after the forward's stage 1 with
+store_inverse (W, U, M, T = (I + A)^-1), the states entering every chunk (S, V x K as
+stored), and the reverse recurrence (gdn_bwd_recurrence_sm90: dS', the gradient of the
+state leaving the chunk, and dDelta). Every formula of precast/reference/gdn_backward.py's
+_chunk_backward that does not involve the recurrence runs here, each product a wgmma on
+16-bit tiles in shared memory (or on a previous product in registers). With Qn, Kn the
+L2-normalized rows (diag(r_q) Q, diag(r_k) K; r = 1 without the norm), gamma = exp(G),
+d = exp(G_L - G), Gamma_ij = exp(G_i - G_j) (j <= i) and M as stage 1 stores it
+(scale Gamma * Qn Kn^T, causal):
+
+    Delta = U - W S                       dM' = tril(dO Delta^T)      dQK = scale dM' * Gamma
+    dq_n  = diag(scale gamma) dO S^T + dQK Kn
+    dW    = -dDelta S^T                   dT  = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma)
+    dv    = diag(beta) T^T dDelta         dBk = T^T dW      dA = strict_tril(-T^T dT T^T)
+    dP    = diag(beta) (dA * Gamma)
+    dk_n  = diag(d) Delta dS'^T + dQK^T Qn + diag(beta gamma) dBk + (dP + dP^T) Kn
+    dbeta = rowsum(T^T dDelta * V) + gamma rowsum(dBk * Kn) + rowsum(dA * Gamma * Kn Kn^T)
+    dG    = scale gamma rowsum((dO S^T) * Qn) - d rowsum((Delta dS'^T) * Kn)
+            + beta gamma rowsum(dBk * Kn) + rowsum(E) - colsum(E),
+            E = dM' * M + dP * Kn Kn^T;  dG_L += exp(G_L) <S, dS'> + sum_i d_i rowsum_i(...)
+    dg    = reverse cumsum of dG over the chunk
+
+dq_n, dk_n (gradients of the normalized rows) and dv go to fp32 per-output-head buffers (the
+finishing kernel sums grouped heads and applies the L2 norm's Jacobian); dg and dbeta are
+written in g's and beta's dtypes. Rows of a partial chunk past the sequence end are zero in
+shared memory (and have g = beta = 0), so they add nothing; only real rows are written. Sums
+run in a fixed order: the results are deterministic.
+"""
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from .attention_sm90 import acc_as_operand_a, select_modes, wgmma
+from .gdn_bwd_recurrence_sm90 import transposed
+from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90
+from .gdn_layout import CHUNK
+
+THREADS = 128
+# per-token values in shared memory (rows of sRows)
+R_G, R_BETA, R_Q, R_K = range(4)
+ROW_VALUES = 4
+REDUCE_SLOTS = 8  # <S, dS'> per warp, then sum_i d_i rowsum_i per warp
+
+
+class GdnChunkGradSm90(GdnChunkPrepareSm90):
+    """Reuses stage 1's chunk lookup (find_chunk) and gate loading (load_gates,
+    cumulative_gates)."""
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
+                 mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mDO: cute.Tensor,
+                 mWork16: cute.Tensor, mWork32: cute.Tensor, mInv: cute.Tensor,
+                 mStates: cute.Tensor, mDStates: cute.Tensor, mDDelta: cute.Tensor,
+                 mDQ: cute.Tensor, mDK: cute.Tensor, mDV: cute.Tensor, mDG: cute.Tensor,
+                 mDBeta: cute.Tensor, scale: Float32, stream: cuda.CUstream):
+        """mQ (T, HQ, K), mK (T, HK, K), mV (T, HV, V), mDO (T, HO, V); mG, mBeta, mDG,
+        mDBeta (T, HO); mWork16 / mWork32 as gdn_layout.workspace_shapes; mInv (chunks,
+        HO, 64, 64); mStates, mDStates (chunks, HO, V, K); mDDelta (chunks, HO, 64, V);
+        mDQ, mDK (T, HO, K) and mDV (T, HO, V) fp32."""
+        dt = self.dtype
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        self.overlay = V * K >= 2 * C * C
+
+        def tile(rows, cols):  # a (rows, cols) 16-bit tile, cols contiguous
+            return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, rows, cols), dt, 1)
+        lay_k, lay_v, lay_c, lay_s = tile(C, K), tile(C, V), tile(C, C), tile(V, K)
+        one = lambda layout: cute.slice_(layout, (None, None, 0))  # noqa: E731
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tok = lambda m: select_modes(m, [0, 2, 1])  # noqa: E731  (T, D, H)
+        blk = lambda m: select_modes(m, [2, 3, 1, 0])  # noqa: E731  (rows, cols, HO, chunks)
+        # (atom, TMA view, layout, is a token tile, column offset, columns)
+        loads = (
+            cpasync.make_tiled_tma_atom(g2s, tok(mQ), one(lay_k), (C, K)),
+            cpasync.make_tiled_tma_atom(g2s, tok(mK), one(lay_k), (C, K)),
+            cpasync.make_tiled_tma_atom(g2s, tok(mV), one(lay_v), (C, V)),
+            cpasync.make_tiled_tma_atom(g2s, tok(mDO), one(lay_v), (C, V)),
+            cpasync.make_tiled_tma_atom(g2s, blk(mWork16), one(lay_k), (C, K)),
+            cpasync.make_tiled_tma_atom(g2s, blk(mWork16), one(lay_v), (C, V)),
+            cpasync.make_tiled_tma_atom(g2s, blk(mWork16), one(lay_c), (C, C)),
+            cpasync.make_tiled_tma_atom(g2s, blk(mInv), one(lay_c), (C, C)),
+            cpasync.make_tiled_tma_atom(g2s, blk(mStates), one(lay_s), (V, K)),
+            cpasync.make_tiled_tma_atom(g2s, blk(mDStates), one(lay_s), (V, K)),
+            cpasync.make_tiled_tma_atom(g2s, blk(mDDelta), one(lay_v), (C, V)))
+        self.load_bytes = (3 * cute.size_in_bytes(dt, one(lay_k))
+                           + 4 * cute.size_in_bytes(dt, one(lay_v))
+                           + 2 * cute.size_in_bytes(dt, one(lay_c))
+                           + 2 * cute.size_in_bytes(dt, one(lay_s)))
+        k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        rmem = warpgroup.OperandSource.RMEM
+
+        def mma(a, b, n, source=None):
+            if const_expr(source is None):
+                return sm90_utils.make_trivial_tiled_mma(dt, dt, a, b, Float32, (1, 1, 1),
+                                                         (C, n))
+            return sm90_utils.make_trivial_tiled_mma(dt, dt, a, b, Float32, (1, 1, 1), (C, n),
+                                                     source)
+        mmas = (mma(k_major, k_major, V), mma(k_major, k_major, C), mma(k_major, mn_major, K),
+                mma(k_major, mn_major, K, rmem), mma(mn_major, mn_major, K),
+                mma(mn_major, mn_major, V), mma(mn_major, mn_major, C),
+                mma(k_major, k_major, C, rmem))
+
+        @cute.struct
+        class SharedStorage:
+            bar: cute.struct.MemRange[cutlass.Int64, 1]
+            rows: cute.struct.MemRange[Float32, ROW_VALUES * C]
+            dg: cute.struct.MemRange[Float32, C]
+            dbeta: cute.struct.MemRange[Float32, C]
+            reduce: cute.struct.MemRange[Float32, REDUCE_SLOTS]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_k)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_k)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_v)], 1024]
+            sDO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_v)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_k)], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_v)], 1024]
+            sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_c)], 1024]
+            sT: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_c)], 1024]
+            sS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_s)], 1024]
+            sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_s)], 1024]
+            sDD: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_v)], 1024]
+            # dT and diag(r_k) dP (two 64 x 64 tiles) and E (fp32) go over S and dS' once
+            # those are read; at K = V = 64 they do not fit there and get their own space
+            own16: cute.struct.Align[cute.struct.MemRange[dt, 0 if self.overlay else
+                                                          2 * cute.cosize(lay_c)], 1024]
+            own32: cute.struct.Align[cute.struct.MemRange[Float32, 0 if self.overlay else
+                                                          C * C], 16]
+
+        self.storage = SharedStorage
+        chunks = mWork32.shape[0]
+        num_batches = mCuSeqlens.shape[0] - 1
+        self.kernel(mmas, loads, (lay_k, lay_v, lay_c, lay_s), mG, mBeta, mCuSeqlens, mDQ,
+                    mDK, mDV, mDG, mDBeta, num_batches, scale).launch(
+            grid=[chunks, self.heads, 1], block=[THREADS, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, mmas: tuple, loads: tuple, layouts: tuple, mG: cute.Tensor,
+               mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mDQ: cute.Tensor,
+               mDK: cute.Tensor, mDV: cute.Tensor, mDG: cute.Tensor, mDBeta: cute.Tensor,
+               num_batches: Int32, scale: Float32):
+        C = CHUNK
+        tidx, _, _ = cute.arch.thread_idx()
+        packed, head, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        batch, chunk = self.find_chunk(packed, mCuSeqlens, num_batches)
+        if batch < num_batches:
+            lay_k, lay_v, lay_c, lay_s = layouts
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(self.storage)
+            tiles = tuple(s.get_tensor(layout.outer, swizzle=layout.inner) for s, layout in (
+                (storage.sQ, lay_k), (storage.sK, lay_k), (storage.sV, lay_v),
+                (storage.sDO, lay_v), (storage.sW, lay_k), (storage.sU, lay_v),
+                (storage.sM, lay_c), (storage.sT, lay_c), (storage.sS, lay_s),
+                (storage.sDS, lay_s), (storage.sDD, lay_v)))
+            sRows = storage.rows.get_tensor(cute.make_layout((ROW_VALUES, C), stride=(C, 1)))
+            bar = storage.bar.data_ptr()
+            start = mCuSeqlens[batch]
+            first = start + chunk * C
+            rows = cutlass.min(mCuSeqlens[batch + 1] - first, C)
+            if tidx == 0:
+                cute.arch.mbarrier_init(bar, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            if warp == 0:
+                self.load_all(loads, tiles, bar, start, chunk, packed, head)
+            self.load_gates(mG, mBeta, sRows[R_G, None], sRows[R_BETA, None], first, rows,
+                            head, tidx)
+            cute.arch.mbarrier_wait(bar, 0)
+            if rows < C:
+                self.zero_tail(tiles, rows, tidx)
+            cute.arch.sync_threads()
+            if tidx < cute.arch.WARP_SIZE:
+                self.cumulative_gates(sRows[R_G, None])
+            self.row_scales(tiles[0], tiles[1], sRows, tidx)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            self.gradients(mmas, tiles, layouts, storage, sRows, mDQ, mDK, mDV, mDG, mDBeta,
+                           first, rows, head, scale, tidx)
+
+    @cute.jit
+    def load_all(self, loads, tiles, bar, start: Int32, chunk: Int32, packed: Int32,
+                 head: Int32):
+        """Warp 0: every tile of the chunk by TMA onto ``bar`` (one expect-tx arrival)."""
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.load_bytes)
+        sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
+        lq, lk, lv, ldo, lw, lu, lm, linv, ls, lds, ldd = loads
+        for (atom, m), s, h, cols in ((lq, sQ, head // self.q_group, K),
+                                      (lk, sK, head // self.k_group, K),
+                                      (lv, sV, head // self.v_group, V), (ldo, sDO, head, V)):
+            g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
+                                (chunk, 0))
+            self.tma_load(atom, g, s, bar)
+        for (atom, m), s, col, shape in ((lw, sW, 0, (C, K)), (lu, sU, K, (C, V)),
+                                         (lm, sM, K + V, (C, C)), (linv, sT, 0, (C, C)),
+                                         (ls, sS, 0, (V, K)), (lds, sDS, 0, (V, K)),
+                                         (ldd, sDD, 0, (C, V))):
+            block = m[None, None, head, packed]
+            g = cute.local_tile(cute.domain_offset((0, col), block), shape, (0, 0))
+            self.tma_load(atom, g, s, bar)
+
+    @cute.jit
+    def tma_load(self, atom, g, s, bar):
+        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                         cute.group_modes(g, 0, 2))
+        cute.copy(atom, t_g, t_s[None, 0], tma_bar_ptr=bar)
+
+    @cute.jit
+    def zero_tail(self, tiles, rows: Int32, tidx: Int32):
+        """Rows past the sequence end (the next sequence's tokens, or TMA's zero fill) of
+        the token tiles Q, K, V and dO: zeros, so that they reach no real row's gradient."""
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        for t, cols in ((tiles[0], K), (tiles[1], K), (tiles[2], V), (tiles[3], V)):
+            for idx in cutlass.range(tidx, C * cols, THREADS, unroll=1):
+                if idx // cols >= rows:
+                    t[idx // cols, idx % cols, 0] = self.dtype(0.0)
+
+    @cute.jit
+    def row_scales(self, sQ, sK, sRows, tidx: Int32):
+        """r_q, r_k (rsqrt of the clamped squared norms with the L2 norm, else ones): thread
+        t < 64 for row t of Q, t >= 64 for row t - 64 of K."""
+        K, C = self.k_dim, CHUNK
+        row = tidx % C
+        if const_expr(self.l2norm):
+            acc = Float32(0.0)
+            if tidx < C:
+                for col in cutlass.range(K, unroll=8):
+                    x = sQ[row, col, 0].to(Float32)
+                    acc = acc + x * x
+            else:
+                for col in cutlass.range(K, unroll=8):
+                    x = sK[row, col, 0].to(Float32)
+                    acc = acc + x * x
+            sRows[R_Q + tidx // C, row] = cute.math.rsqrt(cutlass.max(acc, Float32(L2NORM_EPS)))
+        else:
+            sRows[R_Q + tidx // C, row] = Float32(1.0)
+
+    @cute.jit
+    def gradients(self, mmas, tiles, layouts, storage, sRows, mDQ, mDK, mDV, mDG, mDBeta,
+                  first: Int32, rows: Int32, head: Int32, scale: Float32, tidx: Int32):
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        dt = self.dtype
+        mma_kk_v, mma_kk_c, mma_kmn_k, mma_rs_mn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c, \
+            mma_rs_k_c = mmas
+        sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
+        lay_k, lay_v, lay_c, lay_s = layouts
+        two = lambda t: t[None, None, 0]  # noqa: E731
+        tr = lambda t, r, c: transposed(t, r, c)[None, None, 0]  # noqa: E731
+        lane = cute.arch.lane_idx()
+        warp = tidx // cute.arch.WARP_SIZE
+        row_lo = 16 * warp + lane // 4  # this thread's two accumulator rows: row_lo, row_lo + 8
+        leader = lane % 4 == 0
+        g_last = sRows[R_G, C - 1]
+        # per-row partial sums kept by the thread (both of its rows): dG and dbeta
+        dg_part = [Float32(0.0), Float32(0.0)]
+        db_part = [Float32(0.0), Float32(0.0)]
+
+        def coords_of(mma, n):
+            return mma.get_slice(tidx).partition_C(cute.make_identity_tensor((C, n)))
+
+        # ---- Delta = U - W S (into sU, element by element: each thread its own elements)
+        thr = mma_kk_v.get_slice(tidx)
+        acc_v = cute.make_rmem_tensor(thr.partition_shape_C((C, V)), Float32)
+        self.ss(mma_kk_v, acc_v, two(sW), two(sS), False)
+        warpgroup.wait_group(0)
+        t_u = thr.partition_C(two(sU))
+        for e in cutlass.range_constexpr(cute.size(acc_v)):
+            t_u[e] = (t_u[e].to(Float32) - acc_v[e]).to(dt)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+        sDelta = sU
+        # ---- dM' = tril(dO Delta^T); dQK = scale dM' Gamma; E = dM' * M
+        thr_c = mma_kk_c.get_slice(tidx)
+        c_cc = coords_of(mma_kk_c, C)
+        acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
+        self.ss(mma_kk_c, acc_c, two(sDO), two(sDelta), False)
+        warpgroup.wait_group(0)
+        acc_e = cute.make_rmem_tensor(acc_c.layout, Float32)
+        dqk16 = cute.make_rmem_tensor(acc_c.layout, dt)  # dQK diag(r_k): A of dQK Kn
+        t_m = thr_c.partition_C(two(sM))
+        sX = sM  # dQK^T's operand diag(r_q) dQK, over M (each thread its own elements)
+        for e in cutlass.range_constexpr(cute.size(acc_c)):
+            i = c_cc[e][0]
+            j = c_cc[e][1]
+            seen = j <= i
+            gamma_ij = cute.math.exp(cutlass.select_(seen, sRows[R_G, i] - sRows[R_G, j],
+                                                     Float32(0.0)), fastmath=True)
+            dmp = cutlass.select_(seen, acc_c[e], Float32(0.0))
+            acc_e[e] = dmp * t_m[e].to(Float32)
+            dqk = scale * dmp * gamma_ij
+            dqk16[e] = (dqk * sRows[R_K, j]).to(dt)
+            t_m[e] = (dqk * sRows[R_Q, i]).to(dt)
+        # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
+        thr_k = mma_kmn_k.get_slice(tidx)
+        c_ck = coords_of(mma_kmn_k, K)
+        acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
+        self.ss(mma_kmn_k, acc_k, two(sDO), tr(sS, V, K), False)
+        warpgroup.wait_group(0)
+        part = [Float32(0.0), Float32(0.0)]
+        for e in cutlass.range_constexpr(cute.size(acc_k)):
+            i = c_ck[e][0]
+            col = c_ck[e][1]
+            x = acc_k[e] * sQ[i, col, 0].to(Float32)
+            part[(e // 2) % 2] = part[(e // 2) % 2] + x
+            acc_k[e] = acc_k[e] * scale * cute.math.exp(sRows[R_G, i], fastmath=True)
+        part = self.quad_sums(part)
+        for h in cutlass.range_constexpr(2):
+            i = row_lo + 8 * h
+            dg_part[h] = dg_part[h] + part[h] * sRows[R_Q, i] * scale * cute.math.exp(
+                sRows[R_G, i], fastmath=True)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()  # sX written
+        self.rs(mma_rs_mn_k, acc_k, cute.make_tensor(dqk16.iterator,
+                                                     acc_as_operand_a(acc_c.layout)),
+                tr(sK, C, K), True)
+        warpgroup.wait_group(0)
+        self.store_rows(mDQ, acc_k, c_ck, first, rows, head)
+        # ---- dW = -dDelta S^T (over W); <S, dS'>
+        self.ss(mma_kmn_k, acc_k, two(sDD), tr(sS, V, K), False)
+        self.state_dot(sS, sDS, storage, tidx)
+        warpgroup.wait_group(0)
+        cute.arch.sync_threads()  # every thread's W reads (Delta) are long done; S read
+        t_w = thr_k.partition_C(two(sW))
+        for e in cutlass.range_constexpr(cute.size(acc_k)):
+            t_w[e] = (-acc_k[e]).to(dt)
+        sdW = sW
+        # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn ...;  dd = d rowsum((Delta dS'^T) Kn)
+        acc_dk = cute.make_rmem_tensor(acc_k.layout, Float32)
+        self.ss(mma_kmn_k, acc_dk, two(sDelta), tr(sDS, V, K), False)
+        warpgroup.wait_group(0)
+        part = [Float32(0.0), Float32(0.0)]
+        for e in cutlass.range_constexpr(cute.size(acc_dk)):
+            i = c_ck[e][0]
+            col = c_ck[e][1]
+            d_i = cute.math.exp(g_last - sRows[R_G, i], fastmath=True)
+            x = acc_dk[e] * sK[i, col, 0].to(Float32)
+            part[(e // 2) % 2] = part[(e // 2) % 2] + x
+            acc_dk[e] = acc_dk[e] * d_i
+        part = self.quad_sums(part)
+        dd_sum = Float32(0.0)  # sum of dd over this thread's rows (leaders only count)
+        for h in cutlass.range_constexpr(2):
+            i = row_lo + 8 * h
+            dd = part[h] * sRows[R_K, i] * cute.math.exp(g_last - sRows[R_G, i],
+                                                         fastmath=True)
+            dg_part[h] = dg_part[h] - dd
+            dd_sum = dd_sum + dd
+        self.warp_reduce_to(storage, REDUCE_SLOTS // 2 + warp,
+                            cutlass.select_(leader, dd_sum, Float32(0.0)))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()  # dW written; every product reading S, dS' is complete
+        self.ss(mma_mnmn_k, acc_dk, tr(sX, C, C), tr(sQ, C, K), True)
+        # ---- dT = dDelta V^T diag(beta) + dW K^T diag(beta gamma r_k) (over S)
+        base16 = storage.sS.data_ptr() if const_expr(self.overlay) else storage.own16.data_ptr()
+        sdT = cute.make_tensor(cute.recast_ptr(base16, swizzle_=lay_c.inner, dtype=dt),
+                               lay_c.outer)
+        sY = cute.make_tensor(cute.recast_ptr(base16 + cute.cosize(lay_c.outer),
+                                              swizzle_=lay_c.inner, dtype=dt), lay_c.outer)
+        acc_t2 = cute.make_rmem_tensor(acc_c.layout, Float32)
+        self.ss(mma_kk_c, acc_c, two(sDD), two(sV), False)
+        self.ss(mma_kk_c, acc_t2, two(sdW), two(sK), False)
+        warpgroup.wait_group(0)
+        t_dt = thr_c.partition_C(two(sdT))
+        for e in cutlass.range_constexpr(cute.size(acc_c)):
+            j = c_cc[e][1]
+            beta_j = sRows[R_BETA, j]
+            w_j = beta_j * cute.math.exp(sRows[R_G, j], fastmath=True) * sRows[R_K, j]
+            t_dt[e] = (acc_c[e] * beta_j + acc_t2[e] * w_j).to(dt)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+        # ---- dv = diag(beta) T^T dDelta;  dbeta += rowsum(T^T dDelta * V)
+        thr_v = mma_mnmn_v.get_slice(tidx)
+        c_cv = coords_of(mma_mnmn_v, V)
+        self.ss(mma_mnmn_v, acc_v, tr(sT, C, C), tr(sDD, C, V), False)
+        warpgroup.wait_group(0)
+        part = [Float32(0.0), Float32(0.0)]
+        for e in cutlass.range_constexpr(cute.size(acc_v)):
+            i = c_cv[e][0]
+            col = c_cv[e][1]
+            x = acc_v[e] * sV[i, col, 0].to(Float32)
+            part[(e // 2) % 2] = part[(e // 2) % 2] + x
+            acc_v[e] = acc_v[e] * sRows[R_BETA, i]
+        part = self.quad_sums(part)
+        for h in cutlass.range_constexpr(2):
+            db_part[h] = db_part[h] + part[h]
+        self.store_rows(mDV, acc_v, c_cv, first, rows, head)
+        # ---- dBk = T^T dW: dk_n += diag(beta gamma) dBk; t = rowsum(dBk Kn)
+        self.ss(mma_mnmn_k, acc_k, tr(sT, C, C), tr(sdW, C, K), False)
+        warpgroup.wait_group(0)
+        part = [Float32(0.0), Float32(0.0)]
+        for e in cutlass.range_constexpr(cute.size(acc_k)):
+            i = c_ck[e][0]
+            col = c_ck[e][1]
+            x = acc_k[e] * sK[i, col, 0].to(Float32)
+            part[(e // 2) % 2] = part[(e // 2) % 2] + x
+            acc_dk[e] = acc_dk[e] + acc_k[e] * sRows[R_BETA, i] * cute.math.exp(
+                sRows[R_G, i], fastmath=True)
+        part = self.quad_sums(part)
+        for h in cutlass.range_constexpr(2):
+            i = row_lo + 8 * h
+            t_i = part[h] * sRows[R_K, i] * cute.math.exp(sRows[R_G, i], fastmath=True)
+            db_part[h] = db_part[h] + t_i
+            dg_part[h] = dg_part[h] + t_i * sRows[R_BETA, i]
+        # ---- dA = strict_tril(-(T^T dT) T^T)
+        self.ss(mma_mnmn_c, acc_c, tr(sT, C, C), tr(sdT, C, C), False)
+        warpgroup.wait_group(0)
+        x16 = cute.make_rmem_tensor(acc_c.layout, dt)
+        x16.store(acc_c.load().to(dt))
+        self.rs(mma_rs_k_c, acc_t2, cute.make_tensor(x16.iterator,
+                                                     acc_as_operand_a(acc_c.layout)),
+                two(sT), False)
+        # P = Kn Kn^T (raw K K^T here, scaled below)
+        self.ss(mma_kk_c, acc_c, two(sK), two(sK), False)
+        warpgroup.wait_group(0)
+        # ---- dP = diag(beta) (dA Gamma); dbeta += rowsum(dA Gamma P); E += dP P
+        part = [Float32(0.0), Float32(0.0)]
+        for e in cutlass.range_constexpr(cute.size(acc_c)):
+            i = c_cc[e][0]
+            j = c_cc[e][1]
+            below = j < i
+            gamma_ij = cute.math.exp(cutlass.select_(below, sRows[R_G, i] - sRows[R_G, j],
+                                                     Float32(0.0)), fastmath=True)
+            p = acc_c[e] * sRows[R_K, i] * sRows[R_K, j]
+            da = cutlass.select_(below, -acc_t2[e], Float32(0.0))
+            x = da * gamma_ij * p
+            part[(e // 2) % 2] = part[(e // 2) % 2] + x
+            dp = sRows[R_BETA, i] * da * gamma_ij
+            acc_e[e] = acc_e[e] + dp * p
+            x16[e] = (dp * sRows[R_K, j]).to(dt)  # dP diag(r_k): A of dP Kn
+            acc_t2[e] = dp * sRows[R_K, i]  # diag(r_k) dP, for dP^T Kn
+        part = self.quad_sums(part)
+        for h in cutlass.range_constexpr(2):
+            db_part[h] = db_part[h] + part[h]
+        t_y = thr_c.partition_C(two(sY))
+        for e in cutlass.range_constexpr(cute.size(acc_c)):
+            t_y[e] = acc_t2[e].to(dt)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+        # ---- dk_n += dP Kn + dP^T Kn
+        self.rs(mma_rs_mn_k, acc_dk, cute.make_tensor(x16.iterator,
+                                                      acc_as_operand_a(acc_c.layout)),
+                tr(sK, C, K), True)
+        self.ss(mma_mnmn_k, acc_dk, tr(sY, C, C), tr(sK, C, K), True)
+        # ---- E's row and column sums (E in fp32 over dS', no product reads it any more)
+        if const_expr(self.overlay):
+            sE = cute.make_tensor(cute.recast_ptr(storage.sDS.data_ptr(), dtype=Float32),
+                                  cute.make_layout((C, C), stride=(C, 1)))
+        else:
+            sE = storage.own32.get_tensor(cute.make_layout((C, C), stride=(C, 1)))
+        for e in cutlass.range_constexpr(cute.size(acc_e)):
+            i = c_cc[e][0]
+            j = c_cc[e][1]
+            sE[i, j] = acc_e[e]
+        part = [Float32(0.0), Float32(0.0)]
+        for e in cutlass.range_constexpr(cute.size(acc_e)):
+            part[(e // 2) % 2] = part[(e // 2) % 2] + acc_e[e]
+        part = self.quad_sums(part)
+        for h in cutlass.range_constexpr(2):
+            dg_part[h] = dg_part[h] + part[h]
+        sDG = storage.dg.get_tensor(cute.make_layout(C))
+        sDB = storage.dbeta.get_tensor(cute.make_layout(C))
+        if leader:
+            for h in cutlass.range_constexpr(2):
+                sDG[row_lo + 8 * h] = dg_part[h]
+                sDB[row_lo + 8 * h] = db_part[h]
+        warpgroup.wait_group(0)
+        self.store_rows(mDK, acc_dk, c_ck, first, rows, head)
+        cute.arch.sync_threads()
+        if tidx < C:
+            col_sum = Float32(0.0)
+            for l in cutlass.range(C, unroll=8):
+                col_sum = col_sum + sE[l, tidx]
+            total = sDG[tidx] - col_sum
+            if tidx == C - 1:
+                red = storage.reduce.get_tensor(cute.make_layout(REDUCE_SLOTS))
+                gl = Float32(0.0)
+                for w in cutlass.range_constexpr(REDUCE_SLOTS // 2):
+                    gl = gl + red[w] * cute.math.exp(g_last, fastmath=True)
+                for w in cutlass.range_constexpr(REDUCE_SLOTS // 2):
+                    gl = gl + red[REDUCE_SLOTS // 2 + w]
+                total = total + gl
+            sDG[tidx] = total
+        cute.arch.sync_threads()
+        if tidx < cute.arch.WARP_SIZE:  # dg = reverse cumsum of dG; rows past the end skipped
+            self.write_gate_grads(sDG, sDB, mDG, mDBeta, first, rows, head)
+
+    # ---------------------------------------------------------------- helpers
+    @cute.jit
+    def ss(self, mma, acc, sA, sB, accumulate: cutlass.Constexpr):
+        thr = mma.get_slice(cute.arch.thread_idx()[0])
+        wgmma(mma, acc, thr.make_fragment_A(thr.partition_A(sA)),
+              thr.make_fragment_B(thr.partition_B(sB)), accumulate)
+
+    @cute.jit
+    def rs(self, mma, acc, tCrA, sB, accumulate: cutlass.Constexpr):
+        thr = mma.get_slice(cute.arch.thread_idx()[0])
+        wgmma(mma, acc, tCrA, thr.make_fragment_B(thr.partition_B(sB)), accumulate)
+
+    @cute.jit
+    def quad_sums(self, part):
+        """Each of the thread's two row partials summed over the 4 threads of its rows."""
+        out = [part[0], part[1]]
+        for h in cutlass.range_constexpr(2):
+            for d in cutlass.range_constexpr(2):
+                out[h] = out[h] + cute.arch.shuffle_sync_bfly(out[h], 1 << d)
+        return out
+
+    @cute.jit
+    def warp_reduce_to(self, storage, slot, value: Float32):
+        """The warp's sum of ``value`` into reduce slot ``slot`` (lane 0 writes)."""
+        for d in cutlass.range_constexpr(5):
+            value = value + cute.arch.shuffle_sync_bfly(value, 1 << d)
+        if cute.arch.lane_idx() == 0:
+            storage.reduce.get_tensor(cute.make_layout(REDUCE_SLOTS))[slot] = value
+
+    @cute.jit
+    def state_dot(self, sS, sDS, storage, tidx: Int32):
+        """<S, dS'> over the (V, K) tiles: per-warp partial sums into reduce slots 0..3."""
+        K, V = self.k_dim, self.v_dim
+        acc = Float32(0.0)
+        for idx in cutlass.range(tidx, V * K, THREADS, unroll=8):
+            r = idx // K
+            col = idx - r * K
+            acc = acc + sS[r, col, 0].to(Float32) * sDS[r, col, 0].to(Float32)
+        self.warp_reduce_to(storage, tidx // cute.arch.WARP_SIZE, acc)
+
+    @cute.jit
+    def store_rows(self, mOut, acc, coords, first: Int32, rows: Int32, head: Int32):
+        """fp32 accumulator rows < ``rows`` into mOut[first + row, head, :]."""
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i = coords[e][0]
+            col = coords[e][1]
+            if i < rows:
+                mOut[first + i, head, col] = acc[e]
+
+    @cute.jit
+    def write_gate_grads(self, sDG, sDB, mDG, mDBeta, first: Int32, rows: Int32,
+                         head: Int32):
+        """Warp 0: dg_i = sum_{l >= i} dG_l (two rows per lane) and dbeta, real rows only."""
+        lane = cute.arch.lane_idx()
+        a = sDG[2 * lane]
+        b = sDG[2 * lane + 1]
+        # inclusive suffix sums: a prefix sum over reversed lanes
+        rev = a + b
+        for d in cutlass.range_constexpr(5):
+            down = cute.arch.shuffle_sync_down(rev, 1 << d)
+            if lane + (1 << d) < cute.arch.WARP_SIZE:
+                rev = rev + down
+        after = rev - a - b  # rows past 2 lane + 1
+        for r, val in ((2 * lane, after + a + b), (2 * lane + 1, after + b)):
+            if r < rows:
+                mDG[first + r, head] = val.to(mDG.element_type)
+                mDBeta[first + r, head] = sDB[r].to(mDBeta.element_type)

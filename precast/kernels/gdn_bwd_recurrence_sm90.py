@@ -1,0 +1,331 @@
+"""Gated DeltaNet backward for SM90, the reverse recurrence: the gradient of the state.
+
+One CTA per (sequence, output head) (or ``v_splits`` CTAs, each owning V / v_splits rows of
+the state) walks the sequence's chunks from the last to the first with D = dS'^T, the
+transposed gradient of the state leaving the chunk (V x K, fp32 in the registers of V / 64
+consumer warpgroups; it starts as the final state's gradient, or zeros). It reads the
+forward's stage-1 workspace ([W | U | M] rows, the factor row [q_f | k_f | G_L]; see
+gdn_chunk_sm90) and the chunk's raw q, k and do rows. In the notation of
+precast/reference/gdn_backward.py (transposed; q_f = scale gamma r_q, k_f = exp(G_L - G) r_k
+and M the scaled, gated, causal Q K^T as stage 1 stores them):
+
+    dDelta^T = (D K^T) diag(k_f) + dO^T M                 (V x 64)
+    D       <- exp(G_L) D + dO^T diag(q_f) Q - dDelta^T W  (the gradient entering the chunk)
+
+Every chunk's D (the gradient *leaving* it, 16-bit) goes to ``dstates`` and its dDelta
+(64 tokens x V, 16-bit) to ``ddelta``, both by TMA stores from staging tiles, at the
+chunk's packed number (stage 1's numbering); the gradient entering the first chunk goes to
+the initial state's gradient (fp32). Rows of a partial last chunk past the sequence end have
+q_f = k_f = 0 and zero rows of M, so they add nothing (do rows there belong to the next
+sequence or to TMA's zero fill and must only be finite).
+"""
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from .attention_sm90 import acc_as_operand_a, advanced, select_modes, wgmma
+from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
+
+THREADS_PER_WG = 128
+STAGES = 2
+CONSUMER_BARRIER = 1  # the consumer warpgroups, around the scaled Q and the staging tiles
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+
+
+def transposed(s: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
+    """A (rows, cols, stages) shared-memory tile viewed (cols, rows, stages): a K-major
+    tile read as an MN-major wgmma operand (the tile's row extent must be ``rows``)."""
+    stages = cute.size(s, mode=[2])
+    return cute.composition(s, cute.make_ordered_layout((cols, rows, stages), order=(1, 0, 2)))
+
+
+class GdnStateGradSm90:
+    def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
+                 v_heads: int, final_grad: bool, init_grad: bool, v_splits: int = 1):
+        """final_grad: an [N, HO, V, K] fp32 gradient of the final state is read (else
+        zeros); init_grad: the initial state's gradient goes to an [N, HO, V, K] fp32
+        tensor. v_splits: CTAs per (sequence, head), as the forward's recurrence."""
+        assert k_dim in (64, 128) and v_dim in (64, 128)
+        assert v_dim % (64 * v_splits) == 0
+        self.dtype = dtype
+        self.k_dim, self.v_dim = k_dim, v_dim
+        self.heads = max(q_heads, v_heads)
+        self.q_group, self.k_group = self.heads // q_heads, self.heads // k_heads
+        self.final_grad, self.init_grad = final_grad, init_grad
+        self.v_splits = v_splits
+        self.v_rows = v_dim // v_splits
+        self.nwg = self.v_rows // 64
+        self.num_threads = (self.nwg + 1) * THREADS_PER_WG
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mDO: cute.Tensor,
+                 mWork16: cute.Tensor, mWork32: cute.Tensor, mCuSeqlens: cute.Tensor,
+                 mDFinal: cute.Tensor, mDStates: cute.Tensor, mDDelta: cute.Tensor,
+                 mDInit: cute.Tensor, stream: cuda.CUstream):
+        """mQ (T, HQ, K), mK (T, HK, K), mDO (T, HO, V); mWork16 / mWork32 as
+        gdn_layout.workspace_shapes; mDFinal, mDInit (N, HO, V, K) fp32 or None;
+        mDStates (chunks, HO, V, K) and mDDelta (chunks, HO, 64, V) in the io dtype."""
+        dt = self.dtype
+        K, C, Vc = self.k_dim, CHUNK, self.v_rows
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, STAGES)
+        sDO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, STAGES)
+        sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, STAGES)
+        sDD_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, 1)
+        sDS_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, Vc, K), dt, 1)
+        one = lambda layout: cute.slice_(layout, (None, None, 0))  # noqa: E731
+        g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        mW = select_modes(mWork16, [2, 3, 1, 0])  # (64, F, HO, chunks)
+        tma_w, mW_w = cpasync.make_tiled_tma_atom(g2s, mW, one(sK_layout), (C, K))
+        tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
+        tma_q, mQ_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mQ, [0, 2, 1]),
+                                                  one(sK_layout), (C, K))
+        tma_k, mK_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mK, [0, 2, 1]),
+                                                  one(sK_layout), (C, K))
+        tma_do, mDO_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mDO, [0, 2, 1]),
+                                                    one(sDO_layout), (C, Vc))
+        store_ds, mDS_t = cpasync.make_tiled_tma_atom(
+            s2g, select_modes(mDStates, [2, 3, 1, 0]), one(sDS_layout), (Vc, K))
+        store_dd, mDD_t = cpasync.make_tiled_tma_atom(
+            s2g, select_modes(mDDelta, [2, 3, 1, 0]), one(sDD_layout), (C, Vc))
+        self.stage_bytes = (3 * cute.size_in_bytes(dt, one(sK_layout))
+                            + cute.size_in_bytes(dt, one(sDO_layout))
+                            + cute.size_in_bytes(dt, one(sM_layout)))
+        k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        rmem = warpgroup.OperandSource.RMEM
+        # (V rows) x 64 tokens: D K^T (D from registers) and dO^T M (both from shared memory)
+        mma_tok = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, Float32,
+                                                    (self.nwg, 1, 1), (64, C), rmem)
+        mma_tok_ss = sm90_utils.make_trivial_tiled_mma(dt, dt, mn_major, mn_major, Float32,
+                                                       (self.nwg, 1, 1), (64, C))
+        # (V rows) x K: -dDelta^T W (dDelta^T from registers) and dO^T (diag(q_f) Q)
+        mma_state = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, Float32,
+                                                      (self.nwg, 1, 1), (64, K), rmem)
+        mma_state_ss = sm90_utils.make_trivial_tiled_mma(dt, dt, mn_major, mn_major, Float32,
+                                                         (self.nwg, 1, 1), (64, K))
+
+        @cute.struct
+        class SharedStorage:
+            bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sDO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDO_layout)], 1024]
+            sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
+            sDD: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDD_layout)], 1024]
+            sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDS_layout)], 1024]
+
+        self.storage = SharedStorage
+        num_batches = mCuSeqlens.shape[0] - 1
+        loads = ((tma_q, mQ_t), (tma_k, mK_t), (tma_w, mW_w), (tma_m, mW_m), (tma_do, mDO_t))
+        stores = ((store_ds, mDS_t), (store_dd, mDD_t))
+        self.kernel((mma_tok, mma_tok_ss, mma_state, mma_state_ss), loads, stores,
+                    (sK_layout, sDO_layout, sM_layout, sDD_layout, sDS_layout), mWork32,
+                    mCuSeqlens, mDFinal, mDInit, num_batches).launch(
+            grid=[self.heads, cutlass.max(num_batches, 1), self.v_splits],
+            block=[self.num_threads, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, mmas: tuple, loads: tuple, stores: tuple, layouts: tuple,
+               mWork32: cute.Tensor, mCuSeqlens: cute.Tensor, mDFinal: cute.Tensor,
+               mDInit: cute.Tensor, num_batches: Int32):
+        sK_layout, sDO_layout, sM_layout, sDD_layout, sDS_layout = layouts
+        tidx, _, _ = cute.arch.thread_idx()
+        head, batch, split = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                              self.nwg * THREADS_PER_WG // cute.arch.WARP_SIZE)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(), num_stages=STAGES, producer_group=producer,
+            consumer_group=consumers, tx_count=self.stage_bytes, defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        tiles = tuple(s.get_tensor(layout.outer, swizzle=layout.inner) for s, layout in (
+            (storage.sQ, sK_layout), (storage.sK, sK_layout), (storage.sW, sK_layout),
+            (storage.sM, sM_layout), (storage.sDO, sDO_layout)))
+        sDD = storage.sDD.get_tensor(sDD_layout.outer, swizzle=sDD_layout.inner)
+        sDS = storage.sDS.get_tensor(sDS_layout.outer, swizzle=sDS_layout.inner)
+
+        start = mCuSeqlens[batch]
+        length = mCuSeqlens[batch + 1] - start
+        chunks = (length + CHUNK - 1) // CHUNK
+        first_chunk = Int32(0)  # packed number of this sequence's first chunk
+        for b in cutlass.range(batch, unroll=1):
+            first_chunk = first_chunk + (mCuSeqlens[b + 1] - mCuSeqlens[b] + CHUNK - 1) // CHUNK
+        if warp == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self.produce(loads, tiles, pipe, head, start, first_chunk, chunks, split)
+        elif warp < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consume(mmas, tiles, (sDD, sDS), stores, pipe, mWork32, mDFinal, mDInit,
+                         batch, head, first_chunk, chunks, tidx - THREADS_PER_WG, split)
+
+    @cute.jit
+    def produce(self, loads, tiles, pipe, head: Int32, start: Int32, first_chunk: Int32,
+                chunks: Int32, split: Int32):
+        """The chunks' q, k (raw rows), W, M and this CTA's do columns, last chunk first."""
+        K, C, Vc = self.k_dim, CHUNK, self.v_rows
+        (tma_q, mQ), (tma_k, mK), (tma_w, mW_w), (tma_m, mW_m), (tma_do, mDO) = loads
+        sQ, sK, sW, sM, sDO = tiles
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        for i in cutlass.range(chunks, unroll=1):
+            c = chunks - 1 - i
+            pipe.producer_acquire(state)
+            bar = pipe.producer_get_barrier(state)
+            for atom, m, s, h, cols, col_tile in (
+                    (tma_q, mQ, sQ, head // self.q_group, K, 0),
+                    (tma_k, mK, sK, head // self.k_group, K, 0),
+                    (tma_do, mDO, sDO, head, Vc, split)):
+                g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
+                                    (c, col_tile))
+                self.tma_load(atom, g, s, state.index, bar)
+            for atom, m, s, col, cols in ((tma_w, mW_w, sW, 0, K),
+                                          (tma_m, mW_m, sM, K + self.v_dim, C)):
+                block = m[None, None, head, first_chunk + c]  # (64, F)
+                g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
+                self.tma_load(atom, g, s, state.index, bar)
+            state = advanced(state)
+
+    @cute.jit
+    def tma_load(self, atom, g, s, stage, bar):
+        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                         cute.group_modes(g, 0, 2))
+        cute.copy(atom, t_g, t_s[None, stage], tma_bar_ptr=bar)
+
+    @cute.jit
+    def tma_store(self, atom, s, g):
+        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                         cute.group_modes(g, 0, 2))
+        cute.copy(atom, t_s[None, 0], t_g)
+
+    def consumer_sync(self):
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER,
+                          number_of_threads=self.nwg * THREADS_PER_WG)
+
+    @cute.jit
+    def consume(self, mmas, tiles, staging, stores, pipe, mWork32, mDFinal, mDInit,
+                batch: Int32, head: Int32, first_chunk: Int32, chunks: Int32,
+                consumer_tidx: Int32, split: Int32):
+        mma_tok, mma_tok_ss, mma_state, mma_state_ss = mmas
+        sQ, sK, sW, sM, sDO = tiles
+        sDD, sDS = staging
+        (store_ds, mDS_t), (store_dd, mDD_t) = stores
+        K, C, rows = self.k_dim, CHUNK, self.v_rows
+        wg = consumer_tidx // THREADS_PER_WG
+        issuer = consumer_tidx < cute.arch.WARP_SIZE  # the warp that issues the TMA stores
+        wg_tok, wg_tok_ss = (m.get_slice(wg * THREADS_PER_WG) for m in (mma_tok, mma_tok_ss))
+        wg_state, wg_state_ss = (m.get_slice(wg * THREADS_PER_WG)
+                                 for m in (mma_state, mma_state_ss))
+        thr_tok = mma_tok.get_slice(consumer_tidx)
+        thr_state = mma_state.get_slice(consumer_tidx)
+        do_t = transposed(sDO, C, rows)  # (V rows, tokens, stages)
+        tXrK = wg_tok.make_fragment_B(wg_tok.partition_B(sK))
+        tYrDO = wg_tok_ss.make_fragment_A(wg_tok_ss.partition_A(do_t))
+        tYrM = wg_tok_ss.make_fragment_B(wg_tok_ss.partition_B(transposed(sM, C, C)))
+        tSrW = wg_state.make_fragment_B(wg_state.partition_B(transposed(sW, C, K)))
+        tSrDO = wg_state_ss.make_fragment_A(wg_state_ss.partition_A(do_t))
+        tSrQ = wg_state_ss.make_fragment_B(wg_state_ss.partition_B(transposed(sQ, C, K)))
+        acc_state = cute.make_rmem_tensor(wg_state.partition_shape_C((rows, K)), Float32)
+        acc_dd = cute.make_rmem_tensor(wg_tok.partition_shape_C((rows, C)), Float32)
+        state16 = cute.make_rmem_tensor(acc_state.layout, self.dtype)
+        neg_dd16 = cute.make_rmem_tensor(acc_dd.layout, self.dtype)
+        tXrS = cute.make_tensor(state16.iterator, acc_as_operand_a(acc_state.layout))
+        tSrD = cute.make_tensor(neg_dd16.iterator, acc_as_operand_a(acc_dd.layout))
+        # staging views in accumulator order: D (V rows x K) and dDelta^T (V rows x tokens)
+        t_ds = thr_state.partition_C(sDS[None, None, 0])
+        t_dd = thr_tok.partition_C(cute.composition(
+            sDD[None, None, 0], cute.make_ordered_layout((rows, C), order=(1, 0))))
+        by_token = cute.make_layout((rows, C), stride=(0, 1))
+
+        acc_state.fill(0.0)
+        if const_expr(self.final_grad):
+            src = self.state_view(thr_state, mDFinal, batch, head, split)
+            for e in cutlass.range_constexpr(cute.size(acc_state)):
+                acc_state[e] = src[e]
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        for i in cutlass.range(chunks, unroll=1):
+            c = chunks - 1 - i
+            chunk = first_chunk + c
+            factors = mWork32[chunk, head, None]
+            s = state.index
+            pipe.consumer_wait(state)
+            if issuer:  # the previous chunk's stores have read the staging tiles
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            self.consumer_sync()
+            # Q's rows times q_f (the contraction of dO^T diag(q_f) Q runs over tokens)
+            self.scale_rows(sQ[None, None, s], factors, consumer_tidx)
+            state16.store(acc_state.load().to(self.dtype))
+            for e in cutlass.range_constexpr(cute.size(state16)):
+                t_ds[e] = state16[e]
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.consumer_sync()
+            if issuer:  # the whole warp: the TMA copy elects its lane itself
+                self.tma_store(store_ds, sDS, cute.local_tile(
+                    mDS_t[None, None, head, chunk], (rows, K), (split, 0)))
+                cute.arch.cp_async_bulk_commit_group()
+            # dDelta^T = (D K^T) diag(k_f) + dO^T M
+            wgmma(mma_tok, acc_dd, tXrS, tXrK[None, None, None, s], False)
+            warpgroup.wait_group(0)
+            t_kf = thr_tok.partition_C(cute.make_tensor(
+                cute.domain_offset((K_FACTORS,), factors).iterator, by_token))
+            for e in cutlass.range_constexpr(cute.size(acc_dd)):
+                acc_dd[e] = acc_dd[e] * t_kf[e]
+            wgmma(mma_tok_ss, acc_dd, tYrDO[None, None, None, s], tYrM[None, None, None, s],
+                  True)
+            warpgroup.wait_group(0)
+            for e in cutlass.range_constexpr(cute.size(acc_dd)):
+                t_dd[e] = acc_dd[e].to(self.dtype)
+                neg_dd16[e] = (-acc_dd[e]).to(self.dtype)
+            # D <- exp(G_L) D - dDelta^T W + dO^T (diag(q_f) Q)
+            decay = cute.math.exp(factors[G_LAST], fastmath=True)
+            for e in cutlass.range_constexpr(cute.size(acc_state)):
+                acc_state[e] = acc_state[e] * decay
+            wgmma(mma_state, acc_state, tSrD, tSrW[None, None, None, s], True)
+            wgmma(mma_state_ss, acc_state, tSrDO[None, None, None, s],
+                  tSrQ[None, None, None, s], True)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.consumer_sync()
+            if issuer:
+                self.tma_store(store_dd, sDD, cute.local_tile(
+                    mDD_t[None, None, head, chunk], (C, rows), (0, split)))
+                cute.arch.cp_async_bulk_commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.sync_warp()
+            pipe.consumer_release(state)
+            state = advanced(state)
+        if issuer:  # the last stores have read the staging tiles before the CTA exits
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(self.init_grad):
+            dst = self.state_view(thr_state, mDInit, batch, head, split)
+            for e in cutlass.range_constexpr(cute.size(acc_state)):
+                dst[e] = acc_state[e]
+
+    @cute.jit
+    def scale_rows(self, sQ, factors, consumer_tidx: Int32):
+        """sQ[i, :] *= q_f[i] over the consumer threads (one stage, 64 x K)."""
+        K, C = self.k_dim, CHUNK
+        threads = self.nwg * THREADS_PER_WG
+        for idx in cutlass.range(consumer_tidx, C * K, threads, unroll=4):
+            i = idx // K
+            col = idx - i * K
+            sQ[i, col] = (sQ[i, col].to(Float32) * factors[Q_FACTORS + i]).to(self.dtype)
+
+    @cute.jit
+    def state_view(self, thr_state, mStates, row: Int32, head: Int32, split: Int32):
+        """This thread's elements of ``mStates[row, head]`` (V x K; this CTA's rows), in
+        accumulator order."""
+        return thr_state.partition_C(cute.local_tile(
+            mStates[row, head, None, None], (self.v_rows, self.k_dim), (split, 0)))
