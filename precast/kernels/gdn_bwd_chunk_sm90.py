@@ -125,12 +125,11 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             sS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_s)], 1024]
             sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_s)], 1024]
             sDD: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_v)], 1024]
-            # dT and diag(r_k) dP (two 64 x 64 tiles) and E (fp32) go over S and dS' once
-            # those are read; at K = V = 64 they do not fit there and get their own space
+            # dT and diag(r_k) dP (two 64 x 64 tiles) go over S once it is read; at
+            # K = V = 64 they do not fit there and get their own space
             own16: cute.struct.Align[cute.struct.MemRange[dt, 0 if self.overlay else
                                                           2 * cute.cosize(lay_c)], 1024]
-            own32: cute.struct.Align[cute.struct.MemRange[Float32, 0 if self.overlay else
-                                                          C * C], 16]
+            col_e: cute.struct.MemRange[Float32, THREADS // 32 * C]  # E's column sums per warp
 
         self.storage = SharedStorage
         chunks = mWork32.shape[0]
@@ -246,6 +245,11 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     @cute.jit
     def gradients(self, mmas, tiles, layouts, storage, sRows, mDQ, mDK, mDV, mDG, mDBeta,
                   first: Int32, rows: Int32, head: Int32, scale: Float32, tidx: Int32):
+        """Every product and reduction of the chunk (module docstring). Element loops
+        index by the accumulator's static layout: element e of a thread is row
+        row_lo + 8 h (h = (e // 2) % 2) and, in the 64-column tiles, column
+        col0 + 8 (e // 4) + e % 2 (column slot (e // 4) * 2 + e % 2 of the thread's 16), so
+        per-row and per-column values are loaded once per thread, not per element."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         dt = self.dtype
         mma_kk_v, mma_kk_c, mma_kmn_k, mma_rs_mn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c, \
@@ -256,22 +260,30 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         tr = lambda t, r, c: transposed(t, r, c)[None, None, 0]  # noqa: E731
         lane = cute.arch.lane_idx()
         warp = tidx // cute.arch.WARP_SIZE
-        row_lo = 16 * warp + lane // 4  # this thread's two accumulator rows: row_lo, row_lo + 8
+        row_lo = 16 * warp + lane // 4
+        col0 = 2 * (lane % 4)
         leader = lane % 4 == 0
         g_last = sRows[R_G, C - 1]
-        # per-row partial sums kept by the thread (both of its rows): dG and dbeta
+        rows_of = [row_lo, row_lo + 8]
+        g_r = [sRows[R_G, i] for i in rows_of]
+        eg_r = [cute.math.exp(x, fastmath=True) for x in g_r]
+        d_r = [cute.math.exp(g_last - x, fastmath=True) for x in g_r]
+        rq_r = [sRows[R_Q, i] for i in rows_of]
+        rk_r = [sRows[R_K, i] for i in rows_of]
+        beta_r = [sRows[R_BETA, i] for i in rows_of]
+        cols_of = [col0 + 8 * (slot // 2) + slot % 2 for slot in range(C // 4)]
+        half = lambda e: (e // 2) % 2  # noqa: E731
+        slot_of = lambda e: (e // 4) * 2 + e % 2  # noqa: E731
+        # per-row partial sums (both of the thread's rows): dG and dbeta
         dg_part = [Float32(0.0), Float32(0.0)]
         db_part = [Float32(0.0), Float32(0.0)]
 
-        def coords_of(mma, n):
-            return mma.get_slice(tidx).partition_C(cute.make_identity_tensor((C, n)))
-
         # ---- Delta = U - W S (into sU, element by element: each thread its own elements)
-        thr = mma_kk_v.get_slice(tidx)
-        acc_v = cute.make_rmem_tensor(thr.partition_shape_C((C, V)), Float32)
+        thr_v = mma_kk_v.get_slice(tidx)
+        acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
         self.ss(mma_kk_v, acc_v, two(sW), two(sS), False)
         warpgroup.wait_group(0)
-        t_u = thr.partition_C(two(sU))
+        t_u = thr_v.partition_C(two(sU))
         for e in cutlass.range_constexpr(cute.size(acc_v)):
             t_u[e] = (t_u[e].to(Float32) - acc_v[e]).to(dt)
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -279,52 +291,54 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         sDelta = sU
         # ---- dM' = tril(dO Delta^T); dQK = scale dM' Gamma; E = dM' * M
         thr_c = mma_kk_c.get_slice(tidx)
-        c_cc = coords_of(mma_kk_c, C)
         acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
         self.ss(mma_kk_c, acc_c, two(sDO), two(sDelta), False)
         warpgroup.wait_group(0)
-        acc_e = cute.make_rmem_tensor(acc_c.layout, Float32)
+        e_cols = [Float32(0.0)] * (C // 4)  # E's column partials (this thread's columns)
+        e_rows = [Float32(0.0), Float32(0.0)]
         dqk16 = cute.make_rmem_tensor(acc_c.layout, dt)  # dQK diag(r_k): A of dQK Kn
         t_m = thr_c.partition_C(two(sM))
         sX = sM  # dQK^T's operand diag(r_q) dQK, over M (each thread its own elements)
+        g_c = [sRows[R_G, j] for j in cols_of]
+        rk_c = [sRows[R_K, j] for j in cols_of]
         for e in cutlass.range_constexpr(cute.size(acc_c)):
-            i = c_cc[e][0]
-            j = c_cc[e][1]
-            seen = j <= i
-            gamma_ij = cute.math.exp(cutlass.select_(seen, sRows[R_G, i] - sRows[R_G, j],
-                                                     Float32(0.0)), fastmath=True)
+            h, sl = half(e), slot_of(e)
+            seen = cols_of[sl] <= rows_of[h]
+            gamma_ij = cute.math.exp(cutlass.select_(seen, g_r[h] - g_c[sl], Float32(0.0)),
+                                     fastmath=True)
             dmp = cutlass.select_(seen, acc_c[e], Float32(0.0))
-            acc_e[e] = dmp * t_m[e].to(Float32)
+            x = dmp * t_m[e].to(Float32)
+            e_rows[h] = e_rows[h] + x
+            e_cols[sl] = e_cols[sl] + x
             dqk = scale * dmp * gamma_ij
-            dqk16[e] = (dqk * sRows[R_K, j]).to(dt)
-            t_m[e] = (dqk * sRows[R_Q, i]).to(dt)
+            dqk16[e] = (dqk * rk_c[sl]).to(dt)
+            t_m[e] = (dqk * rq_r[h]).to(dt)
+        self.flush_e(e_rows, e_cols, dg_part, storage, True)
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
         thr_k = mma_kmn_k.get_slice(tidx)
-        c_ck = coords_of(mma_kmn_k, K)
         acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
+        t_q = thr_k.partition_C(two(sQ))
+        t_kk = thr_k.partition_C(two(sK))
         self.ss(mma_kmn_k, acc_k, two(sDO), tr(sS, V, K), False)
         warpgroup.wait_group(0)
         part = [Float32(0.0), Float32(0.0)]
         for e in cutlass.range_constexpr(cute.size(acc_k)):
-            i = c_ck[e][0]
-            col = c_ck[e][1]
-            x = acc_k[e] * sQ[i, col, 0].to(Float32)
-            part[(e // 2) % 2] = part[(e // 2) % 2] + x
-            acc_k[e] = acc_k[e] * scale * cute.math.exp(sRows[R_G, i], fastmath=True)
+            h = half(e)
+            part[h] = part[h] + acc_k[e] * t_q[e].to(Float32)
+            acc_k[e] = acc_k[e] * (scale * eg_r[h])
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
-            i = row_lo + 8 * h
-            dg_part[h] = dg_part[h] + part[h] * sRows[R_Q, i] * scale * cute.math.exp(
-                sRows[R_G, i], fastmath=True)
+            dg_part[h] = dg_part[h] + part[h] * rq_r[h] * scale * eg_r[h]
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()  # sX written
         self.rs(mma_rs_mn_k, acc_k, cute.make_tensor(dqk16.iterator,
                                                      acc_as_operand_a(acc_c.layout)),
                 tr(sK, C, K), True)
         warpgroup.wait_group(0)
-        self.store_rows(mDQ, acc_k, c_ck, first, rows, head)
+        self.store_rows(thr_k, mDQ, acc_k, rows_of, first, rows, head)
         # ---- dW = -dDelta S^T (over W); <S, dS'>
         self.ss(mma_kmn_k, acc_k, two(sDD), tr(sS, V, K), False)
+        warpgroup.wait_group(0)
         self.state_dot(sS, sDS, storage, tidx)
         warpgroup.wait_group(0)
         cute.arch.sync_threads()  # every thread's W reads (Delta) are long done; S read
@@ -338,18 +352,13 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         warpgroup.wait_group(0)
         part = [Float32(0.0), Float32(0.0)]
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
-            i = c_ck[e][0]
-            col = c_ck[e][1]
-            d_i = cute.math.exp(g_last - sRows[R_G, i], fastmath=True)
-            x = acc_dk[e] * sK[i, col, 0].to(Float32)
-            part[(e // 2) % 2] = part[(e // 2) % 2] + x
-            acc_dk[e] = acc_dk[e] * d_i
+            h = half(e)
+            part[h] = part[h] + acc_dk[e] * t_kk[e].to(Float32)
+            acc_dk[e] = acc_dk[e] * d_r[h]
         part = self.quad_sums(part)
         dd_sum = Float32(0.0)  # sum of dd over this thread's rows (leaders only count)
         for h in cutlass.range_constexpr(2):
-            i = row_lo + 8 * h
-            dd = part[h] * sRows[R_K, i] * cute.math.exp(g_last - sRows[R_G, i],
-                                                         fastmath=True)
+            dd = part[h] * rk_r[h] * d_r[h]
             dg_part[h] = dg_part[h] - dd
             dd_sum = dd_sum + dd
         self.warp_reduce_to(storage, REDUCE_SLOTS // 2 + warp,
@@ -357,6 +366,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()  # dW written; every product reading S, dS' is complete
         self.ss(mma_mnmn_k, acc_dk, tr(sX, C, C), tr(sQ, C, K), True)
+        warpgroup.wait_group(0)
         # ---- dT = dDelta V^T diag(beta) + dW K^T diag(beta gamma r_k) (over S)
         base16 = storage.sS.data_ptr() if const_expr(self.overlay) else storage.own16.data_ptr()
         sdT = cute.make_tensor(cute.recast_ptr(base16, swizzle_=lay_c.inner, dtype=dt),
@@ -365,49 +375,45 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                                               swizzle_=lay_c.inner, dtype=dt), lay_c.outer)
         acc_t2 = cute.make_rmem_tensor(acc_c.layout, Float32)
         self.ss(mma_kk_c, acc_c, two(sDD), two(sV), False)
+        warpgroup.wait_group(0)
         self.ss(mma_kk_c, acc_t2, two(sdW), two(sK), False)
+        warpgroup.wait_group(0)
+        beta_c = [sRows[R_BETA, j] for j in cols_of]
+        w_c = [beta_c[sl] * cute.math.exp(sRows[R_G, cols_of[sl]], fastmath=True)
+               * sRows[R_K, cols_of[sl]] for sl in range(C // 4)]
         warpgroup.wait_group(0)
         t_dt = thr_c.partition_C(two(sdT))
         for e in cutlass.range_constexpr(cute.size(acc_c)):
-            j = c_cc[e][1]
-            beta_j = sRows[R_BETA, j]
-            w_j = beta_j * cute.math.exp(sRows[R_G, j], fastmath=True) * sRows[R_K, j]
-            t_dt[e] = (acc_c[e] * beta_j + acc_t2[e] * w_j).to(dt)
+            sl = slot_of(e)
+            t_dt[e] = (acc_c[e] * beta_c[sl] + acc_t2[e] * w_c[sl]).to(dt)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
         # ---- dv = diag(beta) T^T dDelta;  dbeta += rowsum(T^T dDelta * V)
-        thr_v = mma_mnmn_v.get_slice(tidx)
-        c_cv = coords_of(mma_mnmn_v, V)
+        t_vv = thr_v.partition_C(two(sV))
         self.ss(mma_mnmn_v, acc_v, tr(sT, C, C), tr(sDD, C, V), False)
         warpgroup.wait_group(0)
         part = [Float32(0.0), Float32(0.0)]
         for e in cutlass.range_constexpr(cute.size(acc_v)):
-            i = c_cv[e][0]
-            col = c_cv[e][1]
-            x = acc_v[e] * sV[i, col, 0].to(Float32)
-            part[(e // 2) % 2] = part[(e // 2) % 2] + x
-            acc_v[e] = acc_v[e] * sRows[R_BETA, i]
+            h = half(e)
+            part[h] = part[h] + acc_v[e] * t_vv[e].to(Float32)
+            acc_v[e] = acc_v[e] * beta_r[h]
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
-        self.store_rows(mDV, acc_v, c_cv, first, rows, head)
+        self.store_rows(thr_v, mDV, acc_v, rows_of, first, rows, head)
         # ---- dBk = T^T dW: dk_n += diag(beta gamma) dBk; t = rowsum(dBk Kn)
         self.ss(mma_mnmn_k, acc_k, tr(sT, C, C), tr(sdW, C, K), False)
         warpgroup.wait_group(0)
         part = [Float32(0.0), Float32(0.0)]
         for e in cutlass.range_constexpr(cute.size(acc_k)):
-            i = c_ck[e][0]
-            col = c_ck[e][1]
-            x = acc_k[e] * sK[i, col, 0].to(Float32)
-            part[(e // 2) % 2] = part[(e // 2) % 2] + x
-            acc_dk[e] = acc_dk[e] + acc_k[e] * sRows[R_BETA, i] * cute.math.exp(
-                sRows[R_G, i], fastmath=True)
+            h = half(e)
+            part[h] = part[h] + acc_k[e] * t_kk[e].to(Float32)
+            acc_dk[e] = acc_dk[e] + acc_k[e] * (beta_r[h] * eg_r[h])
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
-            i = row_lo + 8 * h
-            t_i = part[h] * sRows[R_K, i] * cute.math.exp(sRows[R_G, i], fastmath=True)
+            t_i = part[h] * rk_r[h] * eg_r[h]
             db_part[h] = db_part[h] + t_i
-            dg_part[h] = dg_part[h] + t_i * sRows[R_BETA, i]
+            dg_part[h] = dg_part[h] + t_i * beta_r[h]
         # ---- dA = strict_tril(-(T^T dT) T^T)
         self.ss(mma_mnmn_c, acc_c, tr(sT, C, C), tr(sdT, C, C), False)
         warpgroup.wait_group(0)
@@ -416,28 +422,31 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.rs(mma_rs_k_c, acc_t2, cute.make_tensor(x16.iterator,
                                                      acc_as_operand_a(acc_c.layout)),
                 two(sT), False)
+        warpgroup.wait_group(0)
         # P = Kn Kn^T (raw K K^T here, scaled below)
         self.ss(mma_kk_c, acc_c, two(sK), two(sK), False)
         warpgroup.wait_group(0)
-        # ---- dP = diag(beta) (dA Gamma); dbeta += rowsum(dA Gamma P); E += dP P
+        # ---- dP = diag(beta) (dA Gamma); dbeta += rowsum(dA Gamma P); E = dP P
+        g_c = [sRows[R_G, j] for j in cols_of]
+        rk_c = [sRows[R_K, j] for j in cols_of]
         part = [Float32(0.0), Float32(0.0)]
         for e in cutlass.range_constexpr(cute.size(acc_c)):
-            i = c_cc[e][0]
-            j = c_cc[e][1]
-            below = j < i
-            gamma_ij = cute.math.exp(cutlass.select_(below, sRows[R_G, i] - sRows[R_G, j],
-                                                     Float32(0.0)), fastmath=True)
-            p = acc_c[e] * sRows[R_K, i] * sRows[R_K, j]
-            da = cutlass.select_(below, -acc_t2[e], Float32(0.0))
-            x = da * gamma_ij * p
-            part[(e // 2) % 2] = part[(e // 2) % 2] + x
-            dp = sRows[R_BETA, i] * da * gamma_ij
-            acc_e[e] = acc_e[e] + dp * p
-            x16[e] = (dp * sRows[R_K, j]).to(dt)  # dP diag(r_k): A of dP Kn
-            acc_t2[e] = dp * sRows[R_K, i]  # diag(r_k) dP, for dP^T Kn
+            h, sl = half(e), slot_of(e)
+            below = cols_of[sl] < rows_of[h]
+            gamma_ij = cute.math.exp(cutlass.select_(below, g_r[h] - g_c[sl], Float32(0.0)),
+                                     fastmath=True)
+            p = acc_c[e] * (rk_r[h] * rk_c[sl])
+            da_g = cutlass.select_(below, -acc_t2[e], Float32(0.0)) * gamma_ij
+            part[h] = part[h] + da_g * p
+            dp = beta_r[h] * da_g
+            e_rows[h] = e_rows[h] + dp * p
+            e_cols[sl] = e_cols[sl] + dp * p
+            x16[e] = (dp * rk_c[sl]).to(dt)  # dP diag(r_k): A of dP Kn
+            acc_t2[e] = dp * rk_r[h]  # diag(r_k) dP, for dP^T Kn
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
+        self.flush_e(e_rows, e_cols, dg_part, storage, False)
         t_y = thr_c.partition_C(two(sY))
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             t_y[e] = acc_t2[e].to(dt)
@@ -447,36 +456,23 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.rs(mma_rs_mn_k, acc_dk, cute.make_tensor(x16.iterator,
                                                       acc_as_operand_a(acc_c.layout)),
                 tr(sK, C, K), True)
+        warpgroup.wait_group(0)
         self.ss(mma_mnmn_k, acc_dk, tr(sY, C, C), tr(sK, C, K), True)
-        # ---- E's row and column sums (E in fp32 over dS', no product reads it any more)
-        if const_expr(self.overlay):
-            sE = cute.make_tensor(cute.recast_ptr(storage.sDS.data_ptr(), dtype=Float32),
-                                  cute.make_layout((C, C), stride=(C, 1)))
-        else:
-            sE = storage.own32.get_tensor(cute.make_layout((C, C), stride=(C, 1)))
-        for e in cutlass.range_constexpr(cute.size(acc_e)):
-            i = c_cc[e][0]
-            j = c_cc[e][1]
-            sE[i, j] = acc_e[e]
-        part = [Float32(0.0), Float32(0.0)]
-        for e in cutlass.range_constexpr(cute.size(acc_e)):
-            part[(e // 2) % 2] = part[(e // 2) % 2] + acc_e[e]
-        part = self.quad_sums(part)
-        for h in cutlass.range_constexpr(2):
-            dg_part[h] = dg_part[h] + part[h]
+        warpgroup.wait_group(0)
         sDG = storage.dg.get_tensor(cute.make_layout(C))
         sDB = storage.dbeta.get_tensor(cute.make_layout(C))
         if leader:
             for h in cutlass.range_constexpr(2):
-                sDG[row_lo + 8 * h] = dg_part[h]
-                sDB[row_lo + 8 * h] = db_part[h]
+                sDG[rows_of[h]] = dg_part[h]
+                sDB[rows_of[h]] = db_part[h]
         warpgroup.wait_group(0)
-        self.store_rows(mDK, acc_dk, c_ck, first, rows, head)
+        self.store_rows(thr_k, mDK, acc_dk, rows_of, first, rows, head)
         cute.arch.sync_threads()
         if tidx < C:
+            col_e = storage.col_e.get_tensor(cute.make_layout((THREADS // 32, C), stride=(C, 1)))
             col_sum = Float32(0.0)
-            for l in cutlass.range(C, unroll=8):
-                col_sum = col_sum + sE[l, tidx]
+            for w in cutlass.range_constexpr(THREADS // 32):
+                col_sum = col_sum + col_e[w, tidx]
             total = sDG[tidx] - col_sum
             if tidx == C - 1:
                 red = storage.reduce.get_tensor(cute.make_layout(REDUCE_SLOTS))
@@ -502,6 +498,31 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     def rs(self, mma, acc, tCrA, sB, accumulate: cutlass.Constexpr):
         thr = mma.get_slice(cute.arch.thread_idx()[0])
         wgmma(mma, acc, tCrA, thr.make_fragment_B(thr.partition_B(sB)), accumulate)
+
+    @cute.jit
+    def flush_e(self, e_rows, e_cols, dg_part, storage, first: cutlass.Constexpr):
+        """E's partial sums of this thread into dG: rows (+, into dg_part; the partials are
+        reset) and columns (per-warp sums into col_e: assigned if ``first``, else added;
+        subtracted at the end)."""
+        C = CHUNK
+        rows = self.quad_sums(e_rows)
+        for h in cutlass.range_constexpr(2):
+            dg_part[h] = dg_part[h] + rows[h]
+            e_rows[h] = Float32(0.0)
+        lane = cute.arch.lane_idx()
+        col_e = storage.col_e.get_tensor(cute.make_layout((THREADS // 32, C), stride=(C, 1)))
+        warp = cute.arch.warp_idx()
+        for slot in cutlass.range_constexpr(C // 4):
+            x = e_cols[slot]
+            for d in cutlass.range_constexpr(2, 5):  # over the 8 row groups of the warp
+                x = x + cute.arch.shuffle_sync_bfly(x, 1 << d)
+            if lane < 4:
+                col = 8 * (slot // 2) + 2 * lane + slot % 2
+                if const_expr(first):
+                    col_e[warp, col] = x
+                else:
+                    col_e[warp, col] = col_e[warp, col] + x
+            e_cols[slot] = Float32(0.0)
 
     @cute.jit
     def quad_sums(self, part):
@@ -532,13 +553,15 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.warp_reduce_to(storage, tidx // cute.arch.WARP_SIZE, acc)
 
     @cute.jit
-    def store_rows(self, mOut, acc, coords, first: Int32, rows: Int32, head: Int32):
+    def store_rows(self, thr, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32):
         """fp32 accumulator rows < ``rows`` into mOut[first + row, head, :]."""
+        C = CHUNK
+        g = cute.local_tile(cute.domain_offset((first, 0), mOut[None, head, None]),
+                            (C, cute.size(mOut, mode=[2])), (0, 0))
+        t_g = thr.partition_C(g)
         for e in cutlass.range_constexpr(cute.size(acc)):
-            i = coords[e][0]
-            col = coords[e][1]
-            if i < rows:
-                mOut[first + i, head, col] = acc[e]
+            if rows_of[(e // 2) % 2] < rows:
+                t_g[e] = acc[e]
 
     @cute.jit
     def write_gate_grads(self, sDG, sDB, mDG, mDBeta, first: Int32, rows: Int32,
