@@ -1,11 +1,11 @@
 """Gated DeltaNet backward for SM90, the chunk-parallel gradients of q, k, v, g and beta.
 
-One CTA (one warpgroup) per (64-token chunk, output head), after the forward's stage 1 with
+One CTA of two warpgroups per (64-token chunk, output head), after the forward's stage 1 with
 store_inverse (W, U, M, T = (I + A)^-1), the states entering every chunk (S, V x K as
 stored), and the reverse recurrence (gdn_bwd_recurrence_sm90: dS', the gradient of the
 state leaving the chunk, and dDelta). Every formula of precast/reference/gdn_backward.py's
 _chunk_backward that does not involve the recurrence runs here, each product a wgmma on
-16-bit tiles in shared memory (or on a previous product in registers). With Qn, Kn the
+16-bit tiles in shared memory, its output columns split between the two warpgroups. With Qn, Kn the
 L2-normalized rows (diag(r_q) Q, diag(r_k) K; r = 1 without the norm), gamma = exp(G),
 d = exp(G_L - G), Gamma_ij = exp(G_i - G_j) (j <= i) and M as stage 1 stores it
 (scale Gamma * Qn Kn^T, causal):
@@ -24,8 +24,8 @@ d = exp(G_L - G), Gamma_ij = exp(G_i - G_j) (j <= i) and M as stage 1 stores it
 
 dq_n, dk_n (gradients of the normalized rows) and dv go to fp32 per-output-head buffers (the
 finishing kernel sums grouped heads and applies the L2 norm's Jacobian); dg and dbeta are
-written in g's and beta's dtypes. Rows of a partial chunk past the sequence end are zero in
-shared memory (and have g = beta = 0), so they add nothing; only real rows are written. Sums
+written in g's and beta's dtypes. q and k rows are normalized in shared memory (Qn, Kn) before the products. Rows of
+a partial chunk past the sequence end are zero in shared memory (and have g = beta = 0), so they add nothing; only real rows are written. Sums
 run in a fixed order: the results are deterministic.
 """
 import cuda.bindings.driver as cuda
@@ -37,16 +37,19 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import acc_as_operand_a, select_modes, wgmma
+from .attention_sm90 import select_modes, wgmma
 from .gdn_bwd_recurrence_sm90 import transposed
 from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90
 from .gdn_layout import CHUNK
 
-THREADS = 128
+WGS = 2  # warpgroups; each computes half of every product's output columns
+THREADS = 128 * WGS
+WARPS = THREADS // 32
 # per-token values in shared memory (rows of sRows)
 R_G, R_BETA, R_Q, R_K = range(4)
 ROW_VALUES = 4
-REDUCE_SLOTS = 8  # <S, dS'> per warp, then sum_i d_i rowsum_i per warp
+# per-warp partial sums: <S, dS'> in slots [0, WARPS), sum_i d_i rowsum_i in [WARPS, 2 WARPS)
+REDUCE_SLOTS = 2 * WARPS
 
 
 class GdnChunkGradSm90(GdnChunkPrepareSm90):
@@ -67,7 +70,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         mDQ, mDK (T, HO, K) and mDV (T, HO, V) fp32."""
         dt = self.dtype
         K, V, C = self.k_dim, self.v_dim, CHUNK
-        self.overlay = V * K >= 2 * C * C
+        # dT, T^T dT and dP (three 64 x 64 tiles) go over S once it is read, where it is
+        # big enough (not at K = 64)
+        self.overlay = V * K >= 3 * C * C
 
         def tile(rows, cols):  # a (rows, cols) 16-bit tile, cols contiguous
             return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, rows, cols), dt, 1)
@@ -76,7 +81,6 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tok = lambda m: select_modes(m, [0, 2, 1])  # noqa: E731  (T, D, H)
         blk = lambda m: select_modes(m, [2, 3, 1, 0])  # noqa: E731  (rows, cols, HO, chunks)
-        # (atom, TMA view, layout, is a token tile, column offset, columns)
         loads = (
             cpasync.make_tiled_tma_atom(g2s, tok(mQ), one(lay_k), (C, K)),
             cpasync.make_tiled_tma_atom(g2s, tok(mK), one(lay_k), (C, K)),
@@ -89,31 +93,28 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cpasync.make_tiled_tma_atom(g2s, blk(mStates), one(lay_s), (V, K)),
             cpasync.make_tiled_tma_atom(g2s, blk(mDStates), one(lay_s), (V, K)),
             cpasync.make_tiled_tma_atom(g2s, blk(mDDelta), one(lay_v), (C, V)))
-        self.load_bytes = (3 * cute.size_in_bytes(dt, one(lay_k))
-                           + 4 * cute.size_in_bytes(dt, one(lay_v))
-                           + 2 * cute.size_in_bytes(dt, one(lay_c))
-                           + 2 * cute.size_in_bytes(dt, one(lay_s)))
+        size = lambda layout: cute.size_in_bytes(dt, one(layout))  # noqa: E731
+        # W, U, S first (Delta needs only them), then the rest
+        self.first_bytes = size(lay_k) + size(lay_v) + size(lay_s)
+        self.rest_bytes = (2 * size(lay_k) + 3 * size(lay_v) + 2 * size(lay_c)
+                           + size(lay_s))
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
-        rmem = warpgroup.OperandSource.RMEM
 
-        def mma(a, b, n, source=None):
-            if const_expr(source is None):
-                return sm90_utils.make_trivial_tiled_mma(dt, dt, a, b, Float32, (1, 1, 1),
-                                                         (C, n))
-            return sm90_utils.make_trivial_tiled_mma(dt, dt, a, b, Float32, (1, 1, 1), (C, n),
-                                                     source)
+        def mma(a, b, n):  # one warpgroup's half of a (64, n) product
+            return sm90_utils.make_trivial_tiled_mma(dt, dt, a, b, Float32, (1, 1, 1),
+                                                     (C, n // WGS))
         mmas = (mma(k_major, k_major, V), mma(k_major, k_major, C), mma(k_major, mn_major, K),
-                mma(k_major, mn_major, K, rmem), mma(mn_major, mn_major, K),
-                mma(mn_major, mn_major, V), mma(mn_major, mn_major, C),
-                mma(k_major, k_major, C, rmem))
+                mma(mn_major, mn_major, K), mma(mn_major, mn_major, V),
+                mma(mn_major, mn_major, C))
 
         @cute.struct
         class SharedStorage:
-            bar: cute.struct.MemRange[cutlass.Int64, 1]
+            bars: cute.struct.MemRange[cutlass.Int64, 2]
             rows: cute.struct.MemRange[Float32, ROW_VALUES * C]
-            dg: cute.struct.MemRange[Float32, C]
-            dbeta: cute.struct.MemRange[Float32, C]
+            dg: cute.struct.MemRange[Float32, WGS * C]
+            dbeta: cute.struct.MemRange[Float32, WGS * C]
             reduce: cute.struct.MemRange[Float32, REDUCE_SLOTS]
+            col_e: cute.struct.MemRange[Float32, WARPS * C]  # E's column sums per warp
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_k)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_k)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_v)], 1024]
@@ -125,11 +126,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             sS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_s)], 1024]
             sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_s)], 1024]
             sDD: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_v)], 1024]
-            # dT and diag(r_k) dP (two 64 x 64 tiles) go over S once it is read; at
-            # K = V = 64 they do not fit there and get their own space
             own16: cute.struct.Align[cute.struct.MemRange[dt, 0 if self.overlay else
-                                                          2 * cute.cosize(lay_c)], 1024]
-            col_e: cute.struct.MemRange[Float32, THREADS // 32 * C]  # E's column sums per warp
+                                                          3 * cute.cosize(lay_c)], 1024]
 
         self.storage = SharedStorage
         chunks = mWork32.shape[0]
@@ -159,52 +157,52 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 (storage.sM, lay_c), (storage.sT, lay_c), (storage.sS, lay_s),
                 (storage.sDS, lay_s), (storage.sDD, lay_v)))
             sRows = storage.rows.get_tensor(cute.make_layout((ROW_VALUES, C), stride=(C, 1)))
-            bar = storage.bar.data_ptr()
+            bars = storage.bars.data_ptr()
             start = mCuSeqlens[batch]
             first = start + chunk * C
             rows = cutlass.min(mCuSeqlens[batch + 1] - first, C)
             if tidx == 0:
-                cute.arch.mbarrier_init(bar, 1)
+                cute.arch.mbarrier_init(bars, 1)
+                cute.arch.mbarrier_init(bars + 1, 1)
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if warp == 0:
-                self.load_all(loads, tiles, bar, start, chunk, packed, head)
+                self.load_all(loads, tiles, bars, start, chunk, packed, head)
             self.load_gates(mG, mBeta, sRows[R_G, None], sRows[R_BETA, None], first, rows,
                             head, tidx)
-            cute.arch.mbarrier_wait(bar, 0)
-            if rows < C:
-                self.zero_tail(tiles, rows, tidx)
-            cute.arch.sync_threads()
-            if tidx < cute.arch.WARP_SIZE:
-                self.cumulative_gates(sRows[R_G, None])
-            self.row_scales(tiles[0], tiles[1], sRows, tidx)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
-            self.gradients(mmas, tiles, layouts, storage, sRows, mDQ, mDK, mDV, mDG, mDBeta,
-                           first, rows, head, scale, tidx)
+            self.gradients(mmas, tiles, layouts, storage, sRows, bars, mDQ, mDK, mDV, mDG,
+                           mDBeta, first, rows, head, scale, tidx)
 
     @cute.jit
-    def load_all(self, loads, tiles, bar, start: Int32, chunk: Int32, packed: Int32,
+    def load_all(self, loads, tiles, bars, start: Int32, chunk: Int32, packed: Int32,
                  head: Int32):
-        """Warp 0: every tile of the chunk by TMA onto ``bar`` (one expect-tx arrival)."""
+        """Warp 0: the chunk's tiles by TMA, W, U, S onto bars[0], the rest onto bars[1]."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.load_bytes)
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
         lq, lk, lv, ldo, lw, lu, lm, linv, ls, lds, ldd = loads
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bars, self.first_bytes)
+        for (atom, m), s, col, shape in ((lw, sW, 0, (C, K)), (lu, sU, K, (C, V)),
+                                         (ls, sS, 0, (V, K))):
+            self.tma_load(atom, self.block_tile(m, packed, head, col, shape), s, bars)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + 1, self.rest_bytes)
         for (atom, m), s, h, cols in ((lq, sQ, head // self.q_group, K),
                                       (lk, sK, head // self.k_group, K),
                                       (lv, sV, head // self.v_group, V), (ldo, sDO, head, V)):
             g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
                                 (chunk, 0))
-            self.tma_load(atom, g, s, bar)
-        for (atom, m), s, col, shape in ((lw, sW, 0, (C, K)), (lu, sU, K, (C, V)),
-                                         (lm, sM, K + V, (C, C)), (linv, sT, 0, (C, C)),
-                                         (ls, sS, 0, (V, K)), (lds, sDS, 0, (V, K)),
-                                         (ldd, sDD, 0, (C, V))):
-            block = m[None, None, head, packed]
-            g = cute.local_tile(cute.domain_offset((0, col), block), shape, (0, 0))
-            self.tma_load(atom, g, s, bar)
+            self.tma_load(atom, g, s, bars + 1)
+        for (atom, m), s, col, shape in ((lm, sM, K + V, (C, C)), (linv, sT, 0, (C, C)),
+                                         (lds, sDS, 0, (V, K)), (ldd, sDD, 0, (C, V))):
+            self.tma_load(atom, self.block_tile(m, packed, head, col, shape), s, bars + 1)
+
+    @cute.jit
+    def block_tile(self, m, packed: Int32, head: Int32, col: int, shape):
+        """The (packed chunk, head) row block of a (rows, cols, HO, chunks) TMA view,
+        columns [col, col + shape[1])."""
+        return cute.local_tile(cute.domain_offset((0, col), m[None, None, head, packed]), shape,
+                               (0, 0))
 
     @cute.jit
     def tma_load(self, atom, g, s, bar):
@@ -223,84 +221,107 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                     t[idx // cols, idx % cols, 0] = self.dtype(0.0)
 
     @cute.jit
-    def row_scales(self, sQ, sK, sRows, tidx: Int32):
-        """r_q, r_k (rsqrt of the clamped squared norms with the L2 norm, else ones): thread
-        t < 64 for row t of Q, t >= 64 for row t - 64 of K."""
+    def normalize_rows(self, sQ, sK, sRows, tidx: Int32):
+        """r_q, r_k into sRows (rsqrt of the clamped squared norms with the L2 norm, else
+        ones; thread t < 64: row t of Q, 64 <= t < 128: row t - 64 of K), then, with the
+        L2 norm, Q and K scaled to Qn, Kn in place. Ends synchronized."""
         K, C = self.k_dim, CHUNK
         row = tidx % C
         if const_expr(self.l2norm):
-            acc = Float32(0.0)
-            if tidx < C:
-                for col in cutlass.range(K, unroll=8):
-                    x = sQ[row, col, 0].to(Float32)
-                    acc = acc + x * x
-            else:
-                for col in cutlass.range(K, unroll=8):
-                    x = sK[row, col, 0].to(Float32)
-                    acc = acc + x * x
-            sRows[R_Q + tidx // C, row] = cute.math.rsqrt(cutlass.max(acc, Float32(L2NORM_EPS)))
+            if tidx < 2 * C:
+                acc = Float32(0.0)
+                if tidx < C:
+                    for col in cutlass.range(K, unroll=8):
+                        x = sQ[row, col, 0].to(Float32)
+                        acc = acc + x * x
+                else:
+                    for col in cutlass.range(K, unroll=8):
+                        x = sK[row, col, 0].to(Float32)
+                        acc = acc + x * x
+                sRows[R_Q + tidx // C, row] = cute.math.rsqrt(
+                    cutlass.max(acc, Float32(L2NORM_EPS)))
+            cute.arch.sync_threads()
+            for idx in cutlass.range(tidx, C * K, THREADS, unroll=4):
+                i = idx // K
+                col = idx - i * K
+                sQ[i, col, 0] = (sQ[i, col, 0].to(Float32) * sRows[R_Q, i]).to(self.dtype)
+                sK[i, col, 0] = (sK[i, col, 0].to(Float32) * sRows[R_K, i]).to(self.dtype)
         else:
-            sRows[R_Q + tidx // C, row] = Float32(1.0)
+            if tidx < 2 * C:
+                sRows[R_Q + tidx // C, row] = Float32(1.0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
 
     @cute.jit
-    def gradients(self, mmas, tiles, layouts, storage, sRows, mDQ, mDK, mDV, mDG, mDBeta,
-                  first: Int32, rows: Int32, head: Int32, scale: Float32, tidx: Int32):
-        """Every product and reduction of the chunk (module docstring). Element loops
-        index by the accumulator's static layout: element e of a thread is row
+    def gradients(self, mmas, tiles, layouts, storage, sRows, bars, mDQ, mDK, mDV, mDG,
+                  mDBeta, first: Int32, rows: Int32, head: Int32, scale: Float32,
+                  tidx: Int32):
+        """Every product and reduction of the chunk (module docstring). Warpgroup wg owns
+        the output columns [wg N / 2, (wg + 1) N / 2) of each (64, N) product. Element
+        loops index by the accumulator's static layout: element e of a thread is row
         row_lo + 8 h (h = (e // 2) % 2) and, in the 64-column tiles, column
-        col0 + 8 (e // 4) + e % 2 (column slot (e // 4) * 2 + e % 2 of the thread's 16), so
-        per-row and per-column values are loaded once per thread, not per element."""
+        32 wg + col0 + 8 (e // 4) + e % 2 (column slot (e // 4) * 2 + e % 2 of the
+        thread's 8), so per-row and per-column values are loaded once per thread."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         dt = self.dtype
-        mma_kk_v, mma_kk_c, mma_kmn_k, mma_rs_mn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c, \
-            mma_rs_k_c = mmas
+        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
         lay_k, lay_v, lay_c, lay_s = layouts
         two = lambda t: t[None, None, 0]  # noqa: E731
         tr = lambda t, r, c: transposed(t, r, c)[None, None, 0]  # noqa: E731
+        wg = tidx // 128
+        wtidx = tidx % 128
         lane = cute.arch.lane_idx()
         warp = tidx // cute.arch.WARP_SIZE
-        row_lo = 16 * warp + lane // 4
-        col0 = 2 * (lane % 4)
+        row_lo = 16 * (warp % 4) + lane // 4
+        col0 = (C // WGS) * wg + 2 * (lane % 4)
         leader = lane % 4 == 0
-        g_last = sRows[R_G, C - 1]
         rows_of = [row_lo, row_lo + 8]
+        cols_of = [col0 + 8 * (slot // 2) + slot % 2 for slot in range(C // WGS // 4)]
+        half = lambda e: (e // 2) % 2  # noqa: E731
+        slot_of = lambda e: (e // 4) * 2 + e % 2  # noqa: E731
+
+        def mine(t, n):  # this warpgroup's columns of a (64, n) tile
+            return cute.local_tile(t, (C, n // WGS), (0, wg))
+
+        def thr_of(mma):
+            return mma.get_slice(wtidx)
+        dg_part = [Float32(0.0), Float32(0.0)]  # per-row partial sums: dG and dbeta
+        db_part = [Float32(0.0), Float32(0.0)]
+
+        # ---- Delta = U - W S (into sU, each thread its own elements): W, U, S only
+        cute.arch.mbarrier_wait(bars, 0)
+        thr_v = thr_of(mma_kk_v)
+        acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V // WGS)), Float32)
+        self.ss(mma_kk_v, acc_v, two(sW), two(sS), False)
+        warpgroup.wait_group(0)
+        t_u = thr_v.partition_C(mine(two(sU), V))
+        for e in cutlass.range_constexpr(cute.size(acc_v)):
+            t_u[e] = (t_u[e].to(Float32) - acc_v[e]).to(dt)
+        sDelta = sU
+        # ---- the other tiles; gates; rows past the end zeroed; Qn, Kn
+        cute.arch.mbarrier_wait(bars + 1, 0)
+        if rows < C:
+            self.zero_tail(tiles, rows, tidx)
+        cute.arch.sync_threads()
+        if tidx < cute.arch.WARP_SIZE:
+            self.cumulative_gates(sRows[R_G, None])
+        self.normalize_rows(sQ, sK, sRows, tidx)
+        g_last = sRows[R_G, C - 1]
         g_r = [sRows[R_G, i] for i in rows_of]
         eg_r = [cute.math.exp(x, fastmath=True) for x in g_r]
         d_r = [cute.math.exp(g_last - x, fastmath=True) for x in g_r]
-        rq_r = [sRows[R_Q, i] for i in rows_of]
-        rk_r = [sRows[R_K, i] for i in rows_of]
         beta_r = [sRows[R_BETA, i] for i in rows_of]
-        cols_of = [col0 + 8 * (slot // 2) + slot % 2 for slot in range(C // 4)]
-        half = lambda e: (e // 2) % 2  # noqa: E731
-        slot_of = lambda e: (e // 4) * 2 + e % 2  # noqa: E731
-        # per-row partial sums (both of the thread's rows): dG and dbeta
-        dg_part = [Float32(0.0), Float32(0.0)]
-        db_part = [Float32(0.0), Float32(0.0)]
-
-        # ---- Delta = U - W S (into sU, element by element: each thread its own elements)
-        thr_v = mma_kk_v.get_slice(tidx)
-        acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
-        self.ss(mma_kk_v, acc_v, two(sW), two(sS), False)
-        warpgroup.wait_group(0)
-        t_u = thr_v.partition_C(two(sU))
-        for e in cutlass.range_constexpr(cute.size(acc_v)):
-            t_u[e] = (t_u[e].to(Float32) - acc_v[e]).to(dt)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()
-        sDelta = sU
-        # ---- dM' = tril(dO Delta^T); dQK = scale dM' Gamma; E = dM' * M
-        thr_c = mma_kk_c.get_slice(tidx)
-        acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
+        # ---- dM' = tril(dO Delta^T); dQK = scale dM' Gamma (over M); E = dM' * M
+        thr_c = thr_of(mma_kk_c)
+        acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C // WGS)), Float32)
         self.ss(mma_kk_c, acc_c, two(sDO), two(sDelta), False)
-        warpgroup.wait_group(0)
-        e_cols = [Float32(0.0)] * (C // 4)  # E's column partials (this thread's columns)
-        e_rows = [Float32(0.0), Float32(0.0)]
-        dqk16 = cute.make_rmem_tensor(acc_c.layout, dt)  # dQK diag(r_k): A of dQK Kn
-        t_m = thr_c.partition_C(two(sM))
-        sX = sM  # dQK^T's operand diag(r_q) dQK, over M (each thread its own elements)
         g_c = [sRows[R_G, j] for j in cols_of]
-        rk_c = [sRows[R_K, j] for j in cols_of]
+        warpgroup.wait_group(0)
+        e_cols = [Float32(0.0)] * len(cols_of)  # E's column partials (this thread's columns)
+        e_rows = [Float32(0.0), Float32(0.0)]
+        t_m = thr_c.partition_C(mine(two(sM), C))
+        sX = sM  # dQK, over M (each thread its own elements)
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             h, sl = half(e), slot_of(e)
             seen = cols_of[sl] <= rows_of[h]
@@ -310,15 +331,13 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             x = dmp * t_m[e].to(Float32)
             e_rows[h] = e_rows[h] + x
             e_cols[sl] = e_cols[sl] + x
-            dqk = scale * dmp * gamma_ij
-            dqk16[e] = (dqk * rk_c[sl]).to(dt)
-            t_m[e] = (dqk * rq_r[h]).to(dt)
-        self.flush_e(e_rows, e_cols, dg_part, storage, True)
+            t_m[e] = (scale * dmp * gamma_ij).to(dt)
+        self.flush_e(e_rows, e_cols, dg_part, storage, wg, True)
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
-        thr_k = mma_kmn_k.get_slice(tidx)
-        acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
-        t_q = thr_k.partition_C(two(sQ))
-        t_kk = thr_k.partition_C(two(sK))
+        thr_k = thr_of(mma_kmn_k)
+        acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K // WGS)), Float32)
+        t_q = thr_k.partition_C(mine(two(sQ), K))
+        t_kk = thr_k.partition_C(mine(two(sK), K))
         self.ss(mma_kmn_k, acc_k, two(sDO), tr(sS, V, K), False)
         warpgroup.wait_group(0)
         part = [Float32(0.0), Float32(0.0)]
@@ -328,21 +347,18 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             acc_k[e] = acc_k[e] * (scale * eg_r[h])
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
-            dg_part[h] = dg_part[h] + part[h] * rq_r[h] * scale * eg_r[h]
+            dg_part[h] = dg_part[h] + part[h] * scale * eg_r[h]
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()  # sX written
-        self.rs(mma_rs_mn_k, acc_k, cute.make_tensor(dqk16.iterator,
-                                                     acc_as_operand_a(acc_c.layout)),
-                tr(sK, C, K), True)
+        cute.arch.sync_threads()  # dQK written (both halves)
+        self.ss(mma_kmn_k, acc_k, two(sX), tr(sK, C, K), True)
         warpgroup.wait_group(0)
-        self.store_rows(thr_k, mDQ, acc_k, rows_of, first, rows, head)
+        self.store_rows(thr_k, mDQ, acc_k, rows_of, first, rows, head, wg)
         # ---- dW = -dDelta S^T (over W); <S, dS'>
         self.ss(mma_kmn_k, acc_k, two(sDD), tr(sS, V, K), False)
         warpgroup.wait_group(0)
         self.state_dot(sS, sDS, storage, tidx)
-        warpgroup.wait_group(0)
-        cute.arch.sync_threads()  # every thread's W reads (Delta) are long done; S read
-        t_w = thr_k.partition_C(two(sW))
+        cute.arch.sync_threads()  # W (read by Delta's product) is free
+        t_w = thr_k.partition_C(mine(two(sW), K))
         for e in cutlass.range_constexpr(cute.size(acc_k)):
             t_w[e] = (-acc_k[e]).to(dt)
         sdW = sW
@@ -358,38 +374,32 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.quad_sums(part)
         dd_sum = Float32(0.0)  # sum of dd over this thread's rows (leaders only count)
         for h in cutlass.range_constexpr(2):
-            dd = part[h] * rk_r[h] * d_r[h]
+            dd = part[h] * d_r[h]
             dg_part[h] = dg_part[h] - dd
             dd_sum = dd_sum + dd
-        self.warp_reduce_to(storage, REDUCE_SLOTS // 2 + warp,
-                            cutlass.select_(leader, dd_sum, Float32(0.0)))
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()  # dW written; every product reading S, dS' is complete
+        self.warp_reduce_to(storage, WARPS + warp, cutlass.select_(leader, dd_sum, Float32(0.0)))
         self.ss(mma_mnmn_k, acc_dk, tr(sX, C, C), tr(sQ, C, K), True)
         warpgroup.wait_group(0)
-        # ---- dT = dDelta V^T diag(beta) + dW K^T diag(beta gamma r_k) (over S)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()  # dW written; every product reading S, dS' is complete
+        # ---- dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma) (over S)
         base16 = storage.sS.data_ptr() if const_expr(self.overlay) else storage.own16.data_ptr()
-        sdT = cute.make_tensor(cute.recast_ptr(base16, swizzle_=lay_c.inner, dtype=dt),
-                               lay_c.outer)
-        sY = cute.make_tensor(cute.recast_ptr(base16 + cute.cosize(lay_c.outer),
-                                              swizzle_=lay_c.inner, dtype=dt), lay_c.outer)
+        sdT, sX2, sP = (cute.make_tensor(cute.recast_ptr(base16 + n * cute.cosize(lay_c.outer),
+                                                         swizzle_=lay_c.inner, dtype=dt),
+                                         lay_c.outer) for n in range(3))
         acc_t2 = cute.make_rmem_tensor(acc_c.layout, Float32)
         self.ss(mma_kk_c, acc_c, two(sDD), two(sV), False)
         warpgroup.wait_group(0)
         self.ss(mma_kk_c, acc_t2, two(sdW), two(sK), False)
-        warpgroup.wait_group(0)
         beta_c = [sRows[R_BETA, j] for j in cols_of]
-        w_c = [beta_c[sl] * cute.math.exp(sRows[R_G, cols_of[sl]], fastmath=True)
-               * sRows[R_K, cols_of[sl]] for sl in range(C // 4)]
+        w_c = [beta_c[sl] * cute.math.exp(g_c[sl], fastmath=True) for sl in range(len(cols_of))]
         warpgroup.wait_group(0)
-        t_dt = thr_c.partition_C(two(sdT))
+        t_dt = thr_c.partition_C(mine(two(sdT), C))
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             sl = slot_of(e)
             t_dt[e] = (acc_c[e] * beta_c[sl] + acc_t2[e] * w_c[sl]).to(dt)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()
         # ---- dv = diag(beta) T^T dDelta;  dbeta += rowsum(T^T dDelta * V)
-        t_vv = thr_v.partition_C(two(sV))
+        t_vv = thr_v.partition_C(mine(two(sV), V))
         self.ss(mma_mnmn_v, acc_v, tr(sT, C, C), tr(sDD, C, V), False)
         warpgroup.wait_group(0)
         part = [Float32(0.0), Float32(0.0)]
@@ -400,7 +410,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
-        self.store_rows(thr_v, mDV, acc_v, rows_of, first, rows, head)
+        self.store_rows(thr_v, mDV, acc_v, rows_of, first, rows, head, wg)
         # ---- dBk = T^T dW: dk_n += diag(beta gamma) dBk; t = rowsum(dBk Kn)
         self.ss(mma_mnmn_k, acc_k, tr(sT, C, C), tr(sdW, C, K), False)
         warpgroup.wait_group(0)
@@ -411,113 +421,108 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             acc_dk[e] = acc_dk[e] + acc_k[e] * (beta_r[h] * eg_r[h])
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
-            t_i = part[h] * rk_r[h] * eg_r[h]
+            t_i = part[h] * eg_r[h]
             db_part[h] = db_part[h] + t_i
             dg_part[h] = dg_part[h] + t_i * beta_r[h]
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()  # dT written
         # ---- dA = strict_tril(-(T^T dT) T^T)
         self.ss(mma_mnmn_c, acc_c, tr(sT, C, C), tr(sdT, C, C), False)
         warpgroup.wait_group(0)
-        x16 = cute.make_rmem_tensor(acc_c.layout, dt)
-        x16.store(acc_c.load().to(dt))
-        self.rs(mma_rs_k_c, acc_t2, cute.make_tensor(x16.iterator,
-                                                     acc_as_operand_a(acc_c.layout)),
-                two(sT), False)
+        t_x2 = thr_c.partition_C(mine(two(sX2), C))
+        for e in cutlass.range_constexpr(cute.size(acc_c)):
+            t_x2[e] = acc_c[e].to(dt)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+        self.ss(mma_kk_c, acc_t2, two(sX2), two(sT), False)
         warpgroup.wait_group(0)
-        # P = Kn Kn^T (raw K K^T here, scaled below)
-        self.ss(mma_kk_c, acc_c, two(sK), two(sK), False)
+        self.ss(mma_kk_c, acc_c, two(sK), two(sK), False)  # P = Kn Kn^T
         warpgroup.wait_group(0)
-        # ---- dP = diag(beta) (dA Gamma); dbeta += rowsum(dA Gamma P); E = dP P
-        g_c = [sRows[R_G, j] for j in cols_of]
-        rk_c = [sRows[R_K, j] for j in cols_of]
+        # ---- dP = diag(beta) (dA Gamma) (into sP); dbeta += rowsum(dA Gamma P); E = dP P
         part = [Float32(0.0), Float32(0.0)]
+        t_p = thr_c.partition_C(mine(two(sP), C))
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             h, sl = half(e), slot_of(e)
             below = cols_of[sl] < rows_of[h]
             gamma_ij = cute.math.exp(cutlass.select_(below, g_r[h] - g_c[sl], Float32(0.0)),
                                      fastmath=True)
-            p = acc_c[e] * (rk_r[h] * rk_c[sl])
             da_g = cutlass.select_(below, -acc_t2[e], Float32(0.0)) * gamma_ij
-            part[h] = part[h] + da_g * p
+            part[h] = part[h] + da_g * acc_c[e]
             dp = beta_r[h] * da_g
-            e_rows[h] = e_rows[h] + dp * p
-            e_cols[sl] = e_cols[sl] + dp * p
-            x16[e] = (dp * rk_c[sl]).to(dt)  # dP diag(r_k): A of dP Kn
-            acc_t2[e] = dp * rk_r[h]  # diag(r_k) dP, for dP^T Kn
+            e_rows[h] = e_rows[h] + dp * acc_c[e]
+            e_cols[sl] = e_cols[sl] + dp * acc_c[e]
+            t_p[e] = dp.to(dt)
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
-        self.flush_e(e_rows, e_cols, dg_part, storage, False)
-        t_y = thr_c.partition_C(two(sY))
-        for e in cutlass.range_constexpr(cute.size(acc_c)):
-            t_y[e] = acc_t2[e].to(dt)
+        self.flush_e(e_rows, e_cols, dg_part, storage, wg, False)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
         # ---- dk_n += dP Kn + dP^T Kn
-        self.rs(mma_rs_mn_k, acc_dk, cute.make_tensor(x16.iterator,
-                                                      acc_as_operand_a(acc_c.layout)),
-                tr(sK, C, K), True)
-        warpgroup.wait_group(0)
-        self.ss(mma_mnmn_k, acc_dk, tr(sY, C, C), tr(sK, C, K), True)
-        warpgroup.wait_group(0)
-        sDG = storage.dg.get_tensor(cute.make_layout(C))
-        sDB = storage.dbeta.get_tensor(cute.make_layout(C))
+        self.ss(mma_kmn_k, acc_dk, two(sP), tr(sK, C, K), True)
+        self.ss(mma_mnmn_k, acc_dk, tr(sP, C, C), tr(sK, C, K), True)
+        sDG = storage.dg.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
+        sDB = storage.dbeta.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
         if leader:
             for h in cutlass.range_constexpr(2):
-                sDG[rows_of[h]] = dg_part[h]
-                sDB[rows_of[h]] = db_part[h]
+                sDG[wg, rows_of[h]] = dg_part[h]
+                sDB[wg, rows_of[h]] = db_part[h]
         warpgroup.wait_group(0)
-        self.store_rows(thr_k, mDK, acc_dk, rows_of, first, rows, head)
+        self.store_rows(thr_k, mDK, acc_dk, rows_of, first, rows, head, wg)
         cute.arch.sync_threads()
         if tidx < C:
-            col_e = storage.col_e.get_tensor(cute.make_layout((THREADS // 32, C), stride=(C, 1)))
-            col_sum = Float32(0.0)
-            for w in cutlass.range_constexpr(THREADS // 32):
-                col_sum = col_sum + col_e[w, tidx]
-            total = sDG[tidx] - col_sum
+            col_e = storage.col_e.get_tensor(cute.make_layout((WARPS, C), stride=(C, 1)))
+            owner = 4 * (tidx // (C // WGS))  # the first warp of the column's warpgroup
+            total = Float32(0.0)
+            for w in cutlass.range_constexpr(WGS):
+                total = total + sDG[w, tidx]
+            for w in cutlass.range_constexpr(4):
+                total = total - col_e[owner + w, tidx]
             if tidx == C - 1:
                 red = storage.reduce.get_tensor(cute.make_layout(REDUCE_SLOTS))
-                gl = Float32(0.0)
-                for w in cutlass.range_constexpr(REDUCE_SLOTS // 2):
-                    gl = gl + red[w] * cute.math.exp(g_last, fastmath=True)
-                for w in cutlass.range_constexpr(REDUCE_SLOTS // 2):
-                    gl = gl + red[REDUCE_SLOTS // 2 + w]
+                states = Float32(0.0)
+                for w in cutlass.range_constexpr(WARPS):
+                    states = states + red[w]
+                gl = states * cute.math.exp(g_last, fastmath=True)
+                for w in cutlass.range_constexpr(WARPS):
+                    gl = gl + red[WARPS + w]
                 total = total + gl
-            sDG[tidx] = total
+            sDG[0, tidx] = total
+            sDB[0, tidx] = sDB[0, tidx] + sDB[1, tidx]
         cute.arch.sync_threads()
         if tidx < cute.arch.WARP_SIZE:  # dg = reverse cumsum of dG; rows past the end skipped
-            self.write_gate_grads(sDG, sDB, mDG, mDBeta, first, rows, head)
+            self.write_gate_grads(sDG[0, None], sDB[0, None], mDG, mDBeta, first, rows, head)
 
     # ---------------------------------------------------------------- helpers
     @cute.jit
     def ss(self, mma, acc, sA, sB, accumulate: cutlass.Constexpr):
-        thr = mma.get_slice(cute.arch.thread_idx()[0])
+        """acc (+)= A B^T over this warpgroup's rows of B (its output columns)."""
+        wg = cute.arch.thread_idx()[0] // 128
+        n = cute.size(sB, mode=[0]) // WGS
+        thr = mma.get_slice(cute.arch.thread_idx()[0] % 128)
+        b = cute.local_tile(sB, (n, cute.size(sB, mode=[1])), (wg, 0))
         wgmma(mma, acc, thr.make_fragment_A(thr.partition_A(sA)),
-              thr.make_fragment_B(thr.partition_B(sB)), accumulate)
+              thr.make_fragment_B(thr.partition_B(b)), accumulate)
 
     @cute.jit
-    def rs(self, mma, acc, tCrA, sB, accumulate: cutlass.Constexpr):
-        thr = mma.get_slice(cute.arch.thread_idx()[0])
-        wgmma(mma, acc, tCrA, thr.make_fragment_B(thr.partition_B(sB)), accumulate)
-
-    @cute.jit
-    def flush_e(self, e_rows, e_cols, dg_part, storage, first: cutlass.Constexpr):
-        """E's partial sums of this thread into dG: rows (+, into dg_part; the partials are
-        reset) and columns (per-warp sums into col_e: assigned if ``first``, else added;
-        subtracted at the end)."""
+    def flush_e(self, e_rows, e_cols, dg_part, storage, wg, first: cutlass.Constexpr):
+        """E's partial sums of this thread into dG: rows (+, into dg_part) and columns
+        (per-warp sums into col_e: assigned if ``first``, else added; subtracted at the
+        end); the partials are reset."""
         C = CHUNK
         rows = self.quad_sums(e_rows)
         for h in cutlass.range_constexpr(2):
             dg_part[h] = dg_part[h] + rows[h]
             e_rows[h] = Float32(0.0)
         lane = cute.arch.lane_idx()
-        col_e = storage.col_e.get_tensor(cute.make_layout((THREADS // 32, C), stride=(C, 1)))
+        col_e = storage.col_e.get_tensor(cute.make_layout((WARPS, C), stride=(C, 1)))
         warp = cute.arch.warp_idx()
-        for slot in cutlass.range_constexpr(C // 4):
+        for slot in cutlass.range_constexpr(len(e_cols)):
             x = e_cols[slot]
             for d in cutlass.range_constexpr(2, 5):  # over the 8 row groups of the warp
                 x = x + cute.arch.shuffle_sync_bfly(x, 1 << d)
             if lane < 4:
-                col = 8 * (slot // 2) + 2 * lane + slot % 2
+                col = (C // WGS) * wg + 8 * (slot // 2) + 2 * lane + slot % 2
                 if const_expr(first):
                     col_e[warp, col] = x
                 else:
@@ -543,7 +548,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
     @cute.jit
     def state_dot(self, sS, sDS, storage, tidx: Int32):
-        """<S, dS'> over the (V, K) tiles: per-warp partial sums into reduce slots 0..3."""
+        """<S, dS'> over the (V, K) tiles: per-warp partial sums into reduce slots."""
         K, V = self.k_dim, self.v_dim
         acc = Float32(0.0)
         for idx in cutlass.range(tidx, V * K, THREADS, unroll=8):
@@ -553,11 +558,14 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.warp_reduce_to(storage, tidx // cute.arch.WARP_SIZE, acc)
 
     @cute.jit
-    def store_rows(self, thr, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32):
-        """fp32 accumulator rows < ``rows`` into mOut[first + row, head, :]."""
+    def store_rows(self, thr, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32,
+                   wg: Int32):
+        """fp32 accumulator rows < ``rows`` into this warpgroup's columns of
+        mOut[first + row, head, :]."""
         C = CHUNK
-        g = cute.local_tile(cute.domain_offset((first, 0), mOut[None, head, None]),
-                            (C, cute.size(mOut, mode=[2])), (0, 0))
+        n = cute.size(mOut, mode=[2]) // WGS
+        g = cute.local_tile(cute.domain_offset((first, 0), mOut[None, head, None]), (C, n),
+                            (0, wg))
         t_g = thr.partition_C(g)
         for e in cutlass.range_constexpr(cute.size(acc)):
             if rows_of[(e // 2) % 2] < rows:
