@@ -45,9 +45,10 @@ from .gdn_layout import CHUNK
 WGS = 2  # warpgroups; each computes half of every product's output columns
 THREADS = 128 * WGS
 WARPS = THREADS // 32
-# per-token values in shared memory (rows of sRows)
-R_G, R_BETA, R_Q, R_K = range(4)
-ROW_VALUES = 4
+# per-token values in shared memory (rows of sRows): G, beta, the row scales r_q, r_k and
+# whether the L2 norm's projection term applies (0 where the norm's clamp is active)
+R_G, R_BETA, R_Q, R_K, R_QP, R_KP = range(6)
+ROW_VALUES = 6
 # per-warp partial sums: <S, dS'> in slots [0, WARPS), sum_i d_i rowsum_i in [WARPS, 2 WARPS)
 REDUCE_SLOTS = 2 * WARPS
 
@@ -55,6 +56,20 @@ REDUCE_SLOTS = 2 * WARPS
 class GdnChunkGradSm90(GdnChunkPrepareSm90):
     """Reuses stage 1's chunk lookup (find_chunk) and gate loading (load_gates,
     cumulative_gates)."""
+
+    def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
+                 v_heads: int, l2norm: bool, g_dtype, beta_dtype):
+        super().__init__(dtype, k_dim, v_dim, q_heads, k_heads, v_heads, l2norm, g_dtype,
+                         beta_dtype)
+        # Without grouped heads every gradient row has one writer: dq, dk, dv are final
+        # here (the L2 norm's Jacobian applied, in the io dtype); otherwise they are the
+        # normalized rows' fp32 gradients per output head, for gdn_bwd_finish_sm90.
+        self.final_outputs = q_heads == k_heads == v_heads
+
+    @staticmethod
+    def writes_final_outputs(q_heads: int, k_heads: int, v_heads: int) -> bool:
+        """Whether dq, dk, dv are the final gradients (else fp32 per output head)."""
+        return q_heads == k_heads == v_heads
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -67,7 +82,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         """mQ (T, HQ, K), mK (T, HK, K), mV (T, HV, V), mDO (T, HO, V); mG, mBeta, mDG,
         mDBeta (T, HO); mWork16 / mWork32 as gdn_layout.workspace_shapes; mInv (chunks,
         HO, 64, 64); mStates, mDStates (chunks, HO, V, K); mDDelta (chunks, HO, 64, V);
-        mDQ, mDK (T, HO, K) and mDV (T, HO, V) fp32."""
+        mDQ, mDK (T, HO, K) and mDV (T, HO, V): the final gradients in the io dtype (strided
+        like q, k, v) when writes_final_outputs, else fp32 (compact) per output head."""
         dt = self.dtype
         K, V, C = self.k_dim, self.v_dim, CHUNK
         # dT, T^T dT and dP (three 64 x 64 tiles) go over S once it is read, where it is
@@ -114,6 +130,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             dg: cute.struct.MemRange[Float32, WGS * C]
             dbeta: cute.struct.MemRange[Float32, WGS * C]
             reduce: cute.struct.MemRange[Float32, REDUCE_SLOTS]
+            row_dot: cute.struct.MemRange[Float32, WGS * C]  # the Jacobian's x_n . dx_n
             col_e: cute.struct.MemRange[Float32, WARPS * C]  # E's column sums per warp
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_k)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_k)], 1024]
@@ -223,34 +240,56 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     @cute.jit
     def normalize_rows(self, sQ, sK, sRows, tidx: Int32):
         """r_q, r_k into sRows (rsqrt of the clamped squared norms with the L2 norm, else
-        ones; thread t < 64: row t of Q, 64 <= t < 128: row t - 64 of K), then, with the
-        L2 norm, Q and K scaled to Qn, Kn in place. Ends synchronized."""
+        ones), with the L2 norm also whether its projection applies (not where the clamp
+        is active), then Q and K scaled to Qn, Kn in place; 16-byte accesses, two threads
+        per row for the norms. Ends synchronized."""
         K, C = self.k_dim, CHUNK
-        row = tidx % C
         if const_expr(self.l2norm):
-            if tidx < 2 * C:
-                acc = Float32(0.0)
-                if tidx < C:
-                    for col in cutlass.range(K, unroll=8):
-                        x = sQ[row, col, 0].to(Float32)
-                        acc = acc + x * x
-                else:
-                    for col in cutlass.range(K, unroll=8):
-                        x = sK[row, col, 0].to(Float32)
-                        acc = acc + x * x
-                sRows[R_Q + tidx // C, row] = cute.math.rsqrt(
+            vecs = K // 8
+            row = tidx // 2  # rows 0..63 of Q, then of K
+            x8 = cute.make_rmem_tensor(cute.make_layout((1, 8)), self.dtype)
+            acc = Float32(0.0)
+            if row < C:
+                for v in cutlass.range_constexpr(vecs // 2):
+                    cute.autovec_copy(cute.local_tile(sQ[None, None, 0], (1, 8),
+                                                      (row, (tidx % 2) * (vecs // 2) + v)), x8)
+                    for u in cutlass.range_constexpr(8):
+                        acc = acc + x8[u].to(Float32) * x8[u].to(Float32)
+            else:
+                for v in cutlass.range_constexpr(vecs // 2):
+                    cute.autovec_copy(cute.local_tile(sK[None, None, 0], (1, 8),
+                                                      (row - C, (tidx % 2) * (vecs // 2) + v)),
+                                      x8)
+                    for u in cutlass.range_constexpr(8):
+                        acc = acc + x8[u].to(Float32) * x8[u].to(Float32)
+            acc = acc + cute.arch.shuffle_sync_bfly(acc, 1)
+            if tidx % 2 == 0:
+                sRows[R_Q + row // C, row % C] = cute.math.rsqrt(
                     cutlass.max(acc, Float32(L2NORM_EPS)))
+                sRows[R_QP + row // C, row % C] = cutlass.select_(
+                    acc < Float32(L2NORM_EPS), Float32(0.0), Float32(1.0))
             cute.arch.sync_threads()
-            for idx in cutlass.range(tidx, C * K, THREADS, unroll=4):
-                i = idx // K
-                col = idx - i * K
-                sQ[i, col, 0] = (sQ[i, col, 0].to(Float32) * sRows[R_Q, i]).to(self.dtype)
-                sK[i, col, 0] = (sK[i, col, 0].to(Float32) * sRows[R_K, i]).to(self.dtype)
+            for idx in cutlass.range(tidx, 2 * C * vecs, THREADS, unroll=2):
+                r = idx // vecs
+                v = idx - r * vecs
+                if r < C:
+                    self.scale_vector(sQ, r, v, sRows[R_Q, r], x8)
+                else:
+                    self.scale_vector(sK, r - C, v, sRows[R_K, r - C], x8)
         else:
             if tidx < 2 * C:
-                sRows[R_Q + tidx // C, row] = Float32(1.0)
+                sRows[R_Q + tidx // C, tidx % C] = Float32(1.0)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
+
+    @cute.jit
+    def scale_vector(self, s, row: Int32, v: Int32, factor: Float32, x8):
+        """Elements [8 v, 8 v + 8) of row ``row`` of the 16-bit tile ``s`` times factor."""
+        tile = cute.local_tile(s[None, None, 0], (1, 8), (row, v))
+        cute.autovec_copy(tile, x8)
+        for u in cutlass.range_constexpr(8):
+            x8[u] = (x8[u].to(Float32) * factor).to(self.dtype)
+        cute.autovec_copy(x8, tile)
 
     @cute.jit
     def gradients(self, mmas, tiles, layouts, storage, sRows, bars, mDQ, mDK, mDV, mDG,
@@ -352,7 +391,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         cute.arch.sync_threads()  # dQK written (both halves)
         self.ss(mma_kmn_k, acc_k, two(sX), tr(sK, C, K), True)
         warpgroup.wait_group(0)
-        self.store_rows(thr_k, mDQ, acc_k, rows_of, first, rows, head, wg)
+        self.store_grad(thr_k, mDQ, acc_k, t_q, R_Q, sRows, storage, rows_of, first, rows,
+                        head, wg)
         # ---- dW = -dDelta S^T (over W); <S, dS'>
         self.ss(mma_kmn_k, acc_k, two(sDD), tr(sS, V, K), False)
         warpgroup.wait_group(0)
@@ -468,7 +508,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 sDG[wg, rows_of[h]] = dg_part[h]
                 sDB[wg, rows_of[h]] = db_part[h]
         warpgroup.wait_group(0)
-        self.store_rows(thr_k, mDK, acc_dk, rows_of, first, rows, head, wg)
+        self.store_grad(thr_k, mDK, acc_dk, t_kk, R_K, sRows, storage, rows_of, first, rows,
+                        head, wg)
         cute.arch.sync_threads()
         if tidx < C:
             col_e = storage.col_e.get_tensor(cute.make_layout((WARPS, C), stride=(C, 1)))
@@ -548,28 +589,73 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
     @cute.jit
     def state_dot(self, sS, sDS, storage, tidx: Int32):
-        """<S, dS'> over the (V, K) tiles: per-warp partial sums into reduce slots."""
+        """<S, dS'> over the (V, K) tiles, 8 elements (16 bytes) per load: per-warp partial
+        sums into reduce slots."""
         K, V = self.k_dim, self.v_dim
         acc = Float32(0.0)
-        for idx in cutlass.range(tidx, V * K, THREADS, unroll=8):
-            r = idx // K
-            col = idx - r * K
-            acc = acc + sS[r, col, 0].to(Float32) * sDS[r, col, 0].to(Float32)
+        a8 = cute.make_rmem_tensor(cute.make_layout((1, 8)), self.dtype)
+        b8 = cute.make_rmem_tensor(cute.make_layout((1, 8)), self.dtype)
+        for idx in cutlass.range(tidx, V * K // 8, THREADS, unroll=2):
+            r = idx // (K // 8)
+            c8 = idx - r * (K // 8)
+            cute.autovec_copy(cute.local_tile(sS[None, None, 0], (1, 8), (r, c8)), a8)
+            cute.autovec_copy(cute.local_tile(sDS[None, None, 0], (1, 8), (r, c8)), b8)
+            for u in cutlass.range_constexpr(8):
+                acc = acc + a8[u].to(Float32) * b8[u].to(Float32)
         self.warp_reduce_to(storage, tidx // cute.arch.WARP_SIZE, acc)
 
     @cute.jit
     def store_rows(self, thr, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32,
                    wg: Int32):
-        """fp32 accumulator rows < ``rows`` into this warpgroup's columns of
-        mOut[first + row, head, :]."""
+        """Accumulator rows < ``rows`` into this warpgroup's columns of
+        mOut[first + row, head, :] (converted to mOut's dtype)."""
         C = CHUNK
         n = cute.size(mOut, mode=[2]) // WGS
         g = cute.local_tile(cute.domain_offset((first, 0), mOut[None, head, None]), (C, n),
                             (0, wg))
         t_g = thr.partition_C(g)
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            if rows_of[(e // 2) % 2] < rows:
-                t_g[e] = acc[e]
+        out = cute.make_rmem_tensor(acc.layout, mOut.element_type)
+        out.store(acc.load().to(mOut.element_type))
+        if rows == C:  # adjacent column pairs leave as one store
+            cute.autovec_copy(out, t_g)
+        else:
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                if rows_of[(e // 2) % 2] < rows:
+                    t_g[e] = out[e]
+
+    @cute.jit
+    def store_grad(self, thr, mOut, acc, t_xn, r_row: int, sRows, storage, rows_of,
+                   first: Int32, rows: Int32, head: Int32, wg: Int32):
+        """dq or dk: with final outputs and the L2 norm, the Jacobian
+        dx = r (dx_n - (x_n . dx_n) x_n) (x_n from shared memory, t_xn; only the first
+        term where the clamp is active) before the store; the row dots combine both
+        warpgroups' columns through shared memory. ``acc`` is reused."""
+        if const_expr(self.final_outputs and self.l2norm):
+            C = CHUNK
+            part = [Float32(0.0), Float32(0.0)]
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                h = (e // 2) % 2
+                part[h] = part[h] + acc[e] * t_xn[e].to(Float32)
+            part = self.quad_sums(part)
+            dots = storage.row_dot.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
+            lane = cute.arch.lane_idx()
+            if lane % 4 == 0:
+                for h in cutlass.range_constexpr(2):
+                    dots[wg, rows_of[h]] = part[h]
+            cute.arch.sync_threads()
+            coef = []
+            for h in cutlass.range_constexpr(2):
+                i = rows_of[h]
+                dot = dots[0, i]
+                for w in cutlass.range_constexpr(1, WGS):
+                    dot = dot + dots[w, i]
+                coef.append(dot * sRows[r_row + R_QP - R_Q, i])
+            r_of = [sRows[r_row, i] for i in rows_of]
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                h = (e // 2) % 2
+                acc[e] = r_of[h] * (acc[e] - coef[h] * t_xn[e].to(Float32))
+            cute.arch.sync_threads()  # the row dots are read before the next use
+        self.store_rows(thr, mOut, acc, rows_of, first, rows, head, wg)
 
     @cute.jit
     def write_gate_grads(self, sDG, sDB, mDG, mDBeta, first: Int32, rows: Int32,

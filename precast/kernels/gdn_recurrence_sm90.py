@@ -62,7 +62,8 @@ CONSUMER_REGS = 232
 class GdnChunkRecurrenceSm90:
     def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
                  v_heads: int, initial_state: bool, pool: bool, final_state: bool,
-                 checkpoints: bool, overlap_products: bool = True, v_splits: int = 1):
+                 checkpoints: bool, overlap_products: bool = True, v_splits: int = 1,
+                 states_only: bool = False):
         """initial_state: an [N or N_pool, HO, V, K] state is read (with pool: at row
         state_indices[b], and the final state written back there); final_state: the end
         state goes to an [N, HO, V, K] fp32 tensor; checkpoints: [rows, HO, V, K].
@@ -70,8 +71,12 @@ class GdnChunkRecurrenceSm90:
         off in the fused kernel). v_splits: CTAs per (sequence, head), each owning
         V / v_splits of the state's rows (the rows evolve independently; every CTA reads the
         chunk's q, k, W, M and its columns of U): more CTAs when (sequence, head) pairs are
-        fewer than the SMs."""
+        fewer than the SMs. states_only: no o (mO is None); the checkpoints (in the io
+        dtype) leave through a staging tile by TMA stores: the backward's pass that writes
+        the state entering every chunk."""
         assert k_dim in (64, 128) and v_dim in (64, 128)
+        assert not states_only or checkpoints
+        self.states_only = states_only
         assert not pool or initial_state
         self.dtype = dtype
         self.k_dim, self.v_dim = k_dim, v_dim
@@ -114,11 +119,18 @@ class GdnChunkRecurrenceSm90:
                                                    one(sK_layout), (C, K))
         tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, mW, one(sU_layout), (C, Vc))
         tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
-        # o of a whole chunk leaves by a TMA store of a (64 tokens, V) staging tile
-        sO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, 1)
-        store_o, mO_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
-                                                    select_modes(mO, [0, 2, 1]),
-                                                    one(sO_layout), (C, Vc))
+        if const_expr(self.states_only):
+            # the staging tile holds a checkpoint (V rows x K) instead of o
+            sO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, Vc, K), dt, 1)
+            store_o, mO_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
+                                                        select_modes(mCkpt, [2, 3, 1, 0]),
+                                                        one(sO_layout), (Vc, K))
+        else:
+            # o of a whole chunk leaves by a TMA store of a (64 tokens, V) staging tile
+            sO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, 1)
+            store_o, mO_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
+                                                        select_modes(mO, [0, 2, 1]),
+                                                        one(sO_layout), (C, Vc))
         self.stage_bytes = (3 * cute.size_in_bytes(dt, one(sK_layout))
                             + cute.size_in_bytes(dt, one(sU_layout))
                             + cute.size_in_bytes(dt, one(sM_layout)))
@@ -240,15 +252,21 @@ class GdnChunkRecurrenceSm90:
                                               ckpt_every, batch, head)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for c in cutlass.range(chunks, unroll=1):
-            self.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
+            if const_expr(self.states_only):
+                if (c * CHUNK) % ckpt_every == 0:
+                    self.save_state_staged(parts, staged_o,
+                                           ckpt_row + (c * CHUNK) // ckpt_every, head)
+            else:
+                self.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
             pipe.consumer_wait(state)
             self.chunk_update(parts, sU[None, None, state.index], state.index,
                               mWork32[first_chunk + c, head, None])
             cute.arch.sync_warp()
             pipe.consumer_release(state)
             state = advanced(state)
-            self.store_o(parts, mO, start, length, c, head, staged_o)
-        if consumer_tidx < cute.arch.WARP_SIZE:  # the o tile's last store has read it
+            if const_expr(not self.states_only):
+                self.store_o(parts, mO, start, length, c, head, staged_o)
+        if consumer_tidx < cute.arch.WARP_SIZE:  # the staging tile's last store has read it
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_state(parts, mState0, mFinal, state_row, batch, head)
 
@@ -398,6 +416,29 @@ class GdnChunkRecurrenceSm90:
                                              cute.group_modes(sO, 0, 2),
                                              cute.group_modes(g, 0, 2))
             cute.copy(store_o, t_s[None, 0], t_g)
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def save_state_staged(self, parts, staged, row: Int32, head: Int32):
+        """The state (16-bit) into checkpoint row ``row`` through the staging tile and a
+        TMA store issued by the first consumer warp."""
+        sCk, store_ck, mCk_t = staged
+        issuer = parts.consumer_tidx < cute.arch.WARP_SIZE
+        if issuer:  # the previous checkpoint's store has read the tile
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
+        t_ck = parts.thr_state.partition_C(sCk[None, None, 0])
+        for e in cutlass.range_constexpr(cute.size(parts.acc_state)):
+            t_ck[e] = parts.acc_state[e].to(self.dtype)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
+        if issuer:  # the whole warp: the TMA copy elects its issuing lane itself
+            g = cute.local_tile(mCk_t[None, None, head, row], (self.v_rows, self.k_dim),
+                                (parts.split, 0))
+            t_s, t_g = cpasync.tma_partition(store_ck, 0, cute.make_layout(1),
+                                             cute.group_modes(sCk, 0, 2),
+                                             cute.group_modes(g, 0, 2))
+            cute.copy(store_ck, t_s[None, 0], t_g)
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
