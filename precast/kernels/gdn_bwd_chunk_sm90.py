@@ -5,7 +5,10 @@ store_inverse (W, U, M, T = (I + A)^-1), the states entering every chunk (S, V x
 stored), and the reverse recurrence (gdn_bwd_recurrence_sm90: dS', the gradient of the
 state leaving the chunk, and dDelta). Every formula of precast/reference/gdn_backward.py's
 _chunk_backward that does not involve the recurrence runs here, each product a wgmma on
-16-bit tiles in shared memory, its output columns split between the two warpgroups. With Qn, Kn the
+16-bit tiles in shared memory. The two warpgroups take different products (module constant
+docs at WGS): warpgroup 0 the q side (Delta, dM', dq, dk's Delta and dQK^T terms),
+warpgroup 1 the WY side (dW, dT, dv, dBk, dA, dP and their dk terms), synchronized by
+named barriers where one's shared-memory tile is the other's input or free space. With Qn, Kn the
 L2-normalized rows (diag(r_q) Q, diag(r_k) K; r = 1 without the norm), gamma = exp(G),
 d = exp(G_L - G), Gamma_ij = exp(G_i - G_j) (j <= i) and M as stage 1 stores it
 (scale Gamma * Qn Kn^T, causal):
@@ -42,15 +45,20 @@ from .gdn_bwd_recurrence_sm90 import transposed
 from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90
 from .gdn_layout import CHUNK
 
-WGS = 2  # warpgroups; each computes half of every product's output columns
+WGS = 2  # warpgroup 0: the q side; warpgroup 1: the WY side
 THREADS = 128 * WGS
 WARPS = THREADS // 32
+# named barriers (0 is sync_threads): each warpgroup's own, then hand-offs between them
+WG_BARRIER = (1, 2)
+W_FREE = 3  # warpgroup 0 read W (Delta): dW may go there
+STATES_FREE = 4  # warpgroup 0 read S and dS': warpgroup 1's dk terms may go there
+DK_READY = 5  # warpgroup 1's dk terms are in shared memory
 # per-token values in shared memory (rows of sRows): G, beta, the row scales r_q, r_k and
 # whether the L2 norm's projection term applies (0 where the norm's clamp is active)
 R_G, R_BETA, R_Q, R_K, R_QP, R_KP = range(6)
 ROW_VALUES = 6
-# per-warp partial sums: <S, dS'> in slots [0, WARPS), sum_i d_i rowsum_i in [WARPS, 2 WARPS)
-REDUCE_SLOTS = 2 * WARPS
+# warpgroup 0's per-warp partial sums: <S, dS'> in slots 0..3, sum_i d_i rowsum_i in 4..7
+REDUCE_SLOTS = 8
 
 
 class GdnChunkGradSm90(GdnChunkPrepareSm90):
@@ -86,9 +94,6 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         like q, k, v) when writes_final_outputs, else fp32 (compact) per output head."""
         dt = self.dtype
         K, V, C = self.k_dim, self.v_dim, CHUNK
-        # dT, T^T dT and dP (three 64 x 64 tiles) go over S once it is read, where it is
-        # big enough (not at K = 64)
-        self.overlay = V * K >= 3 * C * C
 
         def tile(rows, cols):  # a (rows, cols) 16-bit tile, cols contiguous
             return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, rows, cols), dt, 1)
@@ -116,9 +121,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                            + size(lay_s))
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
 
-        def mma(a, b, n):  # one warpgroup's half of a (64, n) product
-            return sm90_utils.make_trivial_tiled_mma(dt, dt, a, b, Float32, (1, 1, 1),
-                                                     (C, n // WGS))
+        def mma(a, b, n):  # a (64, n) product of one warpgroup
+            return sm90_utils.make_trivial_tiled_mma(dt, dt, a, b, Float32, (1, 1, 1), (C, n))
         mmas = (mma(k_major, k_major, V), mma(k_major, k_major, C), mma(k_major, mn_major, K),
                 mma(mn_major, mn_major, K), mma(mn_major, mn_major, V),
                 mma(mn_major, mn_major, C))
@@ -130,7 +134,6 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             dg: cute.struct.MemRange[Float32, WGS * C]
             dbeta: cute.struct.MemRange[Float32, WGS * C]
             reduce: cute.struct.MemRange[Float32, REDUCE_SLOTS]
-            row_dot: cute.struct.MemRange[Float32, WGS * C]  # the Jacobian's x_n . dx_n
             col_e: cute.struct.MemRange[Float32, WARPS * C]  # E's column sums per warp
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_k)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_k)], 1024]
@@ -143,8 +146,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             sS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_s)], 1024]
             sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_s)], 1024]
             sDD: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_v)], 1024]
-            own16: cute.struct.Align[cute.struct.MemRange[dt, 0 if self.overlay else
-                                                          3 * cute.cosize(lay_c)], 1024]
+            # warpgroup 1's dT, T^T dT and dP
+            sWY: cute.struct.Align[cute.struct.MemRange[dt, 3 * cute.cosize(lay_c)], 1024]
 
         self.storage = SharedStorage
         chunks = mWork32.shape[0]
@@ -295,72 +298,107 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     def gradients(self, mmas, tiles, layouts, storage, sRows, bars, mDQ, mDK, mDV, mDG,
                   mDBeta, first: Int32, rows: Int32, head: Int32, scale: Float32,
                   tidx: Int32):
-        """Every product and reduction of the chunk (module docstring). Warpgroup wg owns
-        the output columns [wg N / 2, (wg + 1) N / 2) of each (64, N) product. Element
-        loops index by the accumulator's static layout: element e of a thread is row
-        row_lo + 8 h (h = (e // 2) % 2) and, in the 64-column tiles, column
-        32 wg + col0 + 8 (e // 4) + e % 2 (column slot (e // 4) * 2 + e % 2 of the
-        thread's 8), so per-row and per-column values are loaded once per thread."""
-        K, V, C = self.k_dim, self.v_dim, CHUNK
-        dt = self.dtype
-        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas
-        sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
-        lay_k, lay_v, lay_c, lay_s = layouts
-        two = lambda t: t[None, None, 0]  # noqa: E731
-        tr = lambda t, r, c: transposed(t, r, c)[None, None, 0]  # noqa: E731
+        """Every product and reduction of the chunk (module docstring), the q side on
+        warpgroup 0 and the WY side on warpgroup 1, then dg and dbeta from both."""
+        C = CHUNK
         wg = tidx // 128
-        wtidx = tidx % 128
-        lane = cute.arch.lane_idx()
-        warp = tidx // cute.arch.WARP_SIZE
-        row_lo = 16 * (warp % 4) + lane // 4
-        col0 = (C // WGS) * wg + 2 * (lane % 4)
-        leader = lane % 4 == 0
-        rows_of = [row_lo, row_lo + 8]
-        cols_of = [col0 + 8 * (slot // 2) + slot % 2 for slot in range(C // WGS // 4)]
-        half = lambda e: (e // 2) % 2  # noqa: E731
-        slot_of = lambda e: (e // 4) * 2 + e % 2  # noqa: E731
-
-        def mine(t, n):  # this warpgroup's columns of a (64, n) tile
-            return cute.local_tile(t, (C, n // WGS), (0, wg))
-
-        def thr_of(mma):
-            return mma.get_slice(wtidx)
-        dg_part = [Float32(0.0), Float32(0.0)]  # per-row partial sums: dG and dbeta
-        db_part = [Float32(0.0), Float32(0.0)]
-
-        # ---- Delta = U - W S (into sU, each thread its own elements): W, U, S only
-        cute.arch.mbarrier_wait(bars, 0)
-        thr_v = thr_of(mma_kk_v)
-        acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V // WGS)), Float32)
-        self.ss(mma_kk_v, acc_v, two(sW), two(sS), False)
-        warpgroup.wait_group(0)
-        t_u = thr_v.partition_C(mine(two(sU), V))
-        for e in cutlass.range_constexpr(cute.size(acc_v)):
-            t_u[e] = (t_u[e].to(Float32) - acc_v[e]).to(dt)
-        sDelta = sU
-        # ---- the other tiles; gates; rows past the end zeroed; Qn, Kn
+        if wg == 0:  # Delta = U - W S (into sU) needs only the first tiles
+            cute.arch.mbarrier_wait(bars, 0)
+            self.delta(mmas[0], tiles, tidx % 128)
         cute.arch.mbarrier_wait(bars + 1, 0)
         if rows < C:
             self.zero_tail(tiles, rows, tidx)
         cute.arch.sync_threads()
         if tidx < cute.arch.WARP_SIZE:
             self.cumulative_gates(sRows[R_G, None])
-        self.normalize_rows(sQ, sK, sRows, tidx)
+        self.normalize_rows(tiles[0], tiles[1], sRows, tidx)
+        sDG = storage.dg.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
+        sDB = storage.dbeta.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
+        if wg == 0:
+            cute.arch.barrier_arrive(barrier_id=W_FREE, number_of_threads=THREADS)
+            self.q_side(mmas, tiles, storage, sRows, sDG, mDQ, mDK, first, rows, head, scale,
+                        tidx % 128)
+        else:
+            self.wy_side(mmas, tiles, layouts, storage, sRows, sDG, sDB, mDV, first, rows,
+                         head, tidx % 128)
+        cute.arch.sync_threads()
+        if tidx < C:
+            col_e = storage.col_e.get_tensor(cute.make_layout((WARPS, C), stride=(C, 1)))
+            total = sDG[0, tidx] + sDG[1, tidx]
+            for w in cutlass.range_constexpr(WARPS):
+                total = total - col_e[w, tidx]
+            if tidx == C - 1:
+                red = storage.reduce.get_tensor(cute.make_layout(REDUCE_SLOTS))
+                states = Float32(0.0)
+                for w in cutlass.range_constexpr(4):
+                    states = states + red[w]
+                gl = states * cute.math.exp(sRows[R_G, C - 1], fastmath=True)
+                for w in cutlass.range_constexpr(4):
+                    gl = gl + red[4 + w]
+                total = total + gl
+            sDG[0, tidx] = total
+        cute.arch.sync_threads()
+        if tidx < cute.arch.WARP_SIZE:  # dg = reverse cumsum of dG; rows past the end skipped
+            self.write_gate_grads(sDG[0, None], sDB[1, None], mDG, mDBeta, first, rows, head)
+
+    def row_context(self, sRows, wtidx):
+        """This thread's accumulator rows (row_lo, row_lo + 8), its 16 columns of a 64-wide
+        tile and per-row values: element e is row rows_of[(e // 2) % 2] and, in a 64-wide
+        tile, column cols_of[(e // 4) * 2 + e % 2]."""
+        C = CHUNK
+        lane = wtidx % 32
+        row_lo = 16 * (wtidx // 32) + lane // 4
+        rows_of = [row_lo, row_lo + 8]
+        cols_of = [2 * (lane % 4) + 8 * (slot // 2) + slot % 2 for slot in range(C // 4)]
         g_last = sRows[R_G, C - 1]
         g_r = [sRows[R_G, i] for i in rows_of]
-        eg_r = [cute.math.exp(x, fastmath=True) for x in g_r]
-        d_r = [cute.math.exp(g_last - x, fastmath=True) for x in g_r]
-        beta_r = [sRows[R_BETA, i] for i in rows_of]
+        return dict(rows_of=rows_of, cols_of=cols_of, g_r=g_r,
+                    eg_r=[cute.math.exp(x, fastmath=True) for x in g_r],
+                    d_r=[cute.math.exp(g_last - x, fastmath=True) for x in g_r],
+                    beta_r=[sRows[R_BETA, i] for i in rows_of],
+                    leader=lane % 4 == 0)
+
+    @cute.jit
+    def delta(self, mma_kk_v, tiles, wtidx: Int32):
+        """Warpgroup 0: Delta = U - W S into sU (each thread its own elements)."""
+        V, C = self.v_dim, CHUNK
+        sW, sU, sS = tiles[4], tiles[5], tiles[8]
+        thr = mma_kk_v.get_slice(wtidx)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((C, V)), Float32)
+        self.ss(mma_kk_v, acc, sW[None, None, 0], sS[None, None, 0], False)
+        warpgroup.wait_group(0)
+        t_u = thr.partition_C(sU[None, None, 0])
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            t_u[e] = (t_u[e].to(Float32) - acc[e]).to(self.dtype)
+
+    @cute.jit
+    def q_side(self, mmas, tiles, storage, sRows, sDG, mDQ, mDK, first: Int32, rows: Int32,
+               head: Int32, scale: Float32, wtidx: Int32):
+        """Warpgroup 0: dM' = tril(dO Delta^T), dQK = scale dM' Gamma (over M), E's first
+        term; dq_n = diag(scale gamma) dO S^T + dQK Kn; <S, dS'>; dk_n's diag(d) Delta dS'^T
+        and dQK^T Qn terms plus warpgroup 1's; dG's q-side terms."""
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        dt = self.dtype
+        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas
+        sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
+        two = lambda t: t[None, None, 0]  # noqa: E731
+        tr = lambda t, r, c: transposed(t, r, c)[None, None, 0]  # noqa: E731
+        ctx = self.row_context(sRows, wtidx)
+        rows_of, cols_of, g_r, eg_r, d_r = (ctx[n] for n in ("rows_of", "cols_of", "g_r",
+                                                             "eg_r", "d_r"))
+        half = lambda e: (e // 2) % 2  # noqa: E731
+        slot_of = lambda e: (e // 4) * 2 + e % 2  # noqa: E731
+        sDelta, sX = sU, sM
+        dg_part = [Float32(0.0), Float32(0.0)]
         # ---- dM' = tril(dO Delta^T); dQK = scale dM' Gamma (over M); E = dM' * M
-        thr_c = thr_of(mma_kk_c)
-        acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C // WGS)), Float32)
+        thr_c = mma_kk_c.get_slice(wtidx)
+        acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
         self.ss(mma_kk_c, acc_c, two(sDO), two(sDelta), False)
         g_c = [sRows[R_G, j] for j in cols_of]
         warpgroup.wait_group(0)
-        e_cols = [Float32(0.0)] * len(cols_of)  # E's column partials (this thread's columns)
+        e_cols = [Float32(0.0)] * len(cols_of)
         e_rows = [Float32(0.0), Float32(0.0)]
-        t_m = thr_c.partition_C(mine(two(sM), C))
-        sX = sM  # dQK, over M (each thread its own elements)
+        t_m = thr_c.partition_C(two(sM))
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             h, sl = half(e), slot_of(e)
             seen = cols_of[sl] <= rows_of[h]
@@ -371,12 +409,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             e_rows[h] = e_rows[h] + x
             e_cols[sl] = e_cols[sl] + x
             t_m[e] = (scale * dmp * gamma_ij).to(dt)
-        self.flush_e(e_rows, e_cols, dg_part, storage, wg, True)
+        self.flush_e(e_rows, e_cols, dg_part, storage)
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
-        thr_k = thr_of(mma_kmn_k)
-        acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K // WGS)), Float32)
-        t_q = thr_k.partition_C(mine(two(sQ), K))
-        t_kk = thr_k.partition_C(mine(two(sK), K))
+        thr_k = mma_kmn_k.get_slice(wtidx)
+        acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
+        t_q = thr_k.partition_C(two(sQ))
+        t_kk = thr_k.partition_C(two(sK))
         self.ss(mma_kmn_k, acc_k, two(sDO), tr(sS, V, K), False)
         warpgroup.wait_group(0)
         part = [Float32(0.0), Float32(0.0)]
@@ -387,25 +425,17 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
             dg_part[h] = dg_part[h] + part[h] * scale * eg_r[h]
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()  # dQK written (both halves)
+        self.wg_sync(0, fence=True)  # dQK written
         self.ss(mma_kmn_k, acc_k, two(sX), tr(sK, C, K), True)
+        self.state_dot(sS, sDS, storage, wtidx)
         warpgroup.wait_group(0)
-        self.store_grad(thr_k, mDQ, acc_k, t_q, R_Q, sRows, storage, rows_of, first, rows,
-                        head, wg)
-        # ---- dW = -dDelta S^T (over W); <S, dS'>
-        self.ss(mma_kmn_k, acc_k, two(sDD), tr(sS, V, K), False)
-        warpgroup.wait_group(0)
-        self.state_dot(sS, sDS, storage, tidx)
-        cute.arch.sync_threads()  # W (read by Delta's product) is free
-        t_w = thr_k.partition_C(mine(two(sW), K))
-        for e in cutlass.range_constexpr(cute.size(acc_k)):
-            t_w[e] = (-acc_k[e]).to(dt)
-        sdW = sW
-        # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn ...;  dd = d rowsum((Delta dS'^T) Kn)
+        self.store_grad(thr_k, mDQ, acc_k, t_q, R_Q, sRows, rows_of, first, rows, head)
+        # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms)
         acc_dk = cute.make_rmem_tensor(acc_k.layout, Float32)
         self.ss(mma_kmn_k, acc_dk, two(sDelta), tr(sDS, V, K), False)
         warpgroup.wait_group(0)
+        # S and dS' are read (by this warpgroup; warpgroup 1 reads neither)
+        cute.arch.barrier_arrive(barrier_id=STATES_FREE, number_of_threads=THREADS)
         part = [Float32(0.0), Float32(0.0)]
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             h = half(e)
@@ -417,29 +447,75 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             dd = part[h] * d_r[h]
             dg_part[h] = dg_part[h] - dd
             dd_sum = dd_sum + dd
-        self.warp_reduce_to(storage, WARPS + warp, cutlass.select_(leader, dd_sum, Float32(0.0)))
+        self.warp_reduce_to(storage, 4 + wtidx // 32,
+                            cutlass.select_(ctx["leader"], dd_sum, Float32(0.0)))
         self.ss(mma_mnmn_k, acc_dk, tr(sX, C, C), tr(sQ, C, K), True)
+        if ctx["leader"]:
+            for h in cutlass.range_constexpr(2):
+                sDG[0, rows_of[h]] = dg_part[h]
         warpgroup.wait_group(0)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()  # dW written; every product reading S, dS' is complete
-        # ---- dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma) (over S)
-        base16 = storage.sS.data_ptr() if const_expr(self.overlay) else storage.own16.data_ptr()
-        sdT, sX2, sP = (cute.make_tensor(cute.recast_ptr(base16 + n * cute.cosize(lay_c.outer),
-                                                         swizzle_=lay_c.inner, dtype=dt),
-                                         lay_c.outer) for n in range(3))
+        cute.arch.barrier(barrier_id=DK_READY, number_of_threads=THREADS)
+        dk_wy = self.dk_exchange(storage, acc_dk)
+        for e in cutlass.range_constexpr(cute.size(acc_dk)):
+            acc_dk[e] = acc_dk[e] + dk_wy[e * 128 + wtidx]
+        self.store_grad(thr_k, mDK, acc_dk, t_kk, R_K, sRows, rows_of, first, rows, head)
+
+    @cute.jit
+    def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, mDV, first: Int32,
+                rows: Int32, head: Int32, wtidx: Int32):
+        """Warpgroup 1: dW = -dDelta S^T (over W, once warpgroup 0 read W);
+        dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma); dv = diag(beta) T^T dDelta;
+        dBk = T^T dW; dA = strict_tril(-(T^T dT) T^T); dP = diag(beta) (dA Gamma), E's
+        second term; dk_n's diag(beta gamma) dBk + dP Kn + dP^T Kn (to warpgroup 0 through
+        shared memory); dbeta and dG's WY-side terms."""
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        dt = self.dtype
+        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas
+        sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
+        lay_c = layouts[2]
+        two = lambda t: t[None, None, 0]  # noqa: E731
+        tr = lambda t, r, c: transposed(t, r, c)[None, None, 0]  # noqa: E731
+        ctx = self.row_context(sRows, wtidx)
+        rows_of, cols_of, g_r, eg_r, beta_r = (ctx[n] for n in ("rows_of", "cols_of", "g_r",
+                                                                "eg_r", "beta_r"))
+        half = lambda e: (e // 2) % 2  # noqa: E731
+        slot_of = lambda e: (e // 4) * 2 + e % 2  # noqa: E731
+        sdT, sX2, sP = (cute.make_tensor(
+            cute.recast_ptr(storage.sWY.data_ptr() + n * cute.cosize(lay_c.outer),
+                            swizzle_=lay_c.inner, dtype=dt), lay_c.outer) for n in range(3))
+        sdW = sW
+        dg_part = [Float32(0.0), Float32(0.0)]
+        db_part = [Float32(0.0), Float32(0.0)]
+        # ---- dW = -dDelta S^T (over W)
+        thr_k = mma_kmn_k.get_slice(wtidx)
+        acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
+        t_kk = thr_k.partition_C(two(sK))
+        self.ss(mma_kmn_k, acc_k, two(sDD), tr(sS, V, K), False)
+        warpgroup.wait_group(0)
+        cute.arch.barrier(barrier_id=W_FREE, number_of_threads=THREADS)
+        t_w = thr_k.partition_C(two(sW))
+        for e in cutlass.range_constexpr(cute.size(acc_k)):
+            t_w[e] = (-acc_k[e]).to(dt)
+        self.wg_sync(1, fence=True)
+        # ---- dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma)
+        thr_c = mma_kk_c.get_slice(wtidx)
+        acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
         acc_t2 = cute.make_rmem_tensor(acc_c.layout, Float32)
         self.ss(mma_kk_c, acc_c, two(sDD), two(sV), False)
-        warpgroup.wait_group(0)
         self.ss(mma_kk_c, acc_t2, two(sdW), two(sK), False)
+        g_c = [sRows[R_G, j] for j in cols_of]
         beta_c = [sRows[R_BETA, j] for j in cols_of]
-        w_c = [beta_c[sl] * cute.math.exp(g_c[sl], fastmath=True) for sl in range(len(cols_of))]
         warpgroup.wait_group(0)
-        t_dt = thr_c.partition_C(mine(two(sdT), C))
+        t_dt = thr_c.partition_C(two(sdT))
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             sl = slot_of(e)
-            t_dt[e] = (acc_c[e] * beta_c[sl] + acc_t2[e] * w_c[sl]).to(dt)
+            t_dt[e] = (beta_c[sl] * (acc_c[e] + acc_t2[e] * cute.math.exp(g_c[sl],
+                                                                          fastmath=True))
+                       ).to(dt)
         # ---- dv = diag(beta) T^T dDelta;  dbeta += rowsum(T^T dDelta * V)
-        t_vv = thr_v.partition_C(mine(two(sV), V))
+        thr_v = mma_mnmn_v.get_slice(wtidx)
+        acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
+        t_vv = thr_v.partition_C(two(sV))
         self.ss(mma_mnmn_v, acc_v, tr(sT, C, C), tr(sDD, C, V), False)
         warpgroup.wait_group(0)
         part = [Float32(0.0), Float32(0.0)]
@@ -450,37 +526,36 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
-        self.store_rows(thr_v, mDV, acc_v, rows_of, first, rows, head, wg)
-        # ---- dBk = T^T dW: dk_n += diag(beta gamma) dBk; t = rowsum(dBk Kn)
-        self.ss(mma_mnmn_k, acc_k, tr(sT, C, C), tr(sdW, C, K), False)
+        self.store_rows(thr_v, mDV, acc_v, rows_of, first, rows, head)
+        self.wg_sync(1, fence=True)  # dT written
+        # ---- dBk = T^T dW: dk_n = diag(beta gamma) dBk ...; t = rowsum(dBk Kn)
+        acc_dk = cute.make_rmem_tensor(acc_k.layout, Float32)
+        self.ss(mma_mnmn_k, acc_dk, tr(sT, C, C), tr(sdW, C, K), False)
+        self.ss(mma_mnmn_c, acc_c, tr(sT, C, C), tr(sdT, C, C), False)  # T^T dT
         warpgroup.wait_group(0)
         part = [Float32(0.0), Float32(0.0)]
-        for e in cutlass.range_constexpr(cute.size(acc_k)):
+        for e in cutlass.range_constexpr(cute.size(acc_dk)):
             h = half(e)
-            part[h] = part[h] + acc_k[e] * t_kk[e].to(Float32)
-            acc_dk[e] = acc_dk[e] + acc_k[e] * (beta_r[h] * eg_r[h])
+            part[h] = part[h] + acc_dk[e] * t_kk[e].to(Float32)
+            acc_dk[e] = acc_dk[e] * (beta_r[h] * eg_r[h])
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
             t_i = part[h] * eg_r[h]
             db_part[h] = db_part[h] + t_i
             dg_part[h] = dg_part[h] + t_i * beta_r[h]
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()  # dT written
-        # ---- dA = strict_tril(-(T^T dT) T^T)
-        self.ss(mma_mnmn_c, acc_c, tr(sT, C, C), tr(sdT, C, C), False)
-        warpgroup.wait_group(0)
-        t_x2 = thr_c.partition_C(mine(two(sX2), C))
+        # ---- dA = strict_tril(-(T^T dT) T^T); P = Kn Kn^T
+        t_x2 = thr_c.partition_C(two(sX2))
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             t_x2[e] = acc_c[e].to(dt)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()
+        self.wg_sync(1, fence=True)
         self.ss(mma_kk_c, acc_t2, two(sX2), two(sT), False)
-        warpgroup.wait_group(0)
-        self.ss(mma_kk_c, acc_c, two(sK), two(sK), False)  # P = Kn Kn^T
+        self.ss(mma_kk_c, acc_c, two(sK), two(sK), False)
         warpgroup.wait_group(0)
         # ---- dP = diag(beta) (dA Gamma) (into sP); dbeta += rowsum(dA Gamma P); E = dP P
+        e_cols = [Float32(0.0)] * len(cols_of)
+        e_rows = [Float32(0.0), Float32(0.0)]
         part = [Float32(0.0), Float32(0.0)]
-        t_p = thr_c.partition_C(mine(two(sP), C))
+        t_p = thr_c.partition_C(two(sP))
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             h, sl = half(e), slot_of(e)
             below = cols_of[sl] < rows_of[h]
@@ -495,80 +570,61 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
-        self.flush_e(e_rows, e_cols, dg_part, storage, wg, False)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()
-        # ---- dk_n += dP Kn + dP^T Kn
+        self.flush_e(e_rows, e_cols, dg_part, storage)
+        self.wg_sync(1, fence=True)
+        # ---- dk_n += dP Kn + dP^T Kn, to warpgroup 0 (over S, once it is free)
         self.ss(mma_kmn_k, acc_dk, two(sP), tr(sK, C, K), True)
         self.ss(mma_mnmn_k, acc_dk, tr(sP, C, C), tr(sK, C, K), True)
-        sDG = storage.dg.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
-        sDB = storage.dbeta.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
-        if leader:
+        if ctx["leader"]:
             for h in cutlass.range_constexpr(2):
-                sDG[wg, rows_of[h]] = dg_part[h]
-                sDB[wg, rows_of[h]] = db_part[h]
+                sDG[1, rows_of[h]] = dg_part[h]
+                sDB[1, rows_of[h]] = db_part[h]
         warpgroup.wait_group(0)
-        self.store_grad(thr_k, mDK, acc_dk, t_kk, R_K, sRows, storage, rows_of, first, rows,
-                        head, wg)
-        cute.arch.sync_threads()
-        if tidx < C:
-            col_e = storage.col_e.get_tensor(cute.make_layout((WARPS, C), stride=(C, 1)))
-            owner = 4 * (tidx // (C // WGS))  # the first warp of the column's warpgroup
-            total = Float32(0.0)
-            for w in cutlass.range_constexpr(WGS):
-                total = total + sDG[w, tidx]
-            for w in cutlass.range_constexpr(4):
-                total = total - col_e[owner + w, tidx]
-            if tidx == C - 1:
-                red = storage.reduce.get_tensor(cute.make_layout(REDUCE_SLOTS))
-                states = Float32(0.0)
-                for w in cutlass.range_constexpr(WARPS):
-                    states = states + red[w]
-                gl = states * cute.math.exp(g_last, fastmath=True)
-                for w in cutlass.range_constexpr(WARPS):
-                    gl = gl + red[WARPS + w]
-                total = total + gl
-            sDG[0, tidx] = total
-            sDB[0, tidx] = sDB[0, tidx] + sDB[1, tidx]
-        cute.arch.sync_threads()
-        if tidx < cute.arch.WARP_SIZE:  # dg = reverse cumsum of dG; rows past the end skipped
-            self.write_gate_grads(sDG[0, None], sDB[0, None], mDG, mDBeta, first, rows, head)
+        cute.arch.barrier(barrier_id=STATES_FREE, number_of_threads=THREADS)
+        dk_wy = self.dk_exchange(storage, acc_dk)
+        for e in cutlass.range_constexpr(cute.size(acc_dk)):
+            dk_wy[e * 128 + wtidx] = acc_dk[e]
+        cute.arch.barrier_arrive(barrier_id=DK_READY, number_of_threads=THREADS)
 
     # ---------------------------------------------------------------- helpers
     @cute.jit
     def ss(self, mma, acc, sA, sB, accumulate: cutlass.Constexpr):
-        """acc (+)= A B^T over this warpgroup's rows of B (its output columns)."""
-        wg = cute.arch.thread_idx()[0] // 128
-        n = cute.size(sB, mode=[0]) // WGS
+        """acc (+)= A B^T, both from shared memory, on this warpgroup."""
         thr = mma.get_slice(cute.arch.thread_idx()[0] % 128)
-        b = cute.local_tile(sB, (n, cute.size(sB, mode=[1])), (wg, 0))
         wgmma(mma, acc, thr.make_fragment_A(thr.partition_A(sA)),
-              thr.make_fragment_B(thr.partition_B(b)), accumulate)
+              thr.make_fragment_B(thr.partition_B(sB)), accumulate)
+
+    def wg_sync(self, wg: int, fence: bool = False):
+        """One warpgroup's barrier; with ``fence``, its shared-memory writes are made
+        visible to wgmma (the async proxy) first."""
+        if fence:
+            cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=WG_BARRIER[wg], number_of_threads=128)
+
+    def dk_exchange(self, storage, acc):
+        """fp32 (elements x 128 threads) over S and dS' (free by then): warpgroup 1's dk
+        terms, element e of thread t at e * 128 + t (consecutive threads, consecutive
+        words)."""
+        return cute.make_tensor(cute.recast_ptr(storage.sS.data_ptr(), dtype=Float32),
+                                cute.make_layout(cute.size(acc) * 128))
 
     @cute.jit
-    def flush_e(self, e_rows, e_cols, dg_part, storage, wg, first: cutlass.Constexpr):
+    def flush_e(self, e_rows, e_cols, dg_part, storage):
         """E's partial sums of this thread into dG: rows (+, into dg_part) and columns
-        (per-warp sums into col_e: assigned if ``first``, else added; subtracted at the
-        end); the partials are reset."""
+        (each warp's sums into its row of col_e, subtracted at the end)."""
         C = CHUNK
         rows = self.quad_sums(e_rows)
         for h in cutlass.range_constexpr(2):
             dg_part[h] = dg_part[h] + rows[h]
-            e_rows[h] = Float32(0.0)
         lane = cute.arch.lane_idx()
-        col_e = storage.col_e.get_tensor(cute.make_layout((WARPS, C), stride=(C, 1)))
         warp = cute.arch.warp_idx()
+        col_e = storage.col_e.get_tensor(cute.make_layout((WARPS, C), stride=(C, 1)))
         for slot in cutlass.range_constexpr(len(e_cols)):
             x = e_cols[slot]
             for d in cutlass.range_constexpr(2, 5):  # over the 8 row groups of the warp
                 x = x + cute.arch.shuffle_sync_bfly(x, 1 << d)
             if lane < 4:
-                col = (C // WGS) * wg + 8 * (slot // 2) + 2 * lane + slot % 2
-                if const_expr(first):
-                    col_e[warp, col] = x
-                else:
-                    col_e[warp, col] = col_e[warp, col] + x
-            e_cols[slot] = Float32(0.0)
+                col_e[warp, 8 * (slot // 2) + 2 * lane + slot % 2] = x
 
     @cute.jit
     def quad_sums(self, part):
@@ -588,31 +644,29 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             storage.reduce.get_tensor(cute.make_layout(REDUCE_SLOTS))[slot] = value
 
     @cute.jit
-    def state_dot(self, sS, sDS, storage, tidx: Int32):
-        """<S, dS'> over the (V, K) tiles, 8 elements (16 bytes) per load: per-warp partial
-        sums into reduce slots."""
+    def state_dot(self, sS, sDS, storage, wtidx: Int32):
+        """One warpgroup: <S, dS'> over the (V, K) tiles, 8 elements (16 bytes) per load;
+        per-warp partial sums into reduce slots 0..3."""
         K, V = self.k_dim, self.v_dim
         acc = Float32(0.0)
         a8 = cute.make_rmem_tensor(cute.make_layout((1, 8)), self.dtype)
         b8 = cute.make_rmem_tensor(cute.make_layout((1, 8)), self.dtype)
-        for idx in cutlass.range(tidx, V * K // 8, THREADS, unroll=2):
+        for idx in cutlass.range(wtidx, V * K // 8, 128, unroll=2):
             r = idx // (K // 8)
             c8 = idx - r * (K // 8)
             cute.autovec_copy(cute.local_tile(sS[None, None, 0], (1, 8), (r, c8)), a8)
             cute.autovec_copy(cute.local_tile(sDS[None, None, 0], (1, 8), (r, c8)), b8)
             for u in cutlass.range_constexpr(8):
                 acc = acc + a8[u].to(Float32) * b8[u].to(Float32)
-        self.warp_reduce_to(storage, tidx // cute.arch.WARP_SIZE, acc)
+        self.warp_reduce_to(storage, wtidx // cute.arch.WARP_SIZE, acc)
 
     @cute.jit
-    def store_rows(self, thr, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32,
-                   wg: Int32):
-        """Accumulator rows < ``rows`` into this warpgroup's columns of
-        mOut[first + row, head, :] (converted to mOut's dtype)."""
+    def store_rows(self, thr, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32):
+        """Accumulator rows < ``rows`` into mOut[first + row, head, :] (converted to mOut's
+        dtype)."""
         C = CHUNK
-        n = cute.size(mOut, mode=[2]) // WGS
-        g = cute.local_tile(cute.domain_offset((first, 0), mOut[None, head, None]), (C, n),
-                            (0, wg))
+        g = cute.local_tile(cute.domain_offset((first, 0), mOut[None, head, None]),
+                            (C, cute.size(mOut, mode=[2])), (0, 0))
         t_g = thr.partition_C(g)
         out = cute.make_rmem_tensor(acc.layout, mOut.element_type)
         out.store(acc.load().to(mOut.element_type))
@@ -624,38 +678,23 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                     t_g[e] = out[e]
 
     @cute.jit
-    def store_grad(self, thr, mOut, acc, t_xn, r_row: int, sRows, storage, rows_of,
-                   first: Int32, rows: Int32, head: Int32, wg: Int32):
+    def store_grad(self, thr, mOut, acc, t_xn, r_row: int, sRows, rows_of, first: Int32,
+                   rows: Int32, head: Int32):
         """dq or dk: with final outputs and the L2 norm, the Jacobian
         dx = r (dx_n - (x_n . dx_n) x_n) (x_n from shared memory, t_xn; only the first
-        term where the clamp is active) before the store; the row dots combine both
-        warpgroups' columns through shared memory. ``acc`` is reused."""
+        term where the clamp is active) before the store. ``acc`` is reused."""
         if const_expr(self.final_outputs and self.l2norm):
-            C = CHUNK
             part = [Float32(0.0), Float32(0.0)]
             for e in cutlass.range_constexpr(cute.size(acc)):
                 h = (e // 2) % 2
                 part[h] = part[h] + acc[e] * t_xn[e].to(Float32)
             part = self.quad_sums(part)
-            dots = storage.row_dot.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
-            lane = cute.arch.lane_idx()
-            if lane % 4 == 0:
-                for h in cutlass.range_constexpr(2):
-                    dots[wg, rows_of[h]] = part[h]
-            cute.arch.sync_threads()
-            coef = []
-            for h in cutlass.range_constexpr(2):
-                i = rows_of[h]
-                dot = dots[0, i]
-                for w in cutlass.range_constexpr(1, WGS):
-                    dot = dot + dots[w, i]
-                coef.append(dot * sRows[r_row + R_QP - R_Q, i])
+            coef = [part[h] * sRows[r_row + R_QP - R_Q, rows_of[h]] for h in range(2)]
             r_of = [sRows[r_row, i] for i in rows_of]
             for e in cutlass.range_constexpr(cute.size(acc)):
                 h = (e // 2) % 2
                 acc[e] = r_of[h] * (acc[e] - coef[h] * t_xn[e].to(Float32))
-            cute.arch.sync_threads()  # the row dots are read before the next use
-        self.store_rows(thr, mOut, acc, rows_of, first, rows, head, wg)
+        self.store_rows(thr, mOut, acc, rows_of, first, rows, head)
 
     @cute.jit
     def write_gate_grads(self, sDG, sDB, mDG, mDBeta, first: Int32, rows: Int32,

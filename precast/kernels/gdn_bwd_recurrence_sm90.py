@@ -268,8 +268,7 @@ class GdnStateGradSm90:
             # Q's rows times q_f (the contraction of dO^T diag(q_f) Q runs over tokens)
             self.scale_rows(sQ[None, None, s], factors, consumer_tidx)
             state16.store(acc_state.load().to(self.dtype))
-            for e in cutlass.range_constexpr(cute.size(state16)):
-                t_ds[e] = state16[e]
+            cute.autovec_copy(state16, t_ds)
             cute.arch.fence_proxy("async.shared", space="cta")
             self.consumer_sync()
             if issuer:  # the whole warp: the TMA copy elects its lane itself
@@ -315,13 +314,19 @@ class GdnStateGradSm90:
 
     @cute.jit
     def scale_rows(self, sQ, factors, consumer_tidx: Int32):
-        """sQ[i, :] *= q_f[i] over the consumer threads (one stage, 64 x K)."""
+        """sQ[i, :] *= q_f[i] over the consumer threads (one stage, 64 x K), 8 elements
+        (16 bytes) per access."""
         K, C = self.k_dim, CHUNK
         threads = self.nwg * THREADS_PER_WG
-        for idx in cutlass.range(consumer_tidx, C * K, threads, unroll=4):
-            i = idx // K
-            col = idx - i * K
-            sQ[i, col] = (sQ[i, col].to(Float32) * factors[Q_FACTORS + i]).to(self.dtype)
+        x8 = cute.make_rmem_tensor(cute.make_layout((1, 8)), self.dtype)
+        for idx in cutlass.range(consumer_tidx, C * K // 8, threads, unroll=2):
+            i = idx // (K // 8)
+            tile = cute.local_tile(sQ, (1, 8), (i, idx - i * (K // 8)))
+            cute.autovec_copy(tile, x8)
+            f = factors[Q_FACTORS + i]
+            for u in cutlass.range_constexpr(8):
+                x8[u] = (x8[u].to(Float32) * f).to(self.dtype)
+            cute.autovec_copy(x8, tile)
 
     @cute.jit
     def state_view(self, thr_state, mStates, row: Int32, head: Int32, split: Int32):
