@@ -368,8 +368,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.ss(mma_kk_v, acc, sW[None, None, 0], sS[None, None, 0], False)
         warpgroup.wait_group(0)
         t_u = thr.partition_C(sU[None, None, 0])
+        u = self.loaded(t_u, acc)
         for e in cutlass.range_constexpr(cute.size(acc)):
-            t_u[e] = (t_u[e].to(Float32) - acc[e]).to(self.dtype)
+            acc[e] = u[e].to(Float32) - acc[e]
+        self.store_16(acc, t_u)
 
     @cute.jit
     def q_side(self, mmas, tiles, storage, sRows, sDG, mDQ, mDK, first: Int32, rows: Int32,
@@ -399,16 +401,18 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         e_cols = [Float32(0.0)] * len(cols_of)
         e_rows = [Float32(0.0), Float32(0.0)]
         t_m = thr_c.partition_C(two(sM))
+        m16 = self.loaded(t_m, acc_c)
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             h, sl = half(e), slot_of(e)
             seen = cols_of[sl] <= rows_of[h]
             gamma_ij = cute.math.exp(cutlass.select_(seen, g_r[h] - g_c[sl], Float32(0.0)),
                                      fastmath=True)
             dmp = cutlass.select_(seen, acc_c[e], Float32(0.0))
-            x = dmp * t_m[e].to(Float32)
+            x = dmp * m16[e].to(Float32)
             e_rows[h] = e_rows[h] + x
             e_cols[sl] = e_cols[sl] + x
-            t_m[e] = (scale * dmp * gamma_ij).to(dt)
+            acc_c[e] = scale * dmp * gamma_ij
+        self.store_16(acc_c, t_m)
         self.flush_e(e_rows, e_cols, dg_part, storage)
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
         thr_k = mma_kmn_k.get_slice(wtidx)
@@ -418,9 +422,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.ss(mma_kmn_k, acc_k, two(sDO), tr(sS, V, K), False)
         warpgroup.wait_group(0)
         part = [Float32(0.0), Float32(0.0)]
+        q16 = self.loaded(t_q, acc_k)
         for e in cutlass.range_constexpr(cute.size(acc_k)):
             h = half(e)
-            part[h] = part[h] + acc_k[e] * t_q[e].to(Float32)
+            part[h] = part[h] + acc_k[e] * q16[e].to(Float32)
             acc_k[e] = acc_k[e] * (scale * eg_r[h])
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
@@ -437,9 +442,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # S and dS' are read (by this warpgroup; warpgroup 1 reads neither)
         cute.arch.barrier_arrive(barrier_id=STATES_FREE, number_of_threads=THREADS)
         part = [Float32(0.0), Float32(0.0)]
+        k16 = self.loaded(t_kk, acc_dk)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             h = half(e)
-            part[h] = part[h] + acc_dk[e] * t_kk[e].to(Float32)
+            part[h] = part[h] + acc_dk[e] * k16[e].to(Float32)
             acc_dk[e] = acc_dk[e] * d_r[h]
         part = self.quad_sums(part)
         dd_sum = Float32(0.0)  # sum of dd over this thread's rows (leaders only count)
@@ -493,9 +499,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.ss(mma_kmn_k, acc_k, two(sDD), tr(sS, V, K), False)
         warpgroup.wait_group(0)
         cute.arch.barrier(barrier_id=W_FREE, number_of_threads=THREADS)
-        t_w = thr_k.partition_C(two(sW))
-        for e in cutlass.range_constexpr(cute.size(acc_k)):
-            t_w[e] = (-acc_k[e]).to(dt)
+        self.store_16(acc_k, thr_k.partition_C(two(sW)), negate=True)
         self.wg_sync(1, fence=True)
         # ---- dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma)
         thr_c = mma_kk_c.get_slice(wtidx)
@@ -506,12 +510,11 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         g_c = [sRows[R_G, j] for j in cols_of]
         beta_c = [sRows[R_BETA, j] for j in cols_of]
         warpgroup.wait_group(0)
-        t_dt = thr_c.partition_C(two(sdT))
+        eg_c = [cute.math.exp(x, fastmath=True) for x in g_c]
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             sl = slot_of(e)
-            t_dt[e] = (beta_c[sl] * (acc_c[e] + acc_t2[e] * cute.math.exp(g_c[sl],
-                                                                          fastmath=True))
-                       ).to(dt)
+            acc_c[e] = beta_c[sl] * (acc_c[e] + acc_t2[e] * eg_c[sl])
+        self.store_16(acc_c, thr_c.partition_C(two(sdT)))
         # ---- dv = diag(beta) T^T dDelta;  dbeta += rowsum(T^T dDelta * V)
         thr_v = mma_mnmn_v.get_slice(wtidx)
         acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
@@ -519,9 +522,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.ss(mma_mnmn_v, acc_v, tr(sT, C, C), tr(sDD, C, V), False)
         warpgroup.wait_group(0)
         part = [Float32(0.0), Float32(0.0)]
+        v16 = self.loaded(t_vv, acc_v)
         for e in cutlass.range_constexpr(cute.size(acc_v)):
             h = half(e)
-            part[h] = part[h] + acc_v[e] * t_vv[e].to(Float32)
+            part[h] = part[h] + acc_v[e] * v16[e].to(Float32)
             acc_v[e] = acc_v[e] * beta_r[h]
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
@@ -534,9 +538,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.ss(mma_mnmn_c, acc_c, tr(sT, C, C), tr(sdT, C, C), False)  # T^T dT
         warpgroup.wait_group(0)
         part = [Float32(0.0), Float32(0.0)]
+        k16 = self.loaded(t_kk, acc_dk)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             h = half(e)
-            part[h] = part[h] + acc_dk[e] * t_kk[e].to(Float32)
+            part[h] = part[h] + acc_dk[e] * k16[e].to(Float32)
             acc_dk[e] = acc_dk[e] * (beta_r[h] * eg_r[h])
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
@@ -544,9 +549,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             db_part[h] = db_part[h] + t_i
             dg_part[h] = dg_part[h] + t_i * beta_r[h]
         # ---- dA = strict_tril(-(T^T dT) T^T); P = Kn Kn^T
-        t_x2 = thr_c.partition_C(two(sX2))
-        for e in cutlass.range_constexpr(cute.size(acc_c)):
-            t_x2[e] = acc_c[e].to(dt)
+        self.store_16(acc_c, thr_c.partition_C(two(sX2)))
         self.wg_sync(1, fence=True)
         self.ss(mma_kk_c, acc_t2, two(sX2), two(sT), False)
         self.ss(mma_kk_c, acc_c, two(sK), two(sK), False)
@@ -555,7 +558,6 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         e_cols = [Float32(0.0)] * len(cols_of)
         e_rows = [Float32(0.0), Float32(0.0)]
         part = [Float32(0.0), Float32(0.0)]
-        t_p = thr_c.partition_C(two(sP))
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             h, sl = half(e), slot_of(e)
             below = cols_of[sl] < rows_of[h]
@@ -566,10 +568,11 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             dp = beta_r[h] * da_g
             e_rows[h] = e_rows[h] + dp * acc_c[e]
             e_cols[sl] = e_cols[sl] + dp * acc_c[e]
-            t_p[e] = dp.to(dt)
+            acc_t2[e] = dp
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
+        self.store_16(acc_t2, thr_c.partition_C(two(sP)))
         self.flush_e(e_rows, e_cols, dg_part, storage)
         self.wg_sync(1, fence=True)
         # ---- dk_n += dP Kn + dP^T Kn, to warpgroup 0 (over S, once it is free)
@@ -593,6 +596,25 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         thr = mma.get_slice(cute.arch.thread_idx()[0] % 128)
         wgmma(mma, acc, thr.make_fragment_A(thr.partition_A(sA)),
               thr.make_fragment_B(thr.partition_B(sB)), accumulate)
+
+    @cute.jit
+    def loaded(self, t_s, acc):
+        """This thread's 16-bit shared-memory elements ``t_s`` (accumulator order) in
+        registers: paired loads."""
+        frag = cute.make_rmem_tensor(acc.layout, self.dtype)
+        cute.autovec_copy(t_s, frag)
+        return frag
+
+    @cute.jit
+    def store_16(self, acc, t_s, negate: cutlass.Constexpr = False):
+        """An fp32 accumulator (or its negation) into 16-bit shared memory in accumulator
+        order: paired stores."""
+        frag = cute.make_rmem_tensor(acc.layout, self.dtype)
+        if const_expr(negate):
+            frag.store((-acc.load()).to(self.dtype))
+        else:
+            frag.store(acc.load().to(self.dtype))
+        cute.autovec_copy(frag, t_s)
 
     def wg_sync(self, wg: int, fence: bool = False):
         """One warpgroup's barrier; with ``fence``, its shared-memory writes are made
@@ -684,16 +706,17 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         dx = r (dx_n - (x_n . dx_n) x_n) (x_n from shared memory, t_xn; only the first
         term where the clamp is active) before the store. ``acc`` is reused."""
         if const_expr(self.final_outputs and self.l2norm):
+            xn = self.loaded(t_xn, acc)
             part = [Float32(0.0), Float32(0.0)]
             for e in cutlass.range_constexpr(cute.size(acc)):
                 h = (e // 2) % 2
-                part[h] = part[h] + acc[e] * t_xn[e].to(Float32)
+                part[h] = part[h] + acc[e] * xn[e].to(Float32)
             part = self.quad_sums(part)
             coef = [part[h] * sRows[r_row + R_QP - R_Q, rows_of[h]] for h in range(2)]
             r_of = [sRows[r_row, i] for i in rows_of]
             for e in cutlass.range_constexpr(cute.size(acc)):
                 h = (e // 2) % 2
-                acc[e] = r_of[h] * (acc[e] - coef[h] * t_xn[e].to(Float32))
+                acc[e] = r_of[h] * (acc[e] - coef[h] * xn[e].to(Float32))
         self.store_rows(thr, mOut, acc, rows_of, first, rows, head)
 
     @cute.jit
