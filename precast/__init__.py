@@ -12,9 +12,11 @@ from .lifecycle.hstu_attention_bwd import HSTUBwdSm90  # noqa: E402
 from .hstu_attention import (hstu_attention, hstu_attention_backward,  # noqa: E402
                              hstu_attention_forward)
 from .lifecycle.gdn_fwd import GdnFwdSm90  # noqa: E402
-from .linear_attention import gated_delta_net  # noqa: E402
+from .lifecycle.gdn_bwd import GdnBwdSm90  # noqa: E402
+from .linear_attention import gated_delta_net, gated_delta_net_backward  # noqa: E402
 
 __all__ = ["TensorDesc", "Op", "OP_REGISTRY", "ArtifactCache", "ArtifactMissing", "default_cache",
            "HstuLmsdFwdSm90", "HstuLmsdBwdSm90", "hstu_lmsd_forward", "hstu_lmsd_backward",
            "hstu_lmsd", "HSTUFwdSm90", "hstu_attention_forward", "HSTUBwdSm90",
-           "hstu_attention_backward", "hstu_attention", "GdnFwdSm90", "gated_delta_net"]
+           "hstu_attention_backward", "hstu_attention", "GdnFwdSm90", "gated_delta_net",
+           "GdnBwdSm90", "gated_delta_net_backward"]

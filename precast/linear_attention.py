@@ -1,13 +1,19 @@
-"""Allocating function and torch custom op for the Gated DeltaNet forward.
+"""Allocating functions and torch custom ops for the Gated DeltaNet forward and backward.
 
 ``gated_delta_net`` takes the arguments of the issue (flash-linear-attention's names, packed
 THD layout; semantics: precast/reference/gated_delta_net.py), copies inputs whose layout the
 kernels cannot read in place, allocates the outputs and returns ``(o, final_state)`` with
-``.checkpoints``. ``torch.ops.precast.gated_delta_net`` is the same as a torch custom op
-with a fake implementation (it traces under torch.compile).
+``.checkpoints``. ``gated_delta_net_backward`` returns the gradients (GdnBwdSm90).
 
-Forward only: no autograd is registered yet (the backward is a later issue), so gradients
-do not flow through either entry point.
+Custom ops (each with a fake implementation: they trace under torch.compile):
+
+* ``torch.ops.precast.gated_delta_net``: the forward, functional, with an autograd formula
+  (the backward op): ``o, s = gated_delta_net(...); loss.backward()`` trains. The final
+  state's gradient is the backward's dfinal; checkpoints are not differentiable, and the
+  backward reuses them (at n = 64 in the io dtype; see GdnBwdSm90).
+* ``torch.ops.precast.gated_delta_net_backward``: dq, dk, dv, dg, dbeta, dinitial_state.
+* ``torch.ops.precast.gated_delta_net_pool``: the forward with a state pool updated in
+  place (inference only: the pool has no gradient).
 """
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .lifecycle.gdn_bwd import GdnBwdSm90, check_forward_inputs
+from .lifecycle.gdn_bwd import static_config_of as backward_config
 from .lifecycle.gdn_fwd import GdnFwdSm90, readable_in_place, static_config_of
 from .lifecycle.gdn_rules import check_gdn_inputs, max_checkpoint_rows
 from .lifecycle.launch import in_stream_order
@@ -67,31 +75,42 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     (see GdnFwdSm90). The compiled op is made once per static configuration; scale, n and
     the batch are runtime values.
 
-    There is no backward yet: with gradients enabled and an input that requires them, this
-    raises rather than return outputs that silently carry none (use torch.no_grad(), or
-    detach the inputs).
+    Differentiable in q, k, v, g, beta and initial_state through
+    ``torch.ops.precast.gated_delta_net`` (taken when grad mode is on and an input requires
+    grad; the backward is GdnBwdSm90). The state pool is forward only: with an input
+    requiring grad it raises (use torch.no_grad(), or gather the pool rows into an
+    initial_state).
     """
     differentiable = [name for name, t in (("q", q), ("k", k), ("v", v), ("g", g),
                                            ("beta", beta), ("initial_state", initial_state))
                       if isinstance(t, torch.Tensor) and t.requires_grad]
-    if differentiable and torch.is_grad_enabled():
+    options = dict(scale=scale, initial_state=initial_state,
+                   output_final_state=output_final_state,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   checkpoint_every_n_tokens=checkpoint_every_n_tokens,
+                   checkpoint_dtype=checkpoint_dtype, batch_invariant=batch_invariant)
+    if not (differentiable and torch.is_grad_enabled()):
+        return _forward(q, k, v, g, beta, cu_seqlens, state_indices=state_indices,
+                        stream=stream, **options)
+    if state_indices is not None:
         raise NotImplementedError(
-            f"gated_delta_net has no backward yet, and {', '.join(differentiable)} "
-            "require(s) grad: its outputs would carry no gradient. Call it under "
-            "torch.no_grad() (or pass detached inputs) for inference")
-    return _forward(q, k, v, g, beta, cu_seqlens, scale=scale, initial_state=initial_state,
-                    output_final_state=output_final_state,
-                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                    checkpoint_every_n_tokens=checkpoint_every_n_tokens,
-                    checkpoint_dtype=checkpoint_dtype, state_indices=state_indices,
-                    batch_invariant=batch_invariant, stream=stream)
+            f"gated_delta_net: {', '.join(differentiable)} require(s) grad, but the state "
+            "pool (state_indices) is forward only: its rows are overwritten in place and have "
+            "no gradient. Call it under torch.no_grad() for inference, or pass the gathered "
+            "rows as an [N, HO, V, K] initial_state to train")
+    with in_stream_order(stream, q.device):
+        o, final_state, checkpoints = torch.ops.precast.gated_delta_net(
+            q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
+            use_qk_l2norm_in_kernel, checkpoint_every_n_tokens, checkpoint_dtype, None,
+            batch_invariant)
+    return GatedDeltaNetResults(o, final_state if output_final_state else None,
+                                None if checkpoint_every_n_tokens is None else checkpoints)
 
 
 def _forward(q, k, v, g, beta, cu_seqlens, *, scale, initial_state, output_final_state,
              use_qk_l2norm_in_kernel, checkpoint_every_n_tokens, checkpoint_dtype,
              state_indices, batch_invariant, stream) -> GatedDeltaNetResults:
-    """gated_delta_net without the gradient guard (the custom op's implementation: torch
-    refuses its backward itself, with no autograd formula registered)."""
+    """gated_delta_net outside autograd (the custom ops' implementation)."""
     with in_stream_order(stream, q.device):
         q, k, v = (_in_place_or_copy("tokens", t) for t in (q, k, v))
         g, beta = (_in_place_or_copy("gate", t) for t in (g, beta))
@@ -125,10 +144,66 @@ def _forward(q, k, v, g, beta, cu_seqlens, *, scale, initial_state, output_final
     return GatedDeltaNetResults(o, final_state, checkpoints)
 
 
-# --- torch custom op -------------------------------------------------------------------------
+# --- the backward ------------------------------------------------------------------------------
 
-@torch.library.custom_op("precast::gated_delta_net", mutates_args=("initial_state",),
-                         device_types="cuda")
+class GatedDeltaNetGradients(Results):
+    """Unpacks like ``(dq, dk, dv, dg, dbeta, dinitial_state)`` (dinitial_state None
+    without an initial state)."""
+
+    _fields = ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
+
+
+def gated_delta_net_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
+                             do: torch.Tensor, *, scale: Optional[float] = None,
+                             initial_state: Optional[torch.Tensor] = None,
+                             dfinal: Optional[torch.Tensor] = None,
+                             checkpoints: Optional[torch.Tensor] = None,
+                             checkpoint_every_n_tokens: Optional[int] = None,
+                             use_qk_l2norm_in_kernel: bool = False,
+                             state_indices: Optional[torch.Tensor] = None,
+                             stream=None) -> GatedDeltaNetGradients:
+    """Gradients of gated_delta_net's o (and final state) given ``do`` [T, HO, V] (q's
+    dtype) and ``dfinal`` [N, HO, V, K] float32 (None: the final state is not
+    differentiated). The forward's inputs and options as they were (``checkpoints``: the
+    forward's, written every ``checkpoint_every_n_tokens`` tokens; reused without
+    recomputation at n = 64 in the io dtype). Returns dq, dk, dv, dg, dbeta in each input's
+    dtype and shape and dinitial_state (initial_state's dtype; None without one). Inputs
+    whose layout the kernels cannot read in place (e.g. an expanded do) are copied. The
+    compiled op is made once per static configuration (GdnBwdSm90.static_config)."""
+    if state_indices is not None:
+        raise NotImplementedError(
+            "gated_delta_net_backward: the state pool (state_indices) is forward only; pass "
+            "the gathered rows as an [N, HO, V, K] initial_state")
+    with in_stream_order(stream, q.device):
+        q, k, v, do = (_in_place_or_copy("tokens", t) for t in (q, k, v, do))
+        g, beta = (_in_place_or_copy("gate", t) for t in (g, beta))
+        cu_seqlens = _in_place_or_copy("offsets", cu_seqlens)
+        initial_state, dfinal, checkpoints = (_in_place_or_copy("state", t)
+                                              for t in (initial_state, dfinal, checkpoints))
+        flags = dict(scale=scale, checkpoint_every_n_tokens=checkpoint_every_n_tokens,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        s = check_forward_inputs(q, k, v, g, beta, cu_seqlens, initial_state=initial_state,
+                                 checkpoints=checkpoints, **flags)
+        key = ("gated_delta_net_backward",) + tuple(sorted(
+            backward_config(s, dfinal is not None).items()))
+        op = compiled_op(key, lambda: GdnBwdSm90(
+            q, k, v, g, beta, cu_seqlens, do, sample_initial_state=initial_state,
+            sample_dfinal=dfinal, sample_checkpoints=checkpoints, **flags))
+        grads = GatedDeltaNetGradients(
+            q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            g.new_empty(g.shape), beta.new_empty(beta.shape),
+            None if initial_state is None else initial_state.new_empty(initial_state.shape))
+        op.execute(q, k, v, g, beta, cu_seqlens, do, *grads[:5], initial_state=initial_state,
+                   dinitial_state=grads.dinitial_state, dfinal=dfinal, checkpoints=checkpoints,
+                   stream=stream, scale=s.scale,
+                   checkpoint_every_n_tokens=s.checkpoint_every_n_tokens)
+    return grads
+
+
+# --- torch custom ops ----------------------------------------------------------------------------
+
+@torch.library.custom_op("precast::gated_delta_net", mutates_args=(), device_types="cuda")
 def _gated_delta_net_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                         beta: torch.Tensor, cu_seqlens: torch.Tensor, scale: Optional[float],
                         initial_state: Optional[torch.Tensor], output_final_state: bool,
@@ -137,15 +212,24 @@ def _gated_delta_net_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         state_indices: Optional[torch.Tensor], batch_invariant: bool
                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, final_state, checkpoints); custom ops return tensors only, so an output not
-    asked for is an empty [0, HO, V, K] tensor. initial_state is declared mutated: it is
-    the state pool when state_indices is given."""
+    asked for is an empty [0, HO, V, K] tensor. Functional (it has an autograd formula):
+    state_indices must be None; a state pool goes through gated_delta_net_pool."""
+    _refuse_pool_in_functional_op(state_indices)
     o, final_state = r = _forward(
         q, k, v, g, beta, cu_seqlens, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         checkpoint_every_n_tokens=checkpoint_every_n_tokens, checkpoint_dtype=checkpoint_dtype,
-        state_indices=state_indices, batch_invariant=batch_invariant, stream=None)
+        state_indices=None, batch_invariant=batch_invariant, stream=None)
     return (o, _absent_output(q, v) if final_state is None else final_state,
             _absent_output(q, v) if r.checkpoints is None else r.checkpoints)
+
+
+def _refuse_pool_in_functional_op(state_indices) -> None:
+    if state_indices is not None:
+        raise NotImplementedError(
+            "torch.ops.precast.gated_delta_net is functional (it has a backward) and does not "
+            "update a state pool: use torch.ops.precast.gated_delta_net_pool for "
+            "state_indices")
 
 
 def _absent_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -158,6 +242,7 @@ def _absent_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def _(q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
       use_qk_l2norm_in_kernel, checkpoint_every_n_tokens, checkpoint_dtype, state_indices,
       batch_invariant):
+    _refuse_pool_in_functional_op(state_indices)
     T, K = q.shape[0], q.shape[2]
     N, HO, V = cu_seqlens.shape[0] - 1, max(q.shape[1], v.shape[1]), v.shape[2]
     o = q.new_empty((T, HO, V))
@@ -171,3 +256,89 @@ def _(q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
                 else T // n + N)
         checkpoints = q.new_empty((rows, HO, V, K), dtype=checkpoint_dtype or q.dtype)
     return o, final_state, checkpoints
+
+
+@torch.library.custom_op("precast::gated_delta_net_backward", mutates_args=(),
+                         device_types="cuda")
+def _gated_delta_net_backward_op(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        cu_seqlens: torch.Tensor, do: torch.Tensor, scale: Optional[float],
+        initial_state: Optional[torch.Tensor], dfinal: Optional[torch.Tensor],
+        checkpoints: Optional[torch.Tensor], checkpoint_every_n_tokens: Optional[int],
+        use_qk_l2norm_in_kernel: bool
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, dbeta, dinitial_state) of gated_delta_net_backward; without an
+    initial state dinitial_state is an empty [0, HO, V, K] tensor."""
+    *grads, dinitial_state = gated_delta_net_backward(
+        q, k, v, g, beta, cu_seqlens, do, scale=scale, initial_state=initial_state,
+        dfinal=dfinal, checkpoints=checkpoints,
+        checkpoint_every_n_tokens=checkpoint_every_n_tokens,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return (*grads, _absent_output(q, v) if dinitial_state is None else dinitial_state)
+
+
+@_gated_delta_net_backward_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens, do, scale, initial_state, dfinal, checkpoints,
+      checkpoint_every_n_tokens, use_qk_l2norm_in_kernel):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            g.new_empty(g.shape), beta.new_empty(beta.shape),
+            _absent_output(q, v) if initial_state is None
+            else initial_state.new_empty(initial_state.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
+     use_qk_l2norm_in_kernel, checkpoint_every_n_tokens, _, _, _) = inputs
+    _, final_state, checkpoints = output
+    ctx.mark_non_differentiable(checkpoints)
+    if not output_final_state:  # the empty placeholder
+        ctx.mark_non_differentiable(final_state)
+    ctx.set_materialize_grads(False)  # an unused final state costs no dfinal
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state,
+                          checkpoints if checkpoint_every_n_tokens is not None else None)
+    ctx.scale, ctx.n, ctx.l2norm = scale, checkpoint_every_n_tokens, use_qk_l2norm_in_kernel
+    ctx.final = output_final_state
+
+
+def _backward(ctx, do, dfinal, _dcheckpoints):
+    q, k, v, g, beta, cu_seqlens, initial_state, checkpoints = ctx.saved_tensors
+    if do is None:  # only the final state reaches the loss
+        do = q.new_zeros((q.shape[0], max(q.shape[1], v.shape[1]), v.shape[2]))
+    dq, dk, dv, dg, dbeta, dinitial_state = torch.ops.precast.gated_delta_net_backward(
+        q, k, v, g, beta, cu_seqlens, do, ctx.scale, initial_state,
+        dfinal if ctx.final else None, checkpoints,
+        None if checkpoints is None else ctx.n, ctx.l2norm)
+    return (dq, dk, dv, dg, dbeta, None, None,
+            None if initial_state is None else dinitial_state) + (None,) * 6
+
+
+_gated_delta_net_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("precast::gated_delta_net_pool", mutates_args=("pool",),
+                         device_types="cuda")
+def _gated_delta_net_pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
+                             scale: Optional[float], pool: torch.Tensor,
+                             state_indices: torch.Tensor, output_final_state: bool,
+                             use_qk_l2norm_in_kernel: bool, batch_invariant: bool
+                             ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(o, final_state): gated_delta_net with a state pool [N_pool, HO, V, K] read at rows
+    state_indices and updated there in place (inference: no autograd formula).
+    final_state is an empty [0, HO, V, K] tensor unless asked for."""
+    o, final_state = _forward(
+        q, k, v, g, beta, cu_seqlens, scale=scale, initial_state=pool,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        checkpoint_every_n_tokens=None, checkpoint_dtype=None, state_indices=state_indices,
+        batch_invariant=batch_invariant, stream=None)
+    return o, _absent_output(q, v) if final_state is None else final_state
+
+
+@_gated_delta_net_pool_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens, scale, pool, state_indices, output_final_state,
+      use_qk_l2norm_in_kernel, batch_invariant):
+    T, K = q.shape[0], q.shape[2]
+    N, HO, V = cu_seqlens.shape[0] - 1, max(q.shape[1], v.shape[1]), v.shape[2]
+    final_state = (q.new_empty((N, HO, V, K), dtype=torch.float32) if output_final_state
+                   else _absent_output(q, v))
+    return q.new_empty((T, HO, V)), final_state

@@ -35,7 +35,7 @@ class PlanEntry:
 
 # Modules of the op classes: each registers its ops in OP_REGISTRY when imported.
 OP_MODULES = ("precast.lifecycle.lmsd", "precast.lifecycle.hstu_attention",
-              "precast.lifecycle.gdn_fwd")
+              "precast.lifecycle.gdn_fwd", "precast.lifecycle.gdn_bwd")
 
 
 def _load_ops():

@@ -98,7 +98,8 @@ def isolate_from_kernels(monkeypatch, tmp_path):
 
 def record_launches(monkeypatch, module, kernel_modes, alloc: str):
     """Stands in for what an op's execute() does on the device (``module``: the op's
-    lifecycle module) and records it, in order, in ``events``:
+    lifecycle module, or a tuple of the modules its torch-side work runs in) and records
+    it, in order, in ``events``:
     - each kernel launch: its mode (also with the arguments in ``calls``); ``effects[mode]``
       runs inside it; ``ready`` lists the device indices kernels were loaded for;
     - the stream contexts of torch-side work (launch.torch_stream and torch.cuda.stream as
@@ -149,13 +150,15 @@ def record_launches(monkeypatch, module, kernel_modes, alloc: str):
         def __getattr__(self, name):
             return getattr(torch, name)
     setattr(ModuleTorch, alloc, staticmethod(allocate))
-    monkeypatch.setattr(module, "torch", ModuleTorch())
-    monkeypatch.setattr(module, "torch_stream", ExternalStream)
 
     def is_capturing(handle):
         rec.capture_queries.append(handle)
         return rec.capturing
-    monkeypatch.setattr(module, "stream_is_capturing", is_capturing)
+    for m in module if isinstance(module, tuple) else (module,):
+        monkeypatch.setattr(m, "torch", ModuleTorch())
+        monkeypatch.setattr(m, "torch_stream", ExternalStream)
+        if hasattr(m, "stream_is_capturing"):
+            monkeypatch.setattr(m, "stream_is_capturing", is_capturing)
 
     copy_, zero_ = torch.Tensor.copy_, torch.Tensor.zero_
 

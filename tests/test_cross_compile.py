@@ -1,6 +1,6 @@
 """Every kernel of the default plan and of the GPU test plan cross-compiles for sm_90a on a
-machine without a GPU (the slowest CPU test: about 170 kernels, LMSD, HSTU attention and the
-Gated DeltaNet forward)."""
+machine without a GPU (the slowest CPU test: about 230 kernels, LMSD, HSTU attention and the
+Gated DeltaNet forward and backward)."""
 import io
 import time
 from pathlib import Path
@@ -9,6 +9,8 @@ import pytest
 
 from precast.cli import DEFAULT_PLAN
 from precast.lifecycle.cache import ArtifactCache
+from precast.lifecycle.gdn_bwd import GdnBwdSm90
+from precast.lifecycle.gdn_bwd import kernel_modes as backward_modes
 from precast.lifecycle.gdn_fwd import kernel_modes
 from precast.plan import load_plan, precompile
 
@@ -45,6 +47,9 @@ def test_all_planned_kernels_cross_compile(tmp_path_factory):
                         else {"dq", "dkdv"} if cfg["deterministic"] else {"fused"})
         elif key["op"] == "GdnFwdSm90":  # the split recurrence exists at V = 128
             expected = set(kernel_modes(key["config"]["v_dim"]))
+        elif key["op"] == "GdnBwdSm90":
+            op = GdnBwdSm90.from_config(**key["config"]).check_support()
+            expected = set(backward_modes(op.shapes))
         else:
             expected = {"HstuLmsdFwdSm90": {"fwd"}, "HstuLmsdBwdSm90": {"rows", "reduce"},
                         "HSTUFwdSm90": {"fwd"}}[key["op"]]

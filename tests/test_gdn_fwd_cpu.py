@@ -251,7 +251,7 @@ def test_int64_cu_seqlens_run_from_an_int32_copy_on_the_stream(launches):
     offsets = prep[5]
     assert offsets.dtype == I32 and tuple(offsets.shape) == (N + 1,)
     assert after_qk(prep, rec)[2] is offsets
-    buffer = op._offset_buffers[(None, 4)]
+    (buffer,) = op._offset_buffers[(None, 4)]
     assert offsets._base is buffer
     assert ("empty", (N + 1,), I32) in launches.events
     copies = [e for e in launches.events if e[0] == "copy"]
@@ -260,7 +260,7 @@ def test_int64_cu_seqlens_run_from_an_int32_copy_on_the_stream(launches):
     # the next call on the stream reuses the buffer; fewer sequences use its first rows
     launches.events.clear()
     op.execute(**call(t=T // 2, n=N - 1, cu_seqlens=meta(N, dtype=I64)), stream=4)
-    assert "empty" not in kinds(launches) and op._offset_buffers[(None, 4)] is buffer
+    assert "empty" not in kinds(launches) and op._offset_buffers[(None, 4)][0] is buffer
     assert tuple(launches.calls[-1][1][4].shape) == (N,)
     # int32 offsets are passed as they are
     op32 = gdn().check_support()
@@ -415,11 +415,12 @@ def test_execute_launches_prepare_then_recurrence(launches):
     work16, work32 = op._workspaces[(None, 7)]  # (device index, stream): meta has no index
     assert tuple(work16.shape) == (CHUNKS, HO, 64, F) and work16.dtype == BF
     assert tuple(work32.shape) == (CHUNKS, HO, 136) and work32.dtype == F32
-    # prepare(q, k, v, g, beta, cu_seqlens, work16, work32, scale, stream)
-    assert len(prep) == 10
+    # prepare(q, k, v, g, beta, cu_seqlens, work16, work32, inv, scale, stream): no inverse
+    # (the backward's)
+    assert len(prep) == 11
     assert same(prep[:6], [a[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")])
     assert prep[6]._base is work16 and prep[7]._base is work32
-    assert prep[8:] == (1 / math.sqrt(K), 7)
+    assert prep[8:] == (None, 1 / math.sqrt(K), 7)
     # recurrence(q, k, work16, work32, cu_seqlens, o, state0, state_indices, final, ckpt, n,
     # stream), after q and k
     assert len(rec) == 10
@@ -468,9 +469,9 @@ def test_execute_scale_is_a_runtime_value(launches):
     op.execute(**call(), stream=1)
     op.execute(**call(), stream=1, scale=0.25)
     op.execute(**call(), stream=1)
-    assert [c[8] for m, c in launches.calls if m == "prepare"] == [0.5, 0.25, 0.5]
+    assert [c[9] for m, c in launches.calls if m == "prepare"] == [0.5, 0.25, 0.5]
     gdn().check_support().execute(**call(), stream=1)
-    assert launches.calls[-2][1][8] == 1 / math.sqrt(K)  # default: 1 / sqrt(K)
+    assert launches.calls[-2][1][9] == 1 / math.sqrt(K)  # default: 1 / sqrt(K)
 
 
 def test_execute_runtime_batches_and_strided_views(launches):
@@ -709,14 +710,14 @@ def test_allocating_function(no_compile):
     assert tuple(o.shape) == (T, HO, V) and o.dtype == BF
     (_, prep), (_, rec) = no_compile.calls
     rec = after_qk(prep, rec)
-    assert rec[3] is o and prep[8] == 1 / math.sqrt(K)
+    assert rec[3] is o and prep[9] == 1 / math.sqrt(K)
     (op,) = COMPILED_OPS._ops.values()
     assert op.static_config() == BASE_CONFIG
     # runtime values reuse the op; the scale default is not the first call's scale
     gated_delta_net(**inputs(t=3 * T, n=7), scale=0.5, stream=0)
     gated_delta_net(**inputs(), stream=0)
     assert len(COMPILED_OPS._ops) == 1
-    assert [c[8] for m, c in no_compile.calls if m == "prepare"] == [1 / math.sqrt(K), 0.5,
+    assert [c[9] for m, c in no_compile.calls if m == "prepare"] == [1 / math.sqrt(K), 0.5,
                                                                      1 / math.sqrt(K)]
     # static values make another op
     r = gated_delta_net(**inputs(), output_final_state=True, use_qk_l2norm_in_kernel=True,
@@ -772,19 +773,25 @@ def test_allocating_function_pool_written_back_when_copied(no_compile):
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta", "initial_state"])
-def test_allocating_function_refuses_inputs_that_need_gradients(no_compile, name):
-    """No backward yet: outputs that silently carry no gradient would be silent data loss,
-    so an input requiring grad is refused while grad mode is on (not under no_grad)."""
-    a = inputs()
-    if name == "initial_state":
-        a["initial_state"] = meta(N, HO, V, K, dtype=F32)
+def test_allocating_function_differentiates_through_the_custom_op(no_compile, name):
+    """An input requiring grad (grad mode on) takes torch.ops.precast.gated_delta_net, whose
+    autograd formula is the backward op (on meta tensors both run their fakes: no launch);
+    under no_grad the function launches as before. A state pool is refused: forward only."""
+    a = inputs(initial_state=meta(N, HO, V, K, dtype=F32))
     a[name] = a[name].clone().requires_grad_()
-    with pytest.raises(NotImplementedError, match=f"no backward yet, and {name} require"):
-        gated_delta_net(**a, stream=0)
-    assert no_compile.calls == []
+    o, final = gated_delta_net(**a, output_final_state=True, stream=0)
+    assert o.grad_fn is not None and final.grad_fn is not None and no_compile.calls == []
+    (o.float().sum() + final.sum()).backward()
+    grad = a[name].grad
+    assert grad.shape == a[name].shape and grad.dtype == a[name].dtype
     with torch.no_grad():
         gated_delta_net(**a, stream=0)
     assert [m for m, _ in no_compile.calls] == ["prepare", "recurrence"]
+    with pytest.raises(NotImplementedError, match=f"{name} require.*state pool "
+                       r"\(state_indices\) is forward only"):
+        pool = meta(9, HO, V, K, dtype=F32).requires_grad_(name == "initial_state")
+        gated_delta_net(**{**a, "initial_state": pool}, state_indices=meta(N, dtype=I32),
+                        stream=0)
 
 
 def test_allocating_function_takes_int64_offsets(no_compile):
@@ -843,10 +850,28 @@ def test_custom_op_fake_under_fake_tensor_mode():
     assert tuple(ckpt.shape) == (T // 64 + N, 16, 128, 64) and ckpt.dtype == FP
 
 
-def test_custom_op_schema_declares_the_pool_mutated():
+def test_custom_op_schemas():
+    """gated_delta_net is functional (an autograd formula needs it); the pool op declares
+    the pool mutated."""
     schema = str(torch.ops.precast.gated_delta_net.default._schema)
-    assert "Tensor(a7!)? initial_state" in schema
-    assert schema.endswith("-> (Tensor, Tensor, Tensor)")
+    assert "!" not in schema and schema.endswith("-> (Tensor, Tensor, Tensor)")
+    schema = str(torch.ops.precast.gated_delta_net_pool.default._schema)
+    assert "Tensor(a7!) pool" in schema and schema.endswith("-> (Tensor, Tensor)")
+    with pytest.raises(NotImplementedError, match="use torch.ops.precast.gated_delta_net_pool"):
+        torch.ops.precast.gated_delta_net(*custom_op_args(state_indices=meta(N, dtype=I32))
+                                          .values())
+
+
+def test_pool_custom_op_fake():
+    a = custom_op_args()
+    o, final = torch.ops.precast.gated_delta_net_pool(
+        a["q"], a["k"], a["v"], a["g"], a["beta"], a["cu_seqlens"], None,
+        meta(9, HO, V, K, dtype=F32), meta(N, dtype=I32), True, True, False)
+    assert tuple(o.shape) == (T, HO, V) and tuple(final.shape) == (N, HO, V, K)
+    _, final = torch.ops.precast.gated_delta_net_pool(
+        a["q"], a["k"], a["v"], a["g"], a["beta"], a["cu_seqlens"], 0.5,
+        meta(9, HO, V, K, dtype=F32), meta(N, dtype=I32), False, False, False)
+    assert tuple(final.shape) == (0, HO, V, K)
 
 
 # --- the kernel builders --------------------------------------------------------------------------
@@ -857,7 +882,9 @@ def stub_kernels(monkeypatch):
     made = []
 
     def kernel_class(name):
-        return type(name, (), {"__init__": lambda self, *args: made.append((name, args))})
+        def init(self, *args, **kwargs):
+            made.append((name, args) + ((kwargs,) if kwargs else ()))
+        return type(name, (), {"__init__": init})
 
     chunk = types.ModuleType("precast.kernels.gdn_chunk_sm90")
     chunk.GdnChunkPrepareSm90 = kernel_class("prepare")
@@ -884,8 +911,9 @@ def test_kernel_builder_arguments(stub_kernels, config, none_args):
     builders = op._kernel_builders()
     kernel, prep = builders["prepare"]()
     assert stub_kernels[-1] == ("prepare", (cutlass.Float16, 64, 128, 2, 8, 8, True,
-                                            cutlass.BFloat16, cutlass.Float32))
-    assert len(prep) == 10 and None not in prep
+                                            cutlass.BFloat16, cutlass.Float32),
+                                {"store_inverse": False})
+    assert len(prep) == 11 and prep[8] is None and None not in prep[:8] + prep[9:]
     q, k, v, g, beta, cu, work16, work32 = prep[:8]
     assert tuple(q.shape[1:]) == (2, 64) and tuple(k.shape[1:]) == (8, 64)
     assert tuple(v.shape[1:]) == (8, 128) and q.stride[2] == 1
@@ -895,7 +923,7 @@ def test_kernel_builder_arguments(stub_kernels, config, none_args):
     assert tuple(work16.shape[1:]) == (8, 64, 64 + 128 + 64)
     assert work16.element_type == cutlass.Float16 and work32.element_type == cutlass.Float32
     assert work16.shape[0] is work32.shape[0] and tuple(work32.shape[1:]) == (8, 136)
-    assert isinstance(prep[8], cutlass.Float32)
+    assert isinstance(prep[9], cutlass.Float32)
     kernel, rec = builders["recurrence"]()
     assert [tuple(t.shape[1:]) for t in rec[:2]] == [(2, 64), (8, 64)]  # q, k
     rec = rec[2:]
@@ -939,14 +967,18 @@ def planned_configs(path):
 
 
 def test_gpu_tests_use_planned_configurations():
+    """The forward's GPU tests and the backward's (its FORWARD_CONFIGS) run planned
+    configurations, and nothing planned goes unused."""
     from pathlib import Path
 
+    from test_gdn_bwd_gpu import FORWARD_CONFIGS
     from test_gdn_fwd_gpu import CONFIGS
     planned = planned_configs(Path(__file__).parent / "gpu_plan.toml")
     assert len(planned) == len({tuple(sorted(c.items())) for c in planned})  # no duplicates
-    for name, config in CONFIGS.items():
+    used = {**CONFIGS, **FORWARD_CONFIGS}
+    for name, config in used.items():
         assert config in planned, name
-    assert len(planned) == len(CONFIGS)  # and nothing planned goes unused
+    assert len(planned) == len(used)
 
 
 def test_default_plan_has_the_issue_shapes():
@@ -956,7 +988,9 @@ def test_default_plan_has_the_issue_shapes():
              "v_heads": 64, "beta_dtype": "bfloat16", "use_qk_l2norm_in_kernel": True,
              "output_final_state": True}
     grouped = {**issue, "q_heads": 16, "k_heads": 16}  # the bench's 32k-token GVA case
-    assert issue in planned and grouped in planned and len(planned) == 4
+    backward_shape = {**grouped, "v_heads": 32}  # the backward issue's 32k-token case
+    assert issue in planned and grouped in planned and backward_shape in planned
+    assert len(planned) == 5
 
 
 def test_reference_measures():

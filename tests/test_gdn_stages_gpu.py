@@ -50,7 +50,7 @@ def test_stage1_workspace_matches_the_reference():
     assert tuple(want.shape) == s16 and tuple(want_f.shape) == s32[:2] + (2 * C + 1,)
     work16 = torch.full(s16, float("nan"), dtype=q.dtype, device=DEV)
     work32 = torch.full(s32, float("nan"), device=DEV)
-    prepare(q, k, v, gate, beta, cu, work16, work32, K ** -0.5,
+    prepare(q, k, v, gate, beta, cu, work16, work32, None, K ** -0.5,
             torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     chunks = sum(-(-n // C) for n in LENS)

@@ -43,7 +43,7 @@ from cutlass.utils import LayoutEnum
 from .attention_sm90 import select_modes, wgmma
 from .gdn_bwd_recurrence_sm90 import transposed
 from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90
-from .gdn_layout import CHUNK
+from .gdn_layout import CHUNK, gradients_in_place
 
 WGS = 2  # warpgroup 0: the q side; warpgroup 1: the WY side
 THREADS = 128 * WGS
@@ -52,7 +52,7 @@ WARPS = THREADS // 32
 WG_BARRIER = (1, 2)
 W_FREE = 3  # warpgroup 0 read W (Delta): dW may go there
 STATES_FREE = 4  # warpgroup 0 read S and dS': warpgroup 1's dk terms may go there
-DK_READY = 5  # warpgroup 1's dk terms are in shared memory
+DK_READY = 5  # warpgroup 1's dk terms are in shared memory (both warpgroups wait)
 # per-token values in shared memory (rows of sRows): G, beta, the row scales r_q, r_k and
 # whether the L2 norm's projection term applies (0 where the norm's clamp is active)
 R_G, R_BETA, R_Q, R_K, R_QP, R_KP = range(6)
@@ -72,12 +72,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # Without grouped heads every gradient row has one writer: dq, dk, dv are final
         # here (the L2 norm's Jacobian applied, in the io dtype); otherwise they are the
         # normalized rows' fp32 gradients per output head, for gdn_bwd_finish_sm90.
-        self.final_outputs = q_heads == k_heads == v_heads
-
-    @staticmethod
-    def writes_final_outputs(q_heads: int, k_heads: int, v_heads: int) -> bool:
-        """Whether dq, dk, dv are the final gradients (else fp32 per output head)."""
-        return q_heads == k_heads == v_heads
+        self.final_outputs = gradients_in_place(q_heads, k_heads, v_heads)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -91,7 +86,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         mDBeta (T, HO); mWork16 / mWork32 as gdn_layout.workspace_shapes; mInv (chunks,
         HO, 64, 64); mStates, mDStates (chunks, HO, V, K); mDDelta (chunks, HO, 64, V);
         mDQ, mDK (T, HO, K) and mDV (T, HO, V): the final gradients in the io dtype (strided
-        like q, k, v) when writes_final_outputs, else fp32 (compact) per output head."""
+        like q, k, v) when gdn_layout.gradients_in_place, else fp32 (compact) per output head."""
         dt = self.dtype
         K, V, C = self.k_dim, self.v_dim, CHUNK
 
@@ -587,7 +582,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         dk_wy = self.dk_exchange(storage, acc_dk)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             dk_wy[e * 128 + wtidx] = acc_dk[e]
-        cute.arch.barrier_arrive(barrier_id=DK_READY, number_of_threads=THREADS)
+        # a full barrier (this warpgroup has nothing left to do; compute-sanitizer's
+        # racecheck does not order writes before an arrive with reads after the sync)
+        cute.arch.barrier(barrier_id=DK_READY, number_of_threads=THREADS)
 
     # ---------------------------------------------------------------- helpers
     @cute.jit

@@ -50,7 +50,9 @@ ROW_VALUES = 2
 
 class GdnChunkPrepareSm90:
     def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
-                 v_heads: int, l2norm: bool, g_dtype, beta_dtype):
+                 v_heads: int, l2norm: bool, g_dtype, beta_dtype, store_inverse: bool = False):
+        """store_inverse: T = (I + A)^-1 itself (16-bit) also goes to a (chunks, HO, 64, 64)
+        tensor, for the backward (gdn_bwd_chunk_sm90)."""
         assert k_dim in (64, 128) and v_dim in (64, 128)
         self.dtype = dtype
         self.k_dim, self.v_dim = k_dim, v_dim
@@ -60,14 +62,17 @@ class GdnChunkPrepareSm90:
         self.v_group = self.heads // v_heads
         self.l2norm = l2norm
         self.g_dtype, self.beta_dtype = g_dtype, beta_dtype
+        self.store_inverse = store_inverse
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
                  mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mWork16: cute.Tensor,
-                 mWork32: cute.Tensor, scale: Float32, stream: cuda.CUstream):
+                 mWork32: cute.Tensor, mInv: cute.Tensor, scale: Float32,
+                 stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K), mV (T, HV, V); mG, mBeta (T, HO); mCuSeqlens
-        (N + 1,) int32; mWork16 / mWork32 as gdn_layout.workspace_shapes."""
+        (N + 1,) int32; mWork16 / mWork32 as gdn_layout.workspace_shapes; mInv (chunks, HO,
+        64, 64) with store_inverse, else None."""
         dt = self.dtype
         C = CHUNK
         layouts, loads, mmas = self.prepare_setup(mQ, mK, mV, 1)
@@ -83,6 +88,11 @@ class GdnChunkPrepareSm90:
         stores = tuple(cpasync.make_tiled_tma_atom(s2g, mW, one(layout), (C, cols))
                        for layout, cols in ((sQK_layout, self.k_dim), (sV_layout, self.v_dim),
                                             (sM_layout, C)))
+        store_inv = None
+        if const_expr(self.store_inverse):
+            store_inv = cpasync.make_tiled_tma_atom(s2g, select_modes(mInv, [2, 3, 1, 0]),
+                                                    one(sM_layout), (C, C))
+        inv_elems = cute.cosize(sM_layout) if const_expr(self.store_inverse) else 0
 
         @cute.struct
         class SharedStorage:
@@ -97,6 +107,7 @@ class GdnChunkPrepareSm90:
             # T diag(beta): where Q was when Q holds both scaled inverses (K = 128)
             sTu: cute.struct.Align[cute.struct.MemRange[dt, self.own_tu_elems(sT_layout)],
                                    1024]
+            sInv: cute.struct.Align[cute.struct.MemRange[dt, inv_elems], 1024]  # T itself
 
         self.storage = SharedStorage
         chunks = mWork32.shape[0]
@@ -104,7 +115,7 @@ class GdnChunkPrepareSm90:
         self.kernel(mma_s, mma_wk, mma_wv, mQ_tma, mK_tma, mV_tma, tma_q, tma_k, tma_v,
                     sQK_layout, sV_layout, sT_layout, sM_layout, mG, mBeta, mCuSeqlens,
                     stores[0][1], stores[0][0], stores[1][0], stores[2][0], mWork32,
-                    num_batches, scale).launch(
+                    store_inv, num_batches, scale).launch(
             grid=[chunks, self.heads, 1], block=[THREADS, 1, 1], stream=stream)
 
     def own_tu_elems(self, sT_layout) -> int:
@@ -152,6 +163,7 @@ class GdnChunkPrepareSm90:
                sM_layout: cute.ComposedLayout, mG: cute.Tensor, mBeta: cute.Tensor,
                mCuSeqlens: cute.Tensor, mWork16: cute.Tensor, store_w: cute.CopyAtom,
                store_u: cute.CopyAtom, store_m: cute.CopyAtom, mWork32: cute.Tensor,
+               store_inv,
                num_batches: Int32, scale: Float32):
         C = CHUNK
         tidx, _, _ = cute.arch.thread_idx()
@@ -195,8 +207,13 @@ class GdnChunkPrepareSm90:
             thr_s = mma_s.get_slice(tidx)
             m16 = cute.make_rmem_tensor(thr_s.partition_shape_C((C, C)), self.dtype)
             out = (sK[None, None, 0], sV[None, None, 0], m16, mWork32[packed, head, None])
+            sInv = None
+            inv2 = None  # its (64, 64) view
+            if const_expr(self.store_inverse):
+                sInv = storage.sInv.get_tensor(sM_layout.outer, swizzle=sM_layout.inner)
+                inv2 = sInv[None, None, 0]
             self.prepare_chunk(mma_s, mma_wk, mma_wv, sQ, sK, sV, 0, sTw, sTu, sA, sGate,
-                               sBeta, sRows, out, rows, scale, tidx)
+                               sBeta, sRows, out, rows, scale, tidx, inv2)
             sM = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(),
                                                   swizzle_=sM_layout.inner, dtype=self.dtype),
                                   sM_layout.outer)
@@ -215,12 +232,20 @@ class GdnChunkPrepareSm90:
                                                      cute.group_modes(s, 0, 2),
                                                      cute.group_modes(g, 0, 2))
                     cute.copy(atom, t_s[None, 0], t_g)
+                if const_expr(self.store_inverse):
+                    atom, m_inv = store_inv
+                    t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                     cute.group_modes(sInv, 0, 2),
+                                                     cute.group_modes(
+                                                         m_inv[None, None, head, packed], 0, 2))
+                    cute.copy(atom, t_s[None, 0], t_g)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # before the CTA exits
 
     @cute.jit
     def prepare_chunk(self, mma_s, mma_wk, mma_wv, sQ, sK, sV, stage, sTw, sTu, sA, sGate,
-                      sBeta, sRows, out, rows: Int32, scale: Float32, tidx: Int32):
+                      sBeta, sRows, out, rows: Int32, scale: Float32, tidx: Int32,
+                      sInv=None):
         """One warpgroup (thread ``tidx`` of 128), after the chunk's Q, K, V (stage
         ``stage`` of sQ, sK, sV) and its g, beta (sGate, sBeta) are in shared memory:
         writes W, U (2-D views, which may be sK, sV of the stage), M (this thread's
@@ -239,7 +264,7 @@ class GdnChunkPrepareSm90:
         self.sync()
         if tidx < C:
             t_w, t_u = self.row_values(sGate, sBeta, out[3], rows, scale, sRows, tidx)
-            self.invert(sA, sTw[None, None, 0], sTu[None, None, 0], t_w, t_u, tidx)
+            self.invert(sA, sTw[None, None, 0], sTu[None, None, 0], t_w, t_u, tidx, sInv)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.sync()
         self.factors(mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out[0], out[1], tidx)
@@ -406,7 +431,7 @@ class GdnChunkPrepareSm90:
         return beta * cute.math.exp(g, fastmath=True) * r_k, beta
 
     @cute.jit
-    def invert(self, sA, sTw, sTu, t_w: Float32, t_u: Float32, j: Int32):
+    def invert(self, sA, sTw, sTu, t_w: Float32, t_u: Float32, j: Int32, sInv=None):
         """Thread j < 64: column j of T = (I + A)^-1 by forward substitution in fp32, stored
         as column j of T diag(beta gamma r_k) and T diag(beta) (scales t_w, t_u) in 16
         bits: the A operands of W and U. Each row's sum runs in four independent partial
@@ -428,6 +453,8 @@ class GdnChunkPrepareSm90:
         for i in cutlass.range_constexpr(C):
             sTw[i, j] = (x[i] * t_w).to(self.dtype)
             sTu[i, j] = (x[i] * t_u).to(self.dtype)
+            if const_expr(sInv is not None):
+                sInv[i, j] = x[i].to(self.dtype)
 
     @cute.jit
     def factors(self, mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out_w, out_u, tidx: Int32):

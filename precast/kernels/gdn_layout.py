@@ -16,3 +16,10 @@ def workspace_shapes(total_tokens: int, num_seqs: int, heads: int, k_dim: int, v
     per (chunk, head), chunks bounded by T // 64 + N."""
     chunks = total_tokens // CHUNK + num_seqs
     return (chunks, heads, CHUNK, k_dim + v_dim + CHUNK), (chunks, heads, FACTOR_COLS)
+
+
+def gradients_in_place(q_heads: int, k_heads: int, v_heads: int) -> bool:
+    """Whether the backward's chunk kernel writes the final dq, dk, dv itself (no head is
+    grouped: every gradient row has one writer); otherwise it writes fp32 gradients per
+    output head and a finishing kernel sums the groups."""
+    return q_heads == k_heads == v_heads

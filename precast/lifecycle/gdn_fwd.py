@@ -17,12 +17,16 @@ sequence), so a sequence's outputs are bitwise the same alone or in any batch.
 int64 cu_seqlens are converted on the stream into an int32 buffer the op keeps per device
 and stream (the kernels read int32; the values stay on the device).
 
+Shared with the backward (gdn_bwd.GdnBwdSm90): the kernels' fake arguments
+(prepare_kernel, recurrence_kernel), stream_buffers, offsets_as_int32, check_same_config.
+
 What the kernels cannot do yet (NotImplementedError from check_support() and execute()):
 more than 65535 sequences (one recurrence grid row each); q, k, v or o head offsets beyond
 2^31 - 1 elements (the kernels index heads with 32-bit strides).
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Mapping, Optional, Tuple
 
 import torch
@@ -169,21 +173,25 @@ def _fake_state(dtype: torch.dtype, s: GdnShapes):
                                          assumed_align=DATA_ALIGN)
 
 
-def _fake_workspace(s: GdnShapes) -> tuple:
+def _fake_rows(dtype: torch.dtype, rows, tail: Tuple[int, ...]):
+    """(rows, *tail) compact but for a 64-bit leading stride: workspaces may span more than
+    2^31 elements."""
+    import cutlass.cute as cute
+    inner = tuple(math.prod(tail[i + 1:]) for i in range(len(tail)))
+    return cute.runtime.make_fake_tensor(_cute_type(dtype), (rows,) + tuple(tail),
+                                         _strides64(1, dtype.itemsize) + inner,
+                                         assumed_align=DATA_ALIGN)
+
+
+def _fake_workspace(s: GdnShapes, chunks=None) -> tuple:
     """work16 (chunks, HO, 64, F) and work32 (chunks, HO, FACTOR_COLS), compact but for
-    64-bit chunk strides."""
-    import cutlass
+    64-bit chunk strides; ``chunks``: their symbolic row count (a new one by default)."""
     import cutlass.cute as cute
     from ..kernels.gdn_layout import workspace_shapes
-    chunks = cute.sym_int()
-    (_, heads, rows, cols), (_, _, factor_cols) = workspace_shapes(0, 1, s.HO, s.K, s.V)
-    work16 = cute.runtime.make_fake_tensor(
-        _cute_type(s.dtype), (chunks, heads, rows, cols),
-        _strides64(1, s.dtype.itemsize) + (rows * cols, cols, 1), assumed_align=DATA_ALIGN)
-    work32 = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (chunks, heads, factor_cols),
-        _strides64(1, 4) + (factor_cols, 1), assumed_align=DATA_ALIGN)
-    return work16, work32
+    chunks = cute.sym_int() if chunks is None else chunks
+    shape16, shape32 = workspace_shapes(0, 1, s.HO, s.K, s.V)
+    return (_fake_rows(s.dtype, chunks, shape16[1:]),
+            _fake_rows(torch.float32, chunks, shape32[1:]))
 
 
 def _fake_offsets():
@@ -192,6 +200,103 @@ def _fake_offsets():
     import cutlass.cute as cute
     from ..kernels.fake import fake_packed
     return fake_packed(cutlass.Int32, (cute.sym_int(),), 4)
+
+
+def prepare_kernel(s: GdnShapes, store_inverse: bool = False):
+    """Stage 1 (GdnChunkPrepareSm90) and its fake arguments (q, k, v, g, beta, cu_seqlens,
+    work16, work32, inv, scale, stream); store_inverse: it also writes T = (I + A)^-1 of
+    every (chunk, head) to inv (chunks, HO, 64, 64) in the io dtype (the backward's),
+    else inv is None."""
+    import cutlass
+    import cutlass.cute as cute
+    from ..kernels.fake import fake_stream, fake_tokens, scalar
+    from ..kernels.gdn_chunk_sm90 import GdnChunkPrepareSm90
+    io, tokens, chunks = _cute_type(s.dtype), cute.sym_int(), cute.sym_int()
+    kernel = GdnChunkPrepareSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, s.use_qk_l2norm_in_kernel,
+                                 _cute_type(s.g_dtype), _cute_type(s.beta_dtype),
+                                 store_inverse=store_inverse)
+    inv = (_fake_rows(s.dtype, chunks, (s.HO, CHUNK_SIZE, CHUNK_SIZE)) if store_inverse
+           else None)
+    args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
+            fake_tokens(io, tokens, s.HV, s.V), _fake_gate(s.g_dtype, tokens, s.HO),
+            _fake_gate(s.beta_dtype, tokens, s.HO), _fake_offsets(),
+            *_fake_workspace(s, chunks), inv, scalar(cutlass.Float32, 1.0), fake_stream())
+    return kernel, args
+
+
+def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool: bool,
+                      final_state: bool, checkpoint_dtype: Optional[torch.dtype],
+                      v_splits: int = 1, states_only: bool = False):
+    """Stage 2 (GdnChunkRecurrenceSm90) and its fake arguments (q, k, work16, work32,
+    cu_seqlens, o, initial state, state_indices, final state, checkpoints, ckpt_every,
+    stream); absent tensors are None. states_only: no o, the checkpoints (io dtype) stored
+    by TMA (the backward's states pass)."""
+    import cutlass
+    import cutlass.cute as cute
+    from ..kernels.fake import fake_stream, fake_tokens, scalar
+    from ..kernels.gdn_recurrence_sm90 import GdnChunkRecurrenceSm90
+    io, tokens = _cute_type(s.dtype), cute.sym_int()
+    kernel = GdnChunkRecurrenceSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, state_dtype is not None,
+                                    pool, final_state, checkpoint_dtype is not None,
+                                    v_splits=v_splits, states_only=states_only)
+    o = None if states_only else fake_tokens(io, cute.sym_int(), s.HO, s.V)
+    args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
+            *_fake_workspace(s), _fake_offsets(), o,
+            None if state_dtype is None else _fake_state(state_dtype, s),
+            _fake_offsets() if pool else None,
+            _fake_state(torch.float32, s) if final_state else None,
+            None if checkpoint_dtype is None else _fake_state(checkpoint_dtype, s),
+            scalar(cutlass.Int32, CHUNK_SIZE), fake_stream())
+    return kernel, args
+
+
+# --- what both GDN ops share at run time -------------------------------------------------------
+def check_same_config(op_name: str, want: Mapping[str, object], got: Mapping[str, object],
+                      sources: Mapping[str, str], function: str) -> None:
+    """A call's static fields (``got``) against an op's (``want``): one message per
+    differing field, naming where it comes from (``sources``) and the allocating
+    ``function`` that keeps one op per configuration."""
+    for key, value in got.items():
+        if value != want[key]:
+            both_dtypes = key.endswith("dtype") and "none" not in (value, want[key])
+            raise (TypeError if both_dtypes else ValueError)(
+                f"{key} = {value!r} ({sources[key]}) but this op is compiled for "
+                f"{key} = {want[key]!r}; make another {op_name} for this configuration "
+                f"({function} keeps one per configuration)")
+
+
+def stream_buffers(op_name: str, cache: dict, outgrown: list, key, rows: int,
+                   layouts: Tuple[Tuple[Tuple[int, ...], torch.dtype], ...], index,
+                   handle: int, what: str, remedy: str) -> Tuple[torch.Tensor, ...]:
+    """Uninitialized buffers (rows, *tail) of each (tail, dtype) in ``layouts``, made on
+    the stream and kept per ``key`` (device, stream, ...) by launch.stream_workspace
+    (grown when a call needs more rows, never made while the stream captures a graph:
+    then the RuntimeError names ``what`` is missing and the ``remedy``); views of their
+    first ``rows`` rows."""
+    def make(count):
+        with torch.cuda.stream(torch_stream(handle, index)):
+            return tuple(torch.empty((count,) + tail, dtype=dtype, device=f"cuda:{index}")
+                         for tail, dtype in layouts)
+    buffers = stream_workspace(
+        cache, outgrown, key, rows, make, lambda: stream_is_capturing(handle),
+        lambda: f"{op_name}.execute: the stream is capturing a CUDA graph and this op has "
+                f"no {what}; {remedy}")
+    return tuple(b[:rows] for b in buffers)
+
+
+def offsets_as_int32(op_name: str, cache: dict, outgrown: list, index, handle: int,
+                     cu_seqlens, num_seqs: int) -> torch.Tensor:
+    """int64 cu_seqlens converted, on the stream, into the op's int32 buffer for (device,
+    stream) (stream_buffers): the kernels read int32 offsets. Every valid offset is at
+    most T < 2^31, so the conversion is exact; values are never read on the host."""
+    (offsets,) = stream_buffers(
+        op_name, cache, outgrown, (index, handle), num_seqs + 1, (((), torch.int32),), index,
+        handle, f"int32 buffer of {num_seqs + 1} offsets for int64 cu_seqlens on it",
+        "execute once on this stream with as many sequences before capturing, or pass "
+        "int32 cu_seqlens")
+    with torch.cuda.stream(torch_stream(handle, index)):
+        offsets.copy_(cu_seqlens)
+    return offsets
 
 
 class GdnFwdSm90(Op):
@@ -229,7 +334,7 @@ class GdnFwdSm90(Op):
         # stay alive: a graph captured earlier may still use them.
         self._workspaces: Dict[Tuple[Optional[int], int], Tuple[torch.Tensor, ...]] = {}
         self._outgrown: list = []
-        # int32 copies of int64 cu_seqlens, per (device, stream): see _offsets_as_int32
+        # int32 copies of int64 cu_seqlens, per (device, stream): see offsets_as_int32
         self._offset_buffers: Dict[Tuple[Optional[int], int], torch.Tensor] = {}
 
     # --- the static configuration -----------------------------------------------------------
@@ -297,56 +402,19 @@ class GdnFwdSm90(Op):
 
     def _same_config(self, s: GdnShapes) -> None:
         """A call's static fields against this op's (one message per differing field)."""
-        want = self.static_config()
-        for key, got in static_config_of(s).items():
-            if got != want[key]:
-                both_dtypes = key.endswith("dtype") and "none" not in (got, want[key])
-                raise (TypeError if both_dtypes else ValueError)(
-                    f"{key} = {got!r} ({CONFIG_SOURCES[key]}) but this op is compiled for "
-                    f"{key} = {want[key]!r}; make another GdnFwdSm90 for this configuration "
-                    "(gated_delta_net keeps one per configuration)")
+        check_same_config(type(self).__name__, self.static_config(), static_config_of(s),
+                          CONFIG_SOURCES, "gated_delta_net")
 
     # --- compile ------------------------------------------------------------------------------
     def _kernel_builders(self) -> Mapping[str, KernelBuilder]:
         s = self.shapes
 
-        def prepare():
-            import cutlass
-            import cutlass.cute as cute
-            from ..kernels.fake import fake_stream, fake_tokens, scalar
-            from ..kernels.gdn_chunk_sm90 import GdnChunkPrepareSm90
-            io, tokens = _cute_type(s.dtype), cute.sym_int()
-            kernel = GdnChunkPrepareSm90(io, s.K, s.V, s.HQ, s.HK, s.HV,
-                                         s.use_qk_l2norm_in_kernel, _cute_type(s.g_dtype),
-                                         _cute_type(s.beta_dtype))
-            args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
-                    fake_tokens(io, tokens, s.HV, s.V), _fake_gate(s.g_dtype, tokens, s.HO),
-                    _fake_gate(s.beta_dtype, tokens, s.HO), _fake_offsets(),
-                    *_fake_workspace(s), scalar(cutlass.Float32, 1.0), fake_stream())
-            return kernel, args
-
         def recurrence(v_splits: int = 1):
-            import cutlass
-            import cutlass.cute as cute
-            from ..kernels.fake import fake_stream, fake_tokens, scalar
-            from ..kernels.gdn_recurrence_sm90 import GdnChunkRecurrenceSm90
-            io = _cute_type(s.dtype)
-            state, ckpt = s.state_dtype, s.checkpoint_dtype
-            kernel = GdnChunkRecurrenceSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, state is not None,
-                                            s.uses_pool, s.output_final_state, ckpt is not None,
-                                            v_splits=v_splits)
-            tokens = cute.sym_int()
-            args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
-                    *_fake_workspace(s), _fake_offsets(),
-                    fake_tokens(io, cute.sym_int(), s.HO, s.V),
-                    None if state is None else _fake_state(state, s),
-                    _fake_offsets() if s.uses_pool else None,
-                    _fake_state(torch.float32, s) if s.output_final_state else None,
-                    None if ckpt is None else _fake_state(ckpt, s),
-                    scalar(cutlass.Int32, CHUNK_SIZE), fake_stream())
-            return kernel, args
+            return recurrence_kernel(s, state_dtype=s.state_dtype, pool=s.uses_pool,
+                                     final_state=s.output_final_state,
+                                     checkpoint_dtype=s.checkpoint_dtype, v_splits=v_splits)
 
-        builders = {"prepare": prepare, "recurrence": recurrence,
+        builders = {"prepare": lambda: prepare_kernel(s), "recurrence": recurrence,
                     "recurrence_split": lambda: recurrence(v_splits=2)}
         return {mode: builders[mode] for mode in kernel_modes(s.V)}
 
@@ -380,46 +448,16 @@ class GdnFwdSm90(Op):
 
     def _own_workspace(self, index: Optional[int], handle: int, total_tokens: int,
                        num_seqs: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """This op's workspace pair for (device, stream) (launch.stream_workspace); views
-        of its first T // 64 + N chunk rows."""
+        """This op's workspace pair for (device, stream) (stream_buffers); views of its
+        first T // 64 + N chunk rows."""
         shape16, shape32 = self.workspace_shapes(total_tokens, num_seqs)
-        chunks = shape16[0]
-
-        def make(rows):
-            with torch.cuda.stream(torch_stream(handle, index)):
-                return (torch.empty((rows,) + shape16[1:], dtype=self.shapes.dtype,
-                                    device=f"cuda:{index}"),
-                        torch.empty((rows,) + shape32[1:], dtype=torch.float32,
-                                    device=f"cuda:{index}"))
-        pair = stream_workspace(
-            self._workspaces, self._outgrown, (index, handle), chunks, make,
-            lambda: stream_is_capturing(handle),
-            lambda: "GdnFwdSm90.execute: the stream is capturing a CUDA graph and this op has "
-                    f"no workspace of {chunks} chunk rows for it; pass workspace= (a pair "
-                    f"shaped workspace_shapes({total_tokens}, {num_seqs})) or execute once on "
-                    "this stream with as many tokens and sequences before capturing")
-        return pair[0][:chunks], pair[1][:chunks]
-
-    def _offsets_as_int32(self, index: Optional[int], handle: int, cu_seqlens,
-                          num_seqs: int) -> torch.Tensor:
-        """int64 cu_seqlens converted, on the stream, into this op's int32 buffer for
-        (device, stream) (launch.stream_workspace): the kernels read int32 offsets. Every
-        valid offset is at most T < 2^31, so the conversion is exact; values are never read
-        on the host."""
-        def make(rows):
-            with torch.cuda.stream(torch_stream(handle, index)):
-                return torch.empty((rows,), dtype=torch.int32, device=f"cuda:{index}")
-        buffer = stream_workspace(
-            self._offset_buffers, self._outgrown, (index, handle), num_seqs + 1, make,
-            lambda: stream_is_capturing(handle),
-            lambda: "GdnFwdSm90.execute: the stream is capturing a CUDA graph and this op has "
-                    f"no int32 buffer of {num_seqs + 1} offsets for int64 cu_seqlens on it; "
-                    "execute once on this stream with as many sequences before capturing, or "
-                    "pass int32 cu_seqlens")
-        offsets = buffer[:num_seqs + 1]
-        with torch.cuda.stream(torch_stream(handle, index)):
-            offsets.copy_(cu_seqlens)
-        return offsets
+        return stream_buffers(
+            type(self).__name__, self._workspaces, self._outgrown, (index, handle),
+            shape16[0], ((shape16[1:], self.shapes.dtype), (shape32[1:], torch.float32)),
+            index, handle, f"workspace of {shape16[0]} chunk rows for it",
+            f"pass workspace= (a pair shaped workspace_shapes({total_tokens}, {num_seqs})) "
+            "or execute once on this stream with as many tokens and sequences before "
+            "capturing")
 
     def execute(self, q, k, v, g, beta, cu_seqlens, o, *, initial_state=None,
                 state_indices=None, final_state=None, checkpoints=None, workspace=None,
@@ -487,9 +525,11 @@ class GdnFwdSm90(Op):
             workspace = self._own_workspace(index, handle, s.T, s.N)
         work16, work32 = workspace
         if s.cu_seqlens_dtype == torch.int64:
-            cu_seqlens = self._offsets_as_int32(index, handle, cu_seqlens, s.N)
+            cu_seqlens = offsets_as_int32(type(self).__name__, self._offset_buffers,
+                                          self._outgrown, index, handle, cu_seqlens, s.N)
         with device_guard(index):
-            kernels["prepare"](q, k, v, g, beta, cu_seqlens, work16, work32, s.scale, handle)
+            kernels["prepare"](q, k, v, g, beta, cu_seqlens, work16, work32, None, s.scale,
+                               handle)
             # ckpt_every is unused (compiled out) without checkpoints.
             recurrence = "recurrence_split" if self._split_recurrence(s, index) else "recurrence"
             kernels[recurrence](q, k, work16, work32, cu_seqlens, o, initial_state,

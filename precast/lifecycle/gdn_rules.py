@@ -1,4 +1,5 @@
-"""Host-side validation rules of the Gated DeltaNet forward (the future GdnFwdSm90).
+"""Host-side validation rules of the Gated DeltaNet forward (GdnFwdSm90) and, in
+check_gdn_gradients, of the tensors only its backward (GdnBwdSm90) adds.
 
 Semantics, layouts and head grouping: precast/reference/gated_delta_net.py. Everything here
 reads dtypes, shapes, strides, devices and addresses only, of torch tensors and TensorDescs
@@ -25,6 +26,9 @@ Choices where the issue is silent (each rule's message says what is accepted):
 * state_indices is int32 only (the issue's type; the reference also takes int64).
 * Outputs (o, final_state, checkpoints) alias nothing, not even initial_state: the in-place
   path is the state pool, which (read and written) may alias no other argument.
+* Backward: do has o's layout; dfinal is float32 like the final state; each gradient has
+  its input's shape and dtype (dinitial_state: the initial state's, required exactly when
+  there is one); gradients alias nothing, as outputs.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from .validation import (FLOAT32_MAX, INT32_MAX, check_bool, check_finite, check
 
 __all__ = ["IO_DTYPES", "GATE_DTYPES", "CU_SEQLENS_DTYPES", "STATE_INDEX_DTYPES", "HEAD_DIMS",
            "FINAL_STATE_DTYPE", "MAX_SPAN", "GdnShapes", "check_gdn_inputs",
-           "max_checkpoint_rows"]
+           "check_gdn_gradients", "max_checkpoint_rows"]
 
 IO_DTYPES = (torch.bfloat16, torch.float16)  # q, k, v, o
 GATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # g, beta
@@ -322,3 +326,48 @@ def check_gdn_inputs(q, k, v, g, beta, cu_seqlens, *, scale=None, initial_state=
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                      checkpoint_every_n_tokens=n, checkpoint_dtype=ckpt_dtype,
                      checkpoint_rows=rows, batch_invariant=batch_invariant)
+
+
+def check_gdn_gradients(s: GdnShapes, inputs, *, do, dfinal=None, gradients=None,
+                        device: str = "cuda") -> None:
+    """The backward's own tensors, for a call whose forward inputs check_gdn_inputs gave
+    ``s``; ``inputs`` names those inputs (q, k, v, g, beta, cu_seqlens, initial_state,
+    checkpoints; None where absent). Read: ``do`` [T, HO, V] in the io dtype and ``dfinal``
+    [N, HO, V, K] float32 (optional). ``gradients`` names the written tensors dq, dk, dv,
+    dg, dbeta and dinitial_state (None: not checked, as for an op's samples): each has its
+    input's shape and dtype, dinitial_state exactly when there is an initial state, and
+    none may alias anything. Raises as check_gdn_inputs does."""
+    io, T, HO = s.dtype, s.T, s.HO
+    shape = _tokens("do", do, (io,), f"[T, HO, V] {dtype_name(io)}", None, device)
+    _same_shape("do", shape, "[T, HO, V]", (T, HO, s.V))
+    if dfinal is not None:
+        _state("dfinal", dfinal, (FINAL_STATE_DTYPE,), s.state_shape, "[N, HO, V, K]", device)
+    read = {**{key: t for key, t in inputs.items() if t is not None}, "do": do}
+    if dfinal is not None:
+        read["dfinal"] = dfinal
+    if gradients is None:
+        check_same_device(list(read.items()))
+        return
+    for name, layout, want in (("dq", "[T, HQ, K]", (T, s.HQ, s.K)),
+                               ("dk", "[T, HK, K]", (T, s.HK, s.K)),
+                               ("dv", "[T, HV, V]", (T, s.HV, s.V))):
+        shape = _tokens(name, gradients[name], (io,), f"{layout} {dtype_name(io)} (its input's)",
+                        None, device)
+        _same_shape(name, shape, layout, want)
+    for name, dtype in (("dg", s.g_dtype), ("dbeta", s.beta_dtype)):
+        t = gradients[name]
+        shape = _tensor(name, t, f"[T, HO] {dtype_name(dtype)} (its input's)", dtypes=(dtype,),
+                        rank=2, align=_itemsize(t), device=device)
+        _same_shape(name, shape, "[T, HO]", (T, HO))
+    if s.state_dtype is None:
+        check_value(gradients["dinitial_state"] is None, ValueError,
+                    "dinitial_state is given but there is no initial_state to differentiate")
+    else:
+        check_value(gradients["dinitial_state"] is not None, ValueError,
+                    "dinitial_state is required with an initial_state: its gradient, "
+                    f"[N, HO, V, K] {dtype_name(s.state_dtype)} (initial_state's dtype)")
+        _state("dinitial_state", gradients["dinitial_state"], (s.state_dtype,), s.state_shape,
+               "[N, HO, V, K]", device)
+    written = [(key, t) for key, t in gradients.items() if t is not None]
+    check_same_device(list(read.items()) + written)
+    check_no_overlap(written, list(read.items()))

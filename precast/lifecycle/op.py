@@ -17,6 +17,8 @@ class Op:
 
     - ``supported_archs``: targets their kernels are written for;
     - ``kernel_sources``: modules whose source is fingerprinted into the cache key;
+    - ``host_sources`` (optional): other host modules that build its kernels' fake
+      arguments (fingerprinted as well, like the op's own module);
     - ``static_config()``: the JSON-able values that select the generated code;
     - ``from_config(**static_config)``: an instance made of descriptors alone (for precompile);
     - ``_check()``: every rule knowable before launch;
@@ -26,6 +28,7 @@ class Op:
 
     supported_archs: ClassVar[Tuple[str, ...]] = ()
     kernel_sources: ClassVar[Tuple[str, ...]] = ()
+    host_sources: ClassVar[Tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -59,7 +62,7 @@ class Op:
 
     def cache_key(self, arch: Optional[str] = None) -> CacheKey:
         # The op's own module builds the fake arguments and argument order: fingerprint it too.
-        sources = self.kernel_sources + (type(self).__module__,)
+        sources = self.kernel_sources + (type(self).__module__,) + self.host_sources
         return CacheKey.make(type(self).__name__, self.static_config(), target_arch(arch),
                              source_fingerprint(sources))
 

@@ -1,0 +1,136 @@
+"""Gated DeltaNet backward at the issue's shapes (bf16, K = V = 128, q and k L2-normalized in
+the kernel; g float32, beta bfloat16; the loss on o only, so no final-state gradient):
+- B = 4 sequences of 8192 tokens, 64 heads (the target: backward <= 3x our forward);
+- one sequence of 32768 tokens, 16 q/k heads and 32 v heads (the target: <= 2.3 ms);
+- 64 sequences of 512 tokens, 64 heads.
+
+    python bench/bench_gdn_bwd.py [--case NAME ...] [--no-peer] [--stages]
+
+Times with triton.testing.do_bench (median), per case: the forward (``gated_delta_net``),
+the backward (``gated_delta_net_backward``, which recomputes the forward's chunk states),
+their ratio, and forward + backward tokens per second; ``--stages`` also times each of the
+backward's kernels alone (GdnBwdSm90.execute with a caller-owned workspace, kernels
+launched one by one from the op's loaded modes). flash-linear-attention's backward is
+attempted for reference (its Triton kernels may refuse this Triton version on Hopper; the
+error is printed).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from common import do_bench, environment, write_json
+
+from precast import GdnBwdSm90, gated_delta_net, gated_delta_net_backward
+from precast.reference.offsets import offsets_from_lengths
+
+CASES = {  # name: (sequences, tokens each, q/k heads, v heads)
+    "4x8192": (4, 8192, 64, 64),
+    "1x32768-hv32": (1, 32768, 16, 32),
+    "64x512": (64, 512, 64, 64),
+}
+DIM = 128
+
+
+def make_inputs(batch: int, seqlen: int, qk_heads: int, v_heads: int, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    tokens = batch * seqlen
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+    q, k = (randn(tokens, qk_heads, DIM).to(torch.bfloat16) for _ in range(2))
+    v = randn(tokens, v_heads, DIM).to(torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(randn(tokens, v_heads))
+    beta = torch.sigmoid(randn(tokens, v_heads)).to(torch.bfloat16)
+    cu = offsets_from_lengths([seqlen] * batch, device="cuda")
+    do = randn(tokens, v_heads, DIM).to(torch.bfloat16)
+    return q, k, v, g, beta, cu, do
+
+
+def stage_times(q, k, v, g, beta, cu, do) -> dict:
+    """Each backward kernel alone, in the op's order, on a caller-owned workspace."""
+    op = GdnBwdSm90(q, k, v, g, beta, cu, do, use_qk_l2norm_in_kernel=True).check_support()
+    ws = op.make_workspace(q.shape[0], cu.shape[0] - 1, device="cuda")
+    grads = [torch.empty_like(t) for t in (q, k, v, g, beta)]
+    launched = []
+    kernels = op._ready(q.device.index)
+    real = dict(kernels)
+    for mode, fn in real.items():  # record the launches of one execute
+        kernels[mode] = (lambda m, f: lambda *a: launched.append((m, f, a)))(mode, fn)
+    op.execute(q, k, v, g, beta, cu, do, *grads, workspace=ws)
+    kernels.update(real)
+    times = {}
+    for mode, fn, args in launched:
+        fn(*args)
+        times[mode] = do_bench(lambda: fn(*args)) * 1e3
+    return times
+
+
+def peer_backward(q, k, v, g, beta, cu, do):
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as exc:
+        return None, f"not importable ({exc})"
+    group = v.shape[1] // q.shape[1]
+    qe, ke = (x.repeat_interleave(group, dim=1) if group > 1 else x for x in (q, k))
+    leaves = [t[None].detach().clone().requires_grad_() for t in (qe, ke, v, g, beta)]
+    try:
+        o, _ = chunk_gated_delta_rule(*leaves, cu_seqlens=cu.long(),
+                                      use_qk_l2norm_in_kernel=True)
+
+        def backward():
+            o.backward(do[None], retain_graph=True)
+        backward()
+        return do_bench(backward) * 1e3, None
+    except Exception as exc:  # noqa: BLE001 (reported, not hidden)
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+
+
+def run_case(name: str, peer: bool, stages: bool) -> dict:
+    batch, seqlen, qk_heads, v_heads = CASES[name]
+    q, k, v, g, beta, cu, do = make_inputs(batch, seqlen, qk_heads, v_heads)
+    fwd = lambda: gated_delta_net(q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True,  # noqa
+                                  output_final_state=True)
+    bwd = lambda: gated_delta_net_backward(q, k, v, g, beta, cu, do,  # noqa: E731
+                                           use_qk_l2norm_in_kernel=True)
+    fwd(), bwd()  # compile (load) both ops
+    torch.cuda.synchronize()
+    fwd_us, bwd_us = do_bench(fwd) * 1e3, do_bench(bwd) * 1e3
+    tokens = batch * seqlen
+    row = {"case": name, "batch": batch, "seqlen": seqlen, "qk_heads": qk_heads,
+           "v_heads": v_heads, "dim": DIM, "fwd_us": fwd_us, "bwd_us": bwd_us,
+           "bwd_over_fwd": bwd_us / fwd_us,
+           "train_tokens_per_s": tokens / ((fwd_us + bwd_us) * 1e-6)}
+    print(f"{name:>13}: forward {fwd_us:8.1f} us  backward {bwd_us:8.1f} us "
+          f"({row['bwd_over_fwd']:.2f}x the forward)  forward+backward "
+          f"{row['train_tokens_per_s'] / 1e6:6.2f} M tokens/s", flush=True)
+    if stages:
+        row["stages_us"] = stage_times(q, k, v, g, beta, cu, do)
+        print(f"{'':>13}  " + "  ".join(f"{m} {t:.1f}" for m, t in row["stages_us"].items()),
+              flush=True)
+    if peer:
+        peer_us, error = peer_backward(q, k, v, g, beta, cu, do)
+        row.update(peer_bwd_us=peer_us, peer_error=error)
+        print(f"{'':>13}  fla chunk_gated_delta_rule backward: "
+              + (f"{peer_us:8.1f} us" if peer_us else error), flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--case", action="append", choices=sorted(CASES))
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--stages", action="store_true")
+    args = ap.parse_args(argv)
+    env = environment()
+    print(f"{env['gpu']} {env['date']}: Gated DeltaNet backward, K = V = {DIM}, bf16, l2norm, "
+          "loss on o", flush=True)
+    rows = [run_case(name, not args.no_peer, args.stages) for name in (args.case or list(CASES))]
+    write_json("bench_gdn_bwd.json", {"env": env, "results": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

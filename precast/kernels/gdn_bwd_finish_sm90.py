@@ -1,0 +1,143 @@
+"""Gated DeltaNet backward, last step: the per-output-head fp32 gradients of q, k and v
+become the gradients of the raw inputs (SIMT, memory bound).
+
+The chunk kernel writes dq32, dk32 (T, HO, K) and dv32 (T, HO, V) in fp32, one row per
+output head, w.r.t. the rows it used: the L2-normalized q and k when the forward normalized
+them in the kernel. Per token and input head this kernel
+
+* sums the rows of the head's group of output heads (output head h reads q head
+  h // (HO // HQ), likewise k and v) in a fixed order, so results are bitwise reproducible;
+* for q and k with the L2 norm, applies its Jacobian to that sum s with the raw row x:
+  dx = r s - r^3 (x . s) x, r = rsqrt(max(|x|^2, 1e-24)); only r s where the clamp is
+  active (r is then a constant; precast/reference/gdn_backward.py, _l2norm_backward);
+* writes the result in the io dtype, strided like the input.
+
+Grid: (ceil(T / tokens_per_cta), 3): blockIdx.y picks q, k or v. A row of D elements is
+D / 8 threads of one warp, 8 elements each (16-byte io accesses, two 16-byte fp32 loads
+per summed row); row dot products are shuffles within those threads.
+"""
+from typing import NamedTuple
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from .rowwise import vector_copy_atom
+from .tiling import VEC
+
+THREADS = 128
+F32_VEC = 4  # fp32 elements in one 16-byte access
+L2NORM_EPS = 1e-24  # the forward's clamp of |x|^2 (reference L2NORM_EPS)
+ITEMS_PER_CTA = 1024  # thread-items (8 elements each) of the largest role per CTA
+
+
+class Role(NamedTuple):
+    """One of q, k, v: its input heads, row length, output heads per input head and
+    whether the L2 norm's Jacobian applies."""
+    heads: int
+    dim: int
+    group: int
+    normalized: bool
+
+    @property
+    def threads_per_row(self) -> int:
+        return self.dim // VEC
+
+
+class GdnGradFinishSm90:
+    def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
+                 v_heads: int, l2norm: bool):
+        assert k_dim in (64, 128) and v_dim in (64, 128)
+        heads = max(q_heads, v_heads)
+        self.dtype = dtype
+        self.roles = (Role(q_heads, k_dim, heads // q_heads, l2norm),
+                      Role(k_heads, k_dim, heads // k_heads, l2norm),
+                      Role(v_heads, v_dim, heads // v_heads, False))
+        # Enough tokens per CTA that the largest role fills ~ITEMS_PER_CTA thread-items
+        # (small head counts would otherwise leave most threads idle), a power of two.
+        widest = max(r.heads * r.threads_per_row for r in self.roles)
+        self.tokens_per_cta = 1 << max(0, (ITEMS_PER_CTA // widest).bit_length() - 1)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mDQ32: cute.Tensor,
+                 mDK32: cute.Tensor, mDV32: cute.Tensor, mDQ: cute.Tensor, mDK: cute.Tensor,
+                 mDV: cute.Tensor, stream: cuda.CUstream):
+        """mQ (T, HQ, K), mK (T, HK, K) raw rows; mDQ32, mDK32 (T, HO, K), mDV32 (T, HO, V)
+        fp32; mDQ (T, HQ, K), mDK (T, HK, K), mDV (T, HV, V) written. T >= 1."""
+        tokens = mQ.shape[0]
+        grid_x = (tokens + self.tokens_per_cta - 1) // self.tokens_per_cta
+        self.kernel(mQ, mK, mDQ32, mDK32, mDV32, mDQ, mDK, mDV).launch(
+            grid=[grid_x, len(self.roles), 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mDQ32: cute.Tensor, mDK32: cute.Tensor,
+               mDV32: cute.Tensor, mDQ: cute.Tensor, mDK: cute.Tensor, mDV: cute.Tensor):
+        _, role, _ = cute.arch.block_idx()
+        if role == 0:
+            self.finish_rows(self.roles[0], mQ, mDQ32, mDQ)
+        elif role == 1:
+            self.finish_rows(self.roles[1], mK, mDK32, mDK)
+        else:
+            self.finish_rows(self.roles[2], mDV, mDV32, mDV)  # mX unused: no Jacobian
+
+    @cute.jit
+    def finish_rows(self, role: cutlass.Constexpr, mX: cute.Tensor, mGrad32: cute.Tensor,
+                    mOut: cute.Tensor):
+        """This CTA's tokens x role.heads rows; thread-item i covers row i // tpr, elements
+        8 (i % tpr) .. 8 (i % tpr) + 7. Rows past the tokens load token 0 (in bounds) so
+        that every lane joins the shuffles, and store nothing."""
+        tpr = const_expr(role.threads_per_row)
+        rows = const_expr(self.tokens_per_cta * role.heads)
+        items = const_expr(-(-rows * tpr // THREADS))
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_tokens = mGrad32.shape[0]
+        io_atom = vector_copy_atom(self.dtype, VEC)
+        f32_atom = vector_copy_atom(Float32, F32_VEC)
+        for it in cutlass.range_constexpr(items):
+            item = it * THREADS + tidx
+            row = item // tpr
+            lane = item % tpr
+            token = bidx * self.tokens_per_cta + row // role.heads
+            head = row % role.heads
+            row_ok = row < rows and token < num_tokens
+            token_c = token if row_ok else Int32(0)
+
+            total = cute.make_rmem_tensor(cute.make_layout((F32_VEC, 2)), Float32)
+            total.fill(0.0)
+            part = cute.make_rmem_tensor(cute.make_layout((F32_VEC, 2)), Float32)
+            for j in cutlass.range_constexpr(role.group):  # fixed order: deterministic
+                src = mGrad32[token_c, head * role.group + j, None]
+                for half in cutlass.range_constexpr(2):
+                    cute.copy(f32_atom, cute.local_tile(src, (F32_VEC,), (2 * lane + half,)),
+                              part[None, half])
+                total.store(total.load() + part.load())
+
+            out = cute.make_rmem_tensor(cute.make_layout((VEC,)), self.dtype)
+            if const_expr(role.normalized):
+                raw = cute.make_rmem_tensor(cute.make_layout((VEC,)), self.dtype)
+                cute.copy(io_atom, cute.local_tile(mX[token_c, head, None], (VEC,), (lane,)),
+                          raw)
+                x = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
+                x.store(raw.load().to(Float32))
+                sq = Float32(0.0)
+                dot = Float32(0.0)
+                for e in cutlass.range_constexpr(VEC):
+                    sq = sq + x[e] * x[e]
+                    dot = dot + x[e] * total[e]
+                sq = cute.arch.warp_reduction(sq, lambda a, b: a + b, threads_in_group=tpr)
+                dot = cute.arch.warp_reduction(dot, lambda a, b: a + b, threads_in_group=tpr)
+                clamped = sq < Float32(L2NORM_EPS)
+                r = cute.math.rsqrt(Float32(L2NORM_EPS) if clamped else sq)
+                # the projection term vanishes where the clamp holds r constant
+                proj = Float32(0.0) if clamped else r * r * r * dot
+                for e in cutlass.range_constexpr(VEC):
+                    out[e] = (r * total[e] - proj * x[e]).to(self.dtype)
+            else:
+                for e in cutlass.range_constexpr(VEC):
+                    out[e] = total[e].to(self.dtype)
+            if row_ok:
+                cute.copy(io_atom, out,
+                          cute.local_tile(mOut[token_c, head, None], (VEC,), (lane,)))

@@ -1,0 +1,470 @@
+"""Gated DeltaNet backward for SM90: GdnBwdSm90.
+
+Gradients of the forward's o (and final state) w.r.t. q, k, v, g, beta and the initial
+state; the math, chunk by chunk: precast/reference/gdn_backward.py. Every rule of the
+forward inputs is gdn_rules.check_gdn_inputs', of do, dfinal and the gradients
+gdn_rules.check_gdn_gradients'. Five kernels run in order on one stream:
+
+* "prepare": the forward's stage 1 (precast/kernels/gdn_chunk_sm90.py) with
+  store_inverse: the WY factors of every (64-token chunk, output head) and T = (I + A)^-1;
+* "states": the forward's stage 2 (gdn_recurrence_sm90.py) writing the state entering
+  every chunk (checkpoints every 64 tokens, io dtype) into a workspace; o goes to scratch.
+  Skipped when the caller passes the forward's checkpoints at n = 64 in the io dtype: those
+  rows are exactly these states, in the same order. Checkpoints at a coarser n, or in
+  float32, are not read: the states are recomputed from the initial state as without
+  checkpoints (regenerating them chunk by chunk from the nearest checkpoint is a later
+  optimization);
+* "state_grad" (gdn_bwd_recurrence_sm90.py): one CTA per (sequence, output head) walks the
+  chunks last to first with dS: the gradient of the state leaving each chunk, dDelta, and
+  the initial state's gradient;
+* "chunk_grad" (gdn_bwd_chunk_sm90.py): one CTA per (chunk, output head): dg and dbeta
+  (written in place) and fp32 dq, dk, dv per output head;
+* "finish" (gdn_bwd_finish_sm90.py): sums each input head's output heads in a fixed order
+  and applies the L2 norm's Jacobian to q and k, into dq, dk, dv.
+
+Deterministic: no kernel accumulates with atomics (grouped heads are summed by "finish" in
+a fixed order), so the gradients are bitwise reproducible run to run.
+
+dinitial_state: the state-gradient kernel writes float32. A float32 initial state gets its
+gradient written in place; one in the io dtype (state_dtype "io" in the static
+configuration) goes through an fp32 workspace converted by a copy on the stream.
+
+The state pool (state_indices) is forward only: NotImplementedError. Limits of the kernels
+(NotImplementedError): as the forward's (gdn_fwd.check_kernel_limits).
+"""
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+
+from ..reference.gated_delta_net import CHUNK_SIZE
+from .cache import KernelBuilder
+from .gdn_fwd import (CONFIG_SOURCES, DATA_ALIGN, KERNEL_SOURCES, _cute_type, _fake_gate,
+                      _fake_offsets, _fake_rows, _fake_state, _fake_workspace, _option_dtype,
+                      check_kernel_limits, check_same_config, offsets_as_int32,
+                      prepare_kernel, recurrence_kernel, static_config_of as forward_config,
+                      stream_buffers)
+from ..kernels.gdn_layout import gradients_in_place
+from .gdn_rules import MAX_SPAN, GdnShapes, check_gdn_gradients, check_gdn_inputs
+from .launch import device_guard, sm_count, stream_handle, torch_stream
+from .op import Op
+from .tensor_desc import TensorDesc, parse_dtype
+from .validation import (check_bool, check_int, check_no_overlap, check_same_device,
+                         check_tensor, check_value)
+
+def kernel_modes(s: GdnShapes) -> Tuple[str, ...]:
+    """The kernels of an op: stage 1 with T, the states pass and the state-gradient
+    recurrence (at V = 128 also split over two CTAs per (sequence, head), chosen when the
+    pairs fill at most half of the SMs, as the forward does), the chunk gradients and,
+    with grouped heads, the finishing kernel."""
+    split = ("states_split", "state_grad_split") if s.V == 128 else ()
+    finish = () if gradients_in_place(s.HQ, s.HK, s.HV) else ("finish",)
+    return ("prepare", "states", "state_grad", "chunk_grad") + split + finish
+
+
+BWD_KERNEL_SOURCES = KERNEL_SOURCES + (
+    "precast.kernels.gdn_bwd_recurrence_sm90", "precast.kernels.gdn_bwd_chunk_sm90",
+    "precast.kernels.gdn_bwd_finish_sm90", "precast.kernels.rowwise", "precast.kernels.tiling")
+# The forward's static fields the backward's kernels depend on, plus the dfinal flag.
+FORWARD_FIELDS = ("dtype", "k_dim", "v_dim", "q_heads", "k_heads", "v_heads", "g_dtype",
+                  "beta_dtype", "state_dtype", "use_qk_l2norm_in_kernel")
+BWD_CONFIG_SOURCES = {**{key: CONFIG_SOURCES[key] for key in FORWARD_FIELDS},
+                      "final_state_grad": "dfinal given (the final state's gradient)"}
+
+# The workspace: name -> (rows it has per call, dtype: "io" or "float32"); tails of the
+# shapes come from workspace_shapes. "chunks": T // 64 + N (one row per (chunk, head)).
+WORKSPACE = {
+    "work16": ("chunks", "io"),  # the forward's WY factors [W | U | M]
+    "work32": ("chunks", "float32"),  # and factor rows
+    "inv": ("chunks", "io"),  # T = (I + A)^-1, (chunks, HO, 64, 64)
+    "dstates": ("chunks", "io"),  # gradient of the state leaving each chunk, (.., V, K)
+    "ddelta": ("chunks", "io"),  # dDelta, (chunks, HO, 64, V)
+    "states": ("chunks", "io"),  # states entering each chunk (not with reused checkpoints)
+    "dq32": ("tokens", "float32"),  # grouped heads: per output head, w.r.t. the normalized rows
+    "dk32": ("tokens", "float32"),
+    "dv32": ("tokens", "float32"),
+    "dinit32": ("sequences", "float32"),  # only for an initial state in the io dtype
+}
+RECOMPUTE_ONLY = ("states",)
+# Groups of the op's own workspace, made (and grown) together: same row count, always
+# needed together.
+OWN_GROUPS = (("work16", "work32", "inv", "dstates", "ddelta"), ("dq32", "dk32", "dv32"),
+              ("states",), ("dinit32",))
+
+
+def static_config_of(s: GdnShapes, final_state_grad: bool) -> Dict[str, object]:
+    """The backward's static configuration: the forward's fields its kernels depend on
+    and whether dfinal is given. Scale, checkpoints, T, N and strides are runtime values."""
+    forward = forward_config(s)
+    return {**{key: forward[key] for key in FORWARD_FIELDS},
+            "final_state_grad": final_state_grad}
+
+
+def check_forward_inputs(q, k, v, g, beta, cu_seqlens, *, scale, initial_state, checkpoints,
+                         checkpoint_every_n_tokens, use_qk_l2norm_in_kernel) -> GdnShapes:
+    """gdn_rules on the forward inputs of a backward call: the checkpoints as the forward
+    wrote them (T // n + N rows, float32 or the io dtype; their dtype is the buffer's)."""
+    with_n = checkpoints is not None and checkpoint_every_n_tokens is not None
+    return check_gdn_inputs(
+        q, k, v, g, beta, cu_seqlens, scale=scale, initial_state=initial_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        checkpoint_every_n_tokens=checkpoint_every_n_tokens,
+        checkpoint_dtype=checkpoints.dtype if with_n else None, checkpoints=checkpoints)
+
+
+def _refuse_pool(state_indices) -> None:
+    check_value(state_indices is None, NotImplementedError,
+                "state_indices: the state pool is forward only (inference); the backward "
+                "takes an [N, HO, V, K] initial_state (gather the pool rows first)")
+
+
+class GdnBwdSm90(Op):
+    """dq, dk, dv, dg, dbeta (and dinitial_state) of the Gated DeltaNet forward.
+
+    Construct from sample tensors or TensorDescs of the forward's q, k, v, g, beta,
+    cu_seqlens, of do (and of initial_state, dfinal, the forward's checkpoints when used),
+    then check_support(), compile(), execute(). Compiled for the fields of
+    :func:`static_config_of`; scale, checkpoint_every_n_tokens, T, N and strides are
+    runtime values. See the module docstring for the kernels and checkpoint reuse.
+    """
+
+    supported_archs = ("sm_90a",)
+    kernel_sources = BWD_KERNEL_SOURCES
+    host_sources = ("precast.lifecycle.gdn_fwd",)  # the stage 1 and 2 fake arguments
+
+    def __init__(self, sample_q, sample_k, sample_v, sample_g, sample_beta, sample_cu_seqlens,
+                 sample_do, *, scale: Optional[float] = None, sample_initial_state=None,
+                 sample_dfinal=None, sample_checkpoints=None,
+                 checkpoint_every_n_tokens: Optional[int] = None,
+                 use_qk_l2norm_in_kernel: bool = False, sample_state_indices=None):
+        super().__init__()
+        self._samples = {name: TensorDesc.optional(t) for name, t in (
+            ("q", sample_q), ("k", sample_k), ("v", sample_v), ("g", sample_g),
+            ("beta", sample_beta), ("cu_seqlens", sample_cu_seqlens), ("do", sample_do),
+            ("initial_state", sample_initial_state), ("dfinal", sample_dfinal),
+            ("checkpoints", sample_checkpoints))}
+        self._sample_state_indices = sample_state_indices
+        self.scale = scale
+        self.checkpoint_every_n_tokens = checkpoint_every_n_tokens
+        self.use_qk_l2norm_in_kernel = use_qk_l2norm_in_kernel
+        self.final_state_grad = sample_dfinal is not None
+        self._shapes: Optional[GdnShapes] = None
+        # Buffers this op made, per (device, stream, group): see _own_workspace; outgrown
+        # ones stay alive (a graph captured earlier may still use them).
+        self._workspaces: Dict[tuple, Tuple[torch.Tensor, ...]] = {}
+        self._outgrown: list = []
+        self._offset_buffers: Dict[tuple, Tuple[torch.Tensor]] = {}  # see offsets_as_int32
+
+    # --- the static configuration -----------------------------------------------------------
+    def _call_shapes(self, q, k, v, g, beta, cu_seqlens, *, scale, initial_state=None,
+                     checkpoints=None, checkpoint_every_n_tokens=None) -> GdnShapes:
+        return check_forward_inputs(q, k, v, g, beta, cu_seqlens, scale=scale,
+                                    initial_state=initial_state, checkpoints=checkpoints,
+                                    checkpoint_every_n_tokens=checkpoint_every_n_tokens,
+                                    use_qk_l2norm_in_kernel=self.use_qk_l2norm_in_kernel)
+
+    @property
+    def shapes(self) -> GdnShapes:
+        """The samples' GdnShapes (validated once)."""
+        if self._shapes is None:
+            _refuse_pool(self._sample_state_indices)
+            names = ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state", "checkpoints")
+            s = self._call_shapes(**{n: self._samples[n] for n in names}, scale=self.scale,
+                                  checkpoint_every_n_tokens=self.checkpoint_every_n_tokens)
+            check_gdn_gradients(s, {n: self._samples[n] for n in names},
+                                do=self._samples["do"], dfinal=self._samples["dfinal"])
+            self._shapes = s
+        return self._shapes
+
+    def static_config(self) -> Dict[str, object]:
+        return static_config_of(self.shapes, self.final_state_grad)
+
+    @classmethod
+    def from_config(cls, dtype="bfloat16", k_dim=128, v_dim=128, q_heads=4, k_heads=None,
+                    v_heads=None, g_dtype="float32", beta_dtype="float32", state_dtype="none",
+                    final_state_grad=False, use_qk_l2norm_in_kernel=False) -> "GdnBwdSm90":
+        """Descriptors of a small batch (2 sequences of 64 tokens) with this static
+        configuration (for precompile). k_heads and v_heads default to q_heads."""
+        io = parse_dtype(dtype)
+        k_dim, v_dim, hq = (check_int(name, value, lo=1) for name, value in (
+            ("k_dim", k_dim), ("v_dim", v_dim), ("q_heads", q_heads)))
+        hk = hq if k_heads is None else check_int("k_heads", k_heads, lo=1)
+        hv = hq if v_heads is None else check_int("v_heads", v_heads, lo=1)
+        state = _option_dtype("state_dtype", state_dtype, io)
+        n, tokens, ho = 2, 2 * CHUNK_SIZE, max(hq, hv)
+        dfinal = TensorDesc(torch.float32, (n, ho, v_dim, k_dim))
+        return cls(TensorDesc(io, (tokens, hq, k_dim)), TensorDesc(io, (tokens, hk, k_dim)),
+                   TensorDesc(io, (tokens, hv, v_dim)), TensorDesc(g_dtype, (tokens, ho)),
+                   TensorDesc(beta_dtype, (tokens, ho)), TensorDesc(torch.int32, (n + 1,)),
+                   TensorDesc(io, (tokens, ho, v_dim)),
+                   sample_initial_state=(None if state is None
+                                         else TensorDesc(state, (n, ho, v_dim, k_dim))),
+                   sample_dfinal=(dfinal if check_bool("final_state_grad",
+                                                           final_state_grad) else None),
+                   use_qk_l2norm_in_kernel=check_bool("use_qk_l2norm_in_kernel",
+                                                      use_qk_l2norm_in_kernel))
+
+    # --- rules --------------------------------------------------------------------------------
+    def _check(self) -> None:
+        s = self.shapes
+        check_kernel_limits(s, {name: self._samples[name] for name in ("q", "k", "v", "do")})
+
+    def _same_config(self, s: GdnShapes, final_state_grad: bool) -> None:
+        check_same_config(type(self).__name__, self.static_config(),
+                          static_config_of(s, final_state_grad), BWD_CONFIG_SOURCES,
+                          "gated_delta_net_backward")
+
+    # --- compile ------------------------------------------------------------------------------
+    def _kernel_builders(self) -> Mapping[str, KernelBuilder]:
+        s = self.shapes
+        final_grad, init_grad = self.final_state_grad, s.state_dtype is not None
+
+        def states(v_splits: int = 1):
+            return recurrence_kernel(s, state_dtype=s.state_dtype, pool=False,
+                                     final_state=False, checkpoint_dtype=s.dtype,
+                                     v_splits=v_splits, states_only=True)
+
+        def state_grad(v_splits: int = 1):
+            import cutlass.cute as cute
+            from ..kernels.fake import fake_stream, fake_tokens
+            from ..kernels.gdn_bwd_recurrence_sm90 import GdnStateGradSm90
+            io, tokens, chunks = _cute_type(s.dtype), cute.sym_int(), cute.sym_int()
+            kernel = GdnStateGradSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, final_grad, init_grad,
+                                      v_splits=v_splits)
+            args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
+                    fake_tokens(io, tokens, s.HO, s.V), *_fake_workspace(s, chunks),
+                    _fake_offsets(), _fake_state(torch.float32, s) if final_grad else None,
+                    _fake_state(s.dtype, s), _fake_rows(s.dtype, chunks, (s.HO, CHUNK_SIZE, s.V)),
+                    _fake_state(torch.float32, s) if init_grad else None, fake_stream())
+            return kernel, args
+
+        def chunk_grad():
+            import cutlass
+            import cutlass.cute as cute
+            from ..kernels.fake import fake_stream, fake_tokens, scalar
+            from ..kernels.gdn_bwd_chunk_sm90 import GdnChunkGradSm90
+            io, tokens, chunks = _cute_type(s.dtype), cute.sym_int(), cute.sym_int()
+            kernel = GdnChunkGradSm90(io, s.K, s.V, s.HQ, s.HK, s.HV,
+                                      s.use_qk_l2norm_in_kernel, _cute_type(s.g_dtype),
+                                      _cute_type(s.beta_dtype))
+            args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
+                    fake_tokens(io, tokens, s.HV, s.V), _fake_gate(s.g_dtype, tokens, s.HO),
+                    _fake_gate(s.beta_dtype, tokens, s.HO), _fake_offsets(),
+                    fake_tokens(io, tokens, s.HO, s.V), *_fake_workspace(s, chunks),
+                    _fake_rows(s.dtype, chunks, (s.HO, CHUNK_SIZE, CHUNK_SIZE)),
+                    _fake_state(s.dtype, s), _fake_state(s.dtype, s),
+                    _fake_rows(s.dtype, chunks, (s.HO, CHUNK_SIZE, s.V)),
+                    *(_fake_grads(s, tokens) if gradients_in_place(s.HQ, s.HK, s.HV)
+                      else _fake_grads32(s, tokens)), _fake_gate(s.g_dtype, tokens, s.HO),
+                    _fake_gate(s.beta_dtype, tokens, s.HO), scalar(cutlass.Float32, 1.0),
+                    fake_stream())
+            return kernel, args
+
+        def finish():
+            import cutlass.cute as cute
+            from ..kernels.fake import fake_stream, fake_tokens
+            from ..kernels.gdn_bwd_finish_sm90 import GdnGradFinishSm90
+            io, tokens = _cute_type(s.dtype), cute.sym_int()
+            kernel = GdnGradFinishSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, s.use_qk_l2norm_in_kernel)
+            args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
+                    *_fake_grads32(s, tokens), fake_tokens(io, tokens, s.HQ, s.K),
+                    fake_tokens(io, tokens, s.HK, s.K), fake_tokens(io, tokens, s.HV, s.V),
+                    fake_stream())
+            return kernel, args
+
+        builders = {"prepare": lambda: prepare_kernel(s, store_inverse=True), "states": states,
+                    "state_grad": state_grad, "chunk_grad": chunk_grad, "finish": finish,
+                    "states_split": lambda: states(v_splits=2),
+                    "state_grad_split": lambda: state_grad(v_splits=2)}
+        return {mode: builders[mode] for mode in kernel_modes(s)}
+
+    # --- the workspace ------------------------------------------------------------------------
+    def workspace_shapes(self, total_tokens: int, num_seqs: int) -> Dict[str, Tuple[int, ...]]:
+        """Shapes of the buffers ``execute(workspace=...)`` takes for T tokens in N sequences
+        (a dict name -> tensor, all contiguous, dtypes as WORKSPACE says; make_workspace
+        allocates one): the forward's work16, work32 and inv, dstates, ddelta, states with
+        T // 64 + N chunk rows, with grouped heads dq32, dk32, dv32 with T rows and, with an
+        initial state in the io dtype, dinit32 [N, HO, V, K]. "states" is not used when the
+        call reuses checkpoints (n = 64, io dtype). Nothing needs zeroing."""
+        from ..kernels.gdn_layout import workspace_shapes as forward_shapes
+        s = self.shapes
+        T = check_int("total_tokens", total_tokens, lo=0)
+        N = check_int("num_seqs", num_seqs, lo=0)
+        work16, work32 = forward_shapes(T, N, s.HO, s.K, s.V)
+        chunks, C = work16[0], CHUNK_SIZE
+        shapes = {"work16": work16, "work32": work32, "inv": (chunks, s.HO, C, C),
+                  "dstates": (chunks, s.HO, s.V, s.K), "ddelta": (chunks, s.HO, C, s.V),
+                  "states": (chunks, s.HO, s.V, s.K)}
+        if not gradients_in_place(s.HQ, s.HK, s.HV):
+            shapes.update(dq32=(T, s.HO, s.K), dk32=(T, s.HO, s.K), dv32=(T, s.HO, s.V))
+        if self._converts_dinit:
+            shapes["dinit32"] = (N,) + s.state_shape[1:]
+        return shapes
+
+    def workspace_dtype(self, name: str) -> torch.dtype:
+        return self.shapes.dtype if WORKSPACE[name][1] == "io" else torch.float32
+
+    def make_workspace(self, total_tokens: int, num_seqs: int, device=None
+                       ) -> Dict[str, torch.Tensor]:
+        """An uninitialized workspace for execute(workspace=...) (e.g. before capturing a
+        CUDA graph)."""
+        return {name: torch.empty(shape, dtype=self.workspace_dtype(name), device=device)
+                for name, shape in self.workspace_shapes(total_tokens, num_seqs).items()}
+
+    @property
+    def _converts_dinit(self) -> bool:
+        """dinitial_state goes through dinit32 (the kernel writes float32)."""
+        state = self.shapes.state_dtype
+        return state is not None and state != torch.float32
+
+    @staticmethod
+    def _reuses(s: GdnShapes, checkpoints) -> bool:
+        """Whether the given checkpoints are the states entering every chunk."""
+        return (checkpoints is not None and s.checkpoint_every_n_tokens == CHUNK_SIZE
+                and s.checkpoint_dtype == s.dtype)
+
+    def _needed(self, reuse: bool) -> Tuple[str, ...]:
+        return tuple(name for name in self.workspace_shapes(0, 0)
+                     if not (reuse and name in RECOMPUTE_ONLY))
+
+    def _check_workspace(self, workspace, s: GdnShapes, reuse: bool) -> Dict[str, torch.Tensor]:
+        check_value(isinstance(workspace, Mapping), TypeError,
+                    "workspace: expected a dict name -> tensor (see workspace_shapes(T, N), "
+                    f"make_workspace(T, N)), got {type(workspace).__name__}")
+        shapes = self.workspace_shapes(s.T, s.N)
+        unknown = sorted(set(workspace) - set(shapes))
+        check_value(not unknown, ValueError,
+                    f"workspace: unknown entries {unknown}; expected {sorted(shapes)}")
+        needed = self._needed(reuse)
+        missing = [name for name in needed if workspace.get(name) is None]
+        check_value(not missing, ValueError,
+                    f"workspace: lacks {missing} (see workspace_shapes({s.T}, {s.N}))")
+        for name in needed:
+            check_tensor(f"workspace[{name!r}]", workspace[name],
+                         dtypes=(self.workspace_dtype(name),), shape=shapes[name],
+                         align=DATA_ALIGN, contiguous=True, max_span=MAX_SPAN)
+        return {name: workspace[name] for name in needed}
+
+    def _own_workspace(self, index: Optional[int], handle: int, s: GdnShapes,
+                       reuse: bool) -> Dict[str, torch.Tensor]:
+        """This op's buffers for (device, stream), group by group (OWN_GROUPS, each made
+        and grown by gdn_fwd.stream_buffers); the states and o scratch only when states are
+        recomputed."""
+        shapes = self.workspace_shapes(s.T, s.N)
+        needed = self._needed(reuse)
+        rows = {"chunks": shapes["work16"][0], "tokens": s.T, "sequences": s.N}
+        out = {}
+        for group in OWN_GROUPS:
+            if not all(name in needed for name in group):
+                continue
+            count = rows[WORKSPACE[group[0]][0]]
+            buffers = stream_buffers(
+                type(self).__name__, self._workspaces, self._outgrown, (index, handle) + group,
+                count, tuple((shapes[name][1:], self.workspace_dtype(name)) for name in group),
+                index, handle, f"workspace {list(group)} of {count} rows for it",
+                f"pass workspace= (make_workspace({s.T}, {s.N})) or execute once on this "
+                "stream with as many tokens and sequences before capturing")
+            out.update(zip(group, buffers))
+        return out
+
+    # --- run ----------------------------------------------------------------------------------
+    def execute(self, q, k, v, g, beta, cu_seqlens, do, dq, dk, dv, dg, dbeta, *,
+                initial_state=None, dinitial_state=None, dfinal=None, checkpoints=None,
+                workspace=None, stream=None, scale: Optional[float] = None,
+                checkpoint_every_n_tokens: Optional[int] = None, state_indices=None) -> None:
+        """Writes dq [T, HQ, K], dk [T, HK, K], dv [T, HV, V], dg, dbeta [T, HO] (each in its
+        input's dtype and shape, any layout the forward reads) and, with an initial state,
+        dinitial_state [N, HO, V, K] (initial_state's dtype), given do [T, HO, V] and, when
+        compiled with final_state_grad, dfinal [N, HO, V, K] float32. ``checkpoints``: the
+        forward's, every ``checkpoint_every_n_tokens`` (default the constructor's) tokens;
+        reused at n = 64 in the io dtype, else not read. Never reads device memory;
+        allocates nothing when ``workspace`` is given (see workspace_shapes; else the op
+        keeps one per device and stream) but the int32 copy of int64 cu_seqlens (kept per
+        device and stream like the workspace). scale defaults to the constructor's.
+
+        T == 0: no kernel runs; dinitial_state is dfinal (zeros without one), copied on the
+        stream. N == 0: nothing to write.
+        """
+        if not self._checked:
+            self.check_support()
+        _refuse_pool(state_indices)
+        check_value(dfinal is not None or not self.final_state_grad, ValueError,
+                    "dfinal is required: this op is compiled for final_state_grad=True; pass "
+                    "the final state's gradient [N, HO, V, K] float32")
+        n = (self.checkpoint_every_n_tokens if checkpoint_every_n_tokens is None
+             else checkpoint_every_n_tokens)
+        s = self._call_shapes(q, k, v, g, beta, cu_seqlens,
+                              scale=self.scale if scale is None else scale,
+                              initial_state=initial_state, checkpoints=checkpoints,
+                              checkpoint_every_n_tokens=n)
+        self._same_config(s, dfinal is not None)
+        inputs = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens,
+                      initial_state=initial_state, checkpoints=checkpoints)
+        gradients = dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinitial_state=dinitial_state)
+        check_gdn_gradients(s, inputs, do=do, dfinal=dfinal, gradients=gradients)
+        check_kernel_limits(s, dict(q=q, k=k, v=v, do=do, dq=dq, dk=dk, dv=dv))
+        reuse = self._reuses(s, checkpoints)
+        if workspace is not None:
+            workspace = self._check_workspace(workspace, s, reuse)
+            written = [(f"workspace[{name!r}]", t) for name, t in workspace.items()]
+            read = list({**inputs, "do": do, "dfinal": dfinal, **gradients}.items())
+            check_same_device(written + read)
+            check_no_overlap(written, read)
+        index = q.device.index
+        kernels = self._ready(index)
+        if s.N == 0:
+            return
+        handle = stream_handle(stream, index)
+        if s.T == 0:
+            if dinitial_state is not None:
+                with torch.cuda.stream(torch_stream(handle, index)):
+                    if dfinal is None:
+                        dinitial_state.zero_()
+                    else:
+                        dinitial_state.copy_(dfinal)
+            return
+        ws = self._own_workspace(index, handle, s, reuse) if workspace is None else workspace
+        if s.cu_seqlens_dtype == torch.int64:
+            cu_seqlens = offsets_as_int32(type(self).__name__, self._offset_buffers,
+                                          self._outgrown, index, handle, cu_seqlens, s.N)
+        states = checkpoints if reuse else ws["states"]
+        dinit = ws.get("dinit32", dinitial_state)
+        work = (ws["work16"], ws["work32"])
+        in_place = gradients_in_place(s.HQ, s.HK, s.HV)
+        grads = (dq, dk, dv) if in_place else (ws["dq32"], ws["dk32"], ws["dv32"])
+        # the recurrences split over two CTAs per (sequence, head) when the pairs fill at
+        # most half of the SMs (GdnFwdSm90._split_recurrence's rule)
+        split = "_split" if s.V == 128 and 2 * s.N * s.HO <= sm_count(index) else ""
+        with device_guard(index):
+            kernels["prepare"](q, k, v, g, beta, cu_seqlens, *work, ws["inv"], s.scale, handle)
+            if not reuse:
+                kernels["states" + split](q, k, *work, cu_seqlens, None, initial_state, None,
+                                          None, states, CHUNK_SIZE, handle)
+            kernels["state_grad" + split](q, k, do, *work, cu_seqlens, dfinal, ws["dstates"],
+                                          ws["ddelta"], dinit, handle)
+            kernels["chunk_grad"](q, k, v, g, beta, cu_seqlens, do, *work, ws["inv"], states,
+                                  ws["dstates"], ws["ddelta"], *grads, dg, dbeta, s.scale,
+                                  handle)
+            if not in_place:
+                kernels["finish"](q, k, *grads, dq, dk, dv, handle)
+        if dinit is not dinitial_state:
+            with torch.cuda.stream(torch_stream(handle, index)):
+                dinitial_state.copy_(dinit)
+
+
+def _fake_grads(s: GdnShapes, tokens) -> tuple:
+    """dq (T, HQ, K), dk (T, HK, K), dv (T, HV, V) in the io dtype, strided like the inputs
+    (the chunk kernel writes them itself without grouped heads)."""
+    from ..kernels.fake import fake_tokens
+    io = _cute_type(s.dtype)
+    return (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
+            fake_tokens(io, tokens, s.HV, s.V))
+
+
+def _fake_grads32(s: GdnShapes, tokens) -> tuple:
+    """dq32, dk32 (T, HO, K) and dv32 (T, HO, V): float32, compact but for a 64-bit token
+    stride."""
+    return (_fake_rows(torch.float32, tokens, (s.HO, s.K)),
+            _fake_rows(torch.float32, tokens, (s.HO, s.K)),
+            _fake_rows(torch.float32, tokens, (s.HO, s.V)))

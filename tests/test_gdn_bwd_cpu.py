@@ -1,0 +1,737 @@
+"""GdnBwdSm90 (precast/lifecycle/gdn_bwd.py), gated_delta_net_backward and the backward
+custom op (precast/linear_attention.py) on a CPU machine: static configuration and cache
+key, from_config, the backward's rules (gdn_rules.check_gdn_gradients, through the op and
+on real CPU tensors), execute()'s launches (kernels stood in for and recorded): order,
+arguments, checkpoint reuse, the initial state's gradient, int64 offsets; the workspace
+(shapes, given, the op's own per device and stream, refused while capturing); N == 0 and
+T == 0; the allocating function and the custom op's fake; the kernels' fake arguments and
+one cross-compilation of every backward kernel (marked compile)."""
+import math
+import sys
+
+import pytest
+import torch
+from conftest import isolate_from_kernels, key_of, record_launches
+
+import precast
+from precast import GdnBwdSm90, TensorDesc, gated_delta_net_backward
+from precast.lifecycle import gdn_bwd as bwd_module
+from precast.lifecycle import gdn_fwd as fwd_module
+from precast.lifecycle.cache import ArtifactCache
+from precast.lifecycle.gdn_bwd import kernel_modes
+from precast.lifecycle.gdn_rules import check_gdn_gradients, check_gdn_inputs
+from precast.lifecycle.op import OP_REGISTRY, Op
+from precast.plan import OP_MODULES, expand
+
+BF, FP, F32, F64, I32, I64 = (torch.bfloat16, torch.float16, torch.float32, torch.float64,
+                              torch.int32, torch.int64)
+# Grouped v heads and K != V, so that every shape mix-up is visible.
+T, N, HQ, HK, HV, K, V = 128, 4, 4, 4, 8, 64, 128
+HO = max(HQ, HV)
+CHUNKS = T // 64 + N
+COMPILED_OPS = sys.modules["precast.op_cache"]
+# What a call of this file's (grouped) configuration launches on a 16-SM stand-in device
+# (too few SMs to split the recurrences).
+LAUNCHED = ["prepare", "states", "state_grad", "chunk_grad", "finish"]
+
+
+def expected_modes(cfg) -> tuple:
+    split = ("states_split", "state_grad_split") if cfg["v_dim"] == 128 else ()
+    grouped = len({cfg["q_heads"], cfg["k_heads"], cfg["v_heads"]}) > 1
+    return ("prepare", "states", "state_grad", "chunk_grad") + split + (
+        ("finish",) if grouped else ())
+
+
+@pytest.fixture(autouse=True)
+def _isolated(request, monkeypatch, tmp_path):
+    """Nothing here builds or loads kernels (but the compile-marked tests); no cached ops."""
+    if request.node.get_closest_marker("compile") is None:
+        isolate_from_kernels(monkeypatch, tmp_path)
+
+
+def desc(shape, dtype=BF, stride=None, alignment=16):
+    return TensorDesc(dtype, shape, stride, "cuda", alignment)
+
+
+def meta(*shape, dtype=BF):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def samples(t=T, n=N, hq=HQ, hk=HK, hv=HV, k=K, v=V, dtype=BF, g_dtype=F32, beta_dtype=F32):
+    ho = max(hq, hv)
+    return dict(sample_q=desc((t, hq, k), dtype), sample_k=desc((t, hk, k), dtype),
+                sample_v=desc((t, hv, v), dtype), sample_g=desc((t, ho), g_dtype),
+                sample_beta=desc((t, ho), beta_dtype), sample_cu_seqlens=desc((n + 1,), I32),
+                sample_do=desc((t, ho, v), dtype))
+
+
+def bwd(**kw) -> GdnBwdSm90:
+    return GdnBwdSm90(**{**samples(), **kw})
+
+
+def state(rows=N, dtype=F32):
+    return desc((rows, HO, V, K), dtype)
+
+
+def call(t=T, n=N, dtype=BF, **kw):
+    """execute() arguments (meta tensors) of the base configuration."""
+    a = dict(q=meta(t, HQ, K, dtype=dtype), k=meta(t, HK, K, dtype=dtype),
+             v=meta(t, HV, V, dtype=dtype), g=meta(t, HO, dtype=F32),
+             beta=meta(t, HO, dtype=F32), cu_seqlens=meta(n + 1, dtype=I32),
+             do=meta(t, HO, V, dtype=dtype), dq=meta(t, HQ, K, dtype=dtype),
+             dk=meta(t, HK, K, dtype=dtype), dv=meta(t, HV, V, dtype=dtype),
+             dg=meta(t, HO, dtype=F32), dbeta=meta(t, HO, dtype=F32))
+    return {**a, **kw}
+
+
+# --- registration -------------------------------------------------------------------------------
+def test_exported_and_registered():
+    assert precast.GdnBwdSm90 is GdnBwdSm90
+    assert precast.gated_delta_net_backward is gated_delta_net_backward
+    assert {"GdnBwdSm90", "gated_delta_net_backward"} <= set(precast.__all__)
+    assert OP_REGISTRY["GdnBwdSm90"] is GdnBwdSm90
+    assert "precast.lifecycle.gdn_bwd" in OP_MODULES
+    assert hasattr(torch.ops.precast, "gated_delta_net_backward")
+    assert GdnBwdSm90.supported_archs == ("sm_90a",)
+    assert set(GdnBwdSm90.kernel_sources) >= {
+        "precast.kernels.gdn_chunk_sm90", "precast.kernels.gdn_recurrence_sm90",
+        "precast.kernels.gdn_bwd_recurrence_sm90", "precast.kernels.gdn_bwd_chunk_sm90",
+        "precast.kernels.gdn_bwd_finish_sm90", "precast.kernels.gdn_layout"}
+    # the stage 1 and 2 fake arguments are built by the forward's module
+    assert GdnBwdSm90.host_sources == ("precast.lifecycle.gdn_fwd",)
+
+
+def test_cache_key_fingerprints_the_forward_module(monkeypatch):
+    from precast.lifecycle import op as op_mod
+    seen = []
+    monkeypatch.setattr(op_mod, "source_fingerprint", lambda mods: seen.append(mods) or "x")
+    bwd().check_support().cache_key("sm_90a")
+    assert seen == [GdnBwdSm90.kernel_sources + ("precast.lifecycle.gdn_bwd",
+                                                 "precast.lifecycle.gdn_fwd")]
+
+
+# --- static configuration and cache key ---------------------------------------------------------
+BASE_CONFIG = {"dtype": "bfloat16", "k_dim": K, "v_dim": V, "q_heads": HQ, "k_heads": HK,
+               "v_heads": HV, "g_dtype": "float32", "beta_dtype": "float32",
+               "state_dtype": "none", "use_qk_l2norm_in_kernel": False,
+               "final_state_grad": False}
+
+
+def test_static_config_reads_the_samples():
+    assert bwd().static_config() == BASE_CONFIG
+    op = bwd(sample_initial_state=state(dtype=BF), sample_dfinal=state(),
+             use_qk_l2norm_in_kernel=True, **samples(g_dtype=BF, beta_dtype=FP))
+    assert op.static_config() == {**BASE_CONFIG, "state_dtype": "io", "final_state_grad": True,
+                                  "use_qk_l2norm_in_kernel": True, "g_dtype": "bfloat16",
+                                  "beta_dtype": "float16"}
+
+
+STATIC_CHANGES = {
+    "dtype": samples(dtype=FP),
+    "k_dim": samples(k=128),
+    "v_dim": samples(v=64),
+    "k_heads": samples(hk=HV),
+    "v_heads": samples(hv=HQ),
+    "g_dtype": samples(g_dtype=BF),
+    "beta_dtype": samples(beta_dtype=BF),
+    "state_dtype": dict(sample_initial_state=state()),
+    "final_state_grad": dict(sample_dfinal=state()),
+    "use_qk_l2norm_in_kernel": dict(use_qk_l2norm_in_kernel=True),
+}
+
+
+@pytest.mark.parametrize("field", sorted(STATIC_CHANGES))
+def test_cache_key_changes_with_each_static_field(fixed_sources, field):
+    base, changed = bwd(), bwd(**STATIC_CHANGES[field])
+    assert key_of(changed) != key_of(base)
+    assert {k for k, v in changed.static_config().items()
+            if base.static_config()[k] != v} == {field}
+
+
+@pytest.mark.parametrize("kw", [
+    dict(scale=0.125), dict(**samples(t=4096, n=1)), dict(**samples(t=0, n=0)),
+    # checkpoints are runtime values: reused or not, any spacing and dtype
+    dict(sample_checkpoints=state(rows=CHUNKS, dtype=BF), checkpoint_every_n_tokens=64),
+    dict(sample_checkpoints=state(rows=T // 128 + N), checkpoint_every_n_tokens=128),
+    dict(sample_q=desc((T, HQ, K), stride=(3 * HQ * K, K + 8, 1)),
+         sample_do=desc((T, HO, V), stride=(2 * HO * V, V, 1))),
+])
+def test_cache_key_ignores_runtime_values(fixed_sources, kw):
+    assert key_of(bwd(**kw)) == key_of(bwd())
+
+
+CONFIGS = [
+    {}, dict(dtype="float16", k_dim=64, v_dim=64),
+    dict(q_heads=4, k_heads=4, v_heads=16), dict(q_heads=16, k_heads=4, v_heads=4),
+    dict(g_dtype="bfloat16", beta_dtype="float16"),
+    dict(state_dtype="float32", final_state_grad=True, use_qk_l2norm_in_kernel=True),
+    dict(state_dtype="io"), dict(final_state_grad=True),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_from_config_round_trip(config):
+    op = GdnBwdSm90.from_config(**config).check_support()
+    cfg = op.static_config()
+    assert set(cfg) == set(BASE_CONFIG)
+    for key, value in config.items():
+        assert cfg[key] == value
+    assert GdnBwdSm90.from_config(**cfg).static_config() == cfg
+    (entry,) = expand({"name": "GdnBwdSm90", **cfg})
+    assert dict(entry.config) == cfg
+    assert tuple(op._kernel_builders()) == kernel_modes(op.shapes) == expected_modes(cfg)
+
+
+@pytest.mark.parametrize("config,exc,match", [
+    (dict(state_dtype="bfloat16"), ValueError, "state_dtype must be one of 'none', 'float32', "
+     "'io'"),
+    (dict(final_state_grad=1), TypeError, "final_state_grad must be a bool, got int"),
+    (dict(use_qk_l2norm_in_kernel="yes"), TypeError, "use_qk_l2norm_in_kernel must be a bool"),
+    (dict(k_dim=96), NotImplementedError, "head dim K = 96 is not supported"),
+    (dict(q_heads=3, v_heads=4), ValueError, "HQ and HV must be equal or one a multiple"),
+    (dict(dtype="float8"), TypeError, "unknown dtype 'float8'"),
+])
+def test_from_config_rules(config, exc, match):
+    with pytest.raises(exc, match=match):
+        GdnBwdSm90.from_config(**config).check_support()
+
+
+# --- the backward's rules on the samples ----------------------------------------------------------
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(sample_state_indices=desc((N,), I32), sample_initial_state=state(rows=9)),
+     NotImplementedError, r"state_indices: the state pool is forward only"),
+    (dict(sample_do=None), ValueError, r"do is required: \[T, HO, V\] bfloat16"),
+    (dict(sample_do=desc((T, HO, K))), ValueError,
+     r"do: shape \[128, 8, 64\] does not match \[T, HO, V\] = \[128, 8, 128\]"),
+    (dict(sample_do=desc((T, HO, V), F32)), TypeError,
+     "do: dtype float32 is not supported; expected bfloat16"),
+    (dict(sample_do=desc((T, HV, V), stride=(HV * V, V + 4, 1))), ValueError,
+     "do: axis-1 stride 132 must be a multiple of 8 elements"),
+    (dict(sample_dfinal=state(dtype=BF)), TypeError,
+     "dfinal: dtype bfloat16 is not supported; expected float32"),
+    (dict(sample_dfinal=desc((N + 1, HO, V, K), F32)), ValueError,
+     r"dfinal: shape \[5, 8, 128, 64\] does not match \[N, HO, V, K\]"),
+    (dict(sample_initial_state=state(dtype=FP)), TypeError, "initial_state: dtype float16"),
+    (dict(sample_checkpoints=state(rows=CHUNKS, dtype=BF)), ValueError,
+     "checkpoints is given but checkpoint_every_n_tokens is None"),
+    (dict(sample_checkpoints=state(rows=CHUNKS, dtype=BF), checkpoint_every_n_tokens=128),
+     ValueError, r"checkpoints: shape \[6, 8, 128, 64\] does not match"),
+    (dict(sample_checkpoints=state(rows=CHUNKS, dtype=FP), checkpoint_every_n_tokens=64),
+     TypeError, "checkpoint_dtype: float16 is not supported"),
+    (dict(scale=0.0), ValueError, "scale must be positive"),
+    (dict(sample_do=desc((T, HO, V), stride=(V, 2**30, 1))), NotImplementedError,
+     "do: the head stride 1073741824 puts the last head"),
+])
+def test_sample_rules(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        bwd(**kw).check_support()
+
+
+def test_at_most_65535_sequences():
+    bwd(**samples(t=0, n=65535)).check_support()
+    with pytest.raises(NotImplementedError, match="N = 65536 sequences"):
+        bwd(**samples(t=0, n=65536)).check_support()
+
+
+# --- execute: the call against the op's configuration ---------------------------------------------
+@pytest.fixture
+def launches(monkeypatch):
+    """conftest.record_launches for GdnBwdSm90: its torch-side work runs in its module and
+    in the forward's (stream_buffers, offsets_as_int32)."""
+    monkeypatch.setattr(bwd_module, "sm_count", lambda index: 16)
+    return record_launches(monkeypatch, (bwd_module, fwd_module),
+                           lambda op: kernel_modes(op.shapes), "empty")
+
+
+def kinds(rec):
+    return [e[0] for e in rec.events]
+
+
+def workspace(op, t=T, n=N, device="meta"):
+    """make_workspace's buffers, made by the real torch (the recorder stands in for the
+    module's)."""
+    return {name: torch.empty(shape, dtype=op.workspace_dtype(name), device=device)
+            for name, shape in op.workspace_shapes(t, n).items()}
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("op_kw,changes,exc,match", [
+    ({}, dict(q=meta(T, 2 * HQ, K), k=meta(T, 2 * HK, K)), ValueError,
+     r"q_heads = 8 \(q heads HQ\) but this op is compiled for q_heads = 4; make another "
+     r"GdnBwdSm90 for this configuration \(gated_delta_net_backward keeps one"),
+    ({}, dict(dfinal=meta(N, HO, V, K, dtype=F32)), ValueError,
+     r"final_state_grad = True \(dfinal given \(the final state's gradient\)\) but this op is "
+     "compiled for final_state_grad = False"),
+    (dict(sample_dfinal=state()), {}, ValueError, "dfinal is required: this op is compiled "
+     "for final_state_grad=True"),
+    ({}, dict(initial_state=meta(N, HO, V, K, dtype=F32)), ValueError,
+     r"state_dtype = 'float32'.*compiled for state_dtype = 'none'"),
+    ({}, dict(g=meta(T, HO), dg=meta(T, HO)), TypeError, "g_dtype = 'bfloat16'"),
+    ({}, dict(state_indices=meta(N, dtype=I32)), NotImplementedError,
+     "state pool is forward only"),
+    ({}, dict(do=None), ValueError, "do is required"),
+    ({}, dict(dq=None), ValueError, r"dq is required: \[T, HQ, K\] bfloat16 \(its input's\)"),
+    ({}, dict(dk=meta(T, HV, K)), ValueError, r"dk: shape \[128, 8, 64\] does not match "
+     r"\[T, HK, K\] = \[128, 4, 64\]"),
+    ({}, dict(dv=meta(T, HV, V, dtype=FP)), TypeError, "dv: dtype float16 is not supported; "
+     "expected bfloat16"),
+    ({}, dict(dg=meta(T, HO)), TypeError, "dg: dtype bfloat16 is not supported; expected "
+     "float32"),
+    ({}, dict(dbeta=meta(T, HO + 1, dtype=F32)), ValueError, r"dbeta: shape \[128, 9\] does "
+     r"not match \[T, HO\]"),
+    ({}, dict(dinitial_state=meta(N, HO, V, K, dtype=F32)), ValueError,
+     "dinitial_state is given but there is no initial_state to differentiate"),
+    (dict(sample_initial_state=state()), dict(initial_state=meta(N, HO, V, K, dtype=F32)),
+     ValueError, "dinitial_state is required with an initial_state"),
+    (dict(sample_initial_state=state(dtype=BF)),
+     dict(initial_state=meta(N, HO, V, K), dinitial_state=meta(N, HO, V, K, dtype=F32)),
+     TypeError, "dinitial_state: dtype float32 is not supported; expected bfloat16"),
+])
+def test_execute_refuses(launches, op_kw, changes, exc, match):
+    op = bwd(**op_kw).check_support()
+    with pytest.raises(exc, match=match):
+        op.execute(**call(**changes), stream=1)
+    assert launches.events == []
+
+
+# --- execute: launches (kernels stood in for) -----------------------------------------------------
+def test_execute_launches_every_stage_in_order(launches):
+    op = bwd(use_qk_l2norm_in_kernel=True, scale=0.5).check_support()
+    a = call()
+    op.execute(**a, stream=7)
+    assert [m for m, _ in launches.calls] == LAUNCHED
+    (_, prep), (_, states), (_, sgrad), (_, cgrad), (_, fin) = launches.calls
+    q, k, v, g, beta, cu, do = (a[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "do"))
+    # prepare(q, k, v, g, beta, cu_seqlens, work16, work32, inv, scale, stream)
+    assert same(prep[:6], [q, k, v, g, beta, cu]) and prep[9:] == (0.5, 7)
+    assert [tuple(t.shape) for t in prep[6:9]] == [(CHUNKS, HO, 64, K + V + 64),
+                                                   (CHUNKS, HO, 136), (CHUNKS, HO, 64, 64)]
+    # states(q, k, work16, work32, cu_seqlens, no o, initial state, None, None, states, 64,
+    # stream)
+    assert same(states[:5], [q, k, prep[6], prep[7], cu])
+    assert states[5:9] == (None, None, None, None) and states[10:] == (64, 7)
+    assert tuple(states[9].shape) == (CHUNKS, HO, V, K) and states[9].dtype == BF
+    # state_grad(q, k, do, work16, work32, cu_seqlens, dfinal, dstates, ddelta, dinit, stream)
+    assert same(sgrad[:6], [q, k, do, prep[6], prep[7], cu]) and sgrad[6] is None
+    assert tuple(sgrad[7].shape) == (CHUNKS, HO, V, K) and sgrad[7].dtype == BF
+    assert tuple(sgrad[8].shape) == (CHUNKS, HO, 64, V) and sgrad[9:] == (None, 7)
+    # chunk_grad(q, k, v, g, beta, cu_seqlens, do, work16, work32, inv, states, dstates,
+    # ddelta, dq32, dk32, dv32, dg, dbeta, scale, stream)
+    assert same(cgrad[:13], [q, k, v, g, beta, cu, do, prep[6], prep[7], prep[8], states[9],
+                             sgrad[7], sgrad[8]])
+    assert [(tuple(t.shape), t.dtype) for t in cgrad[13:16]] == [
+        ((T, HO, K), F32), ((T, HO, K), F32), ((T, HO, V), F32)]
+    assert same(cgrad[16:18], [a["dg"], a["dbeta"]]) and cgrad[18:] == (0.5, 7)
+    # finish(q, k, dq32, dk32, dv32, dq, dk, dv, stream)
+    assert same(fin, [q, k, *cgrad[13:16], a["dq"], a["dk"], a["dv"]] + [fin[-1]])
+    assert fin[-1] == 7
+    # the op's buffers, made once on the launch stream before the launches
+    assert kinds(launches)[-5:] == ["launch"] * 5 and "launch" not in kinds(launches)[:-5]
+    assert launches.capture_queries == [7] * 3 and len(op._workspaces) == 3
+
+
+def test_checkpoints_at_64_in_the_io_dtype_are_reused(launches):
+    """The states kernel is skipped and the checkpoints are the chunk states; the op does
+    not make the states buffer."""
+    op = bwd(sample_initial_state=state()).check_support()
+    ckpt = meta(CHUNKS, HO, V, K)
+    s0, ds0 = meta(N, HO, V, K, dtype=F32), meta(N, HO, V, K, dtype=F32)
+    op.execute(**call(), initial_state=s0, dinitial_state=ds0, checkpoints=ckpt,
+               checkpoint_every_n_tokens=64, stream=3)
+    assert [m for m, _ in launches.calls] == ["prepare", "state_grad", "chunk_grad", "finish"]
+    assert launches.calls[2][1][10] is ckpt
+    assert launches.calls[1][1][9] is ds0  # a float32 initial state: written in place
+    assert all("states" not in key and "o" not in key for key in op._workspaces)
+    # n = 128 or float32 checkpoints: recomputed from the initial state, never read
+    for n, dtype in ((128, BF), (64, F32)):
+        launches.calls.clear()
+        ckpt = meta(T // n + N, HO, V, K, dtype=dtype)
+        op.execute(**call(), initial_state=s0, dinitial_state=ds0, checkpoints=ckpt,
+                   checkpoint_every_n_tokens=n, stream=3)
+        assert [m for m, _ in launches.calls] == LAUNCHED
+        states = launches.calls[1][1]
+        assert states[6] is s0 and states[9] is not ckpt
+        assert launches.calls[3][1][10] is states[9]
+        assert not any(x is ckpt for _, args in launches.calls for x in args)
+
+
+def test_io_initial_state_gradient_is_converted_on_the_stream(launches):
+    op = bwd(sample_initial_state=state(dtype=BF), sample_dfinal=state()).check_support()
+    s0, ds0, dfin = meta(N, HO, V, K), meta(N, HO, V, K), meta(N, HO, V, K, dtype=F32)
+    op.execute(**call(), initial_state=s0, dinitial_state=ds0, dfinal=dfin, stream=5)
+    sgrad = launches.calls[2][1]
+    assert sgrad[6] is dfin and sgrad[9].dtype == F32 and tuple(sgrad[9].shape) == (N, HO, V, K)
+    assert launches.calls[1][1][6] is s0
+    assert launches.events[-3:] == [("stream", 5, None), ("copy", ds0, sgrad[9]),
+                                    ("end stream",)]
+    assert op.workspace_shapes(T, N)["dinit32"] == (N, HO, V, K)
+    assert "dinit32" not in bwd(sample_initial_state=state()).workspace_shapes(T, N)
+
+
+def test_int64_cu_seqlens_run_from_an_int32_copy(launches):
+    op = bwd().check_support()
+    cu64 = meta(N + 1, dtype=I64)
+    op.execute(**call(cu_seqlens=cu64), stream=4)
+    offsets = launches.calls[0][1][5]
+    assert offsets.dtype == I32 and tuple(offsets.shape) == (N + 1,)
+    assert launches.calls[1][1][4] is offsets  # states
+    assert launches.calls[2][1][5] is offsets and launches.calls[3][1][5] is offsets
+    copies = [e for e in launches.events if e[0] == "copy"]
+    assert copies[-1][1] is offsets and copies[-1][2] is cu64
+
+
+def test_scale_is_a_runtime_value(launches):
+    op = bwd(scale=0.5).check_support()
+    op.execute(**call(), stream=1)
+    op.execute(**call(), stream=1, scale=0.25)
+    assert [c[9] for m, c in launches.calls if m == "prepare"] == [0.5, 0.25]
+    assert [c[18] for m, c in launches.calls if m == "chunk_grad"] == [0.5, 0.25]
+    bwd().check_support().execute(**call(), stream=1)
+    assert launches.calls[-5][1][9] == 1 / math.sqrt(K)
+
+
+# --- the workspace --------------------------------------------------------------------------------
+def test_workspace_shapes():
+    op = bwd()
+    shapes = op.workspace_shapes(T, N)
+    assert shapes == {"work16": (CHUNKS, HO, 64, K + V + 64), "work32": (CHUNKS, HO, 136),
+                      "inv": (CHUNKS, HO, 64, 64), "dstates": (CHUNKS, HO, V, K),
+                      "ddelta": (CHUNKS, HO, 64, V), "states": (CHUNKS, HO, V, K),
+                      "dq32": (T, HO, K), "dk32": (T, HO, K), "dv32": (T, HO, V)}
+    assert op.workspace_shapes(0, 3)["inv"][0] == 3
+    assert op.workspace_shapes(65, 2)["dq32"][0] == 65
+    assert {n: op.workspace_dtype(n) for n in shapes} == {
+        **{n: BF for n in ("work16", "inv", "dstates", "ddelta", "states")},
+        **{n: F32 for n in ("work32", "dq32", "dk32", "dv32")}}
+    ws = op.make_workspace(T, N, device="meta")
+    assert {n: (tuple(t.shape), t.dtype) for n, t in ws.items()} == {
+        n: (shape, op.workspace_dtype(n)) for n, shape in shapes.items()}
+    with pytest.raises(ValueError, match="total_tokens must be >= 0"):
+        op.workspace_shapes(-1, 1)
+
+
+def test_execute_with_a_workspace_allocates_nothing(launches):
+    op = bwd().check_support()
+    ws = workspace(op)
+    launches.capturing = True  # also while the stream captures
+    op.execute(**call(), workspace=ws, stream=3)
+    assert kinds(launches) == ["launch"] * 5 and op._workspaces == {}
+    (_, prep), (_, states), (_, sgrad), (_, cgrad), _ = launches.calls
+    assert same(prep[6:9], [ws["work16"], ws["work32"], ws["inv"]])
+    assert states[5] is None and states[9] is ws["states"]
+    assert sgrad[7] is ws["dstates"] and sgrad[8] is ws["ddelta"]
+    assert same(cgrad[13:16], [ws["dq32"], ws["dk32"], ws["dv32"]])
+    # reusing checkpoints, states may be left out
+    ckpt = meta(CHUNKS, HO, V, K)
+    del ws["states"]
+    op.execute(**call(), workspace=ws, checkpoints=ckpt, checkpoint_every_n_tokens=64, stream=3)
+    with pytest.raises(ValueError, match=r"workspace: lacks \['states'\]"):
+        op.execute(**call(), workspace=ws, stream=3)
+
+
+WORKSPACE_RULES = [
+    ("not-a-dict", lambda ws: tuple(ws.values()), TypeError,
+     "workspace: expected a dict name -> tensor"),
+    ("missing", lambda ws: {n: t for n, t in ws.items() if n != "inv"}, ValueError,
+     r"workspace: lacks \['inv'\]"),
+    ("unknown", lambda ws: {**ws, "extra": ws["inv"]}, ValueError,
+     r"workspace: unknown entries \['extra'\]"),
+    ("dtype", lambda ws: {**ws, "dq32": meta(T, HO, K)}, TypeError,
+     r"workspace\['dq32'\]: dtype bfloat16 is not supported; expected float32"),
+    ("rows", lambda ws: {**ws, "ddelta": meta(CHUNKS - 1, HO, 64, V)}, ValueError,
+     r"workspace\['ddelta'\]: extent 5 on axis 0"),
+    ("padded", lambda ws: {**ws, "inv": meta(CHUNKS, HO, 64, 72)[..., :64]}, ValueError,
+     r"workspace\['inv'\]: must be contiguous"),
+]
+
+
+@pytest.mark.parametrize("change,exc,match", [r[1:] for r in WORKSPACE_RULES],
+                         ids=[r[0] for r in WORKSPACE_RULES])
+def test_execute_refuses_bad_workspaces(launches, change, exc, match):
+    op = bwd().check_support()
+    with pytest.raises(exc, match=match):
+        op.execute(**call(), workspace=change(workspace(op)), stream=1)
+    assert launches.events == []
+
+
+def test_own_workspace_per_stream_grown_and_reused(launches):
+    op = bwd().check_support()
+    op.execute(**call(), stream=7)
+    first = dict(op._workspaces)
+    op.execute(**call(t=T // 2, n=1), stream=7)  # smaller: views of the same buffers
+    assert op._workspaces == first
+    assert launches.calls[-1][1][2]._base is first[(None, 7, "dq32", "dk32", "dv32")][0]
+    op.execute(**call(t=4 * T), stream=7)  # more tokens and chunks: grown
+    assert len(op._outgrown) == 3 and op._workspaces.keys() == first.keys()
+    op.execute(**call(), stream=8)  # another stream: its own
+    assert len(op._workspaces) == 6
+
+
+def test_own_workspace_refused_while_capturing(launches):
+    op = bwd().check_support()
+    launches.capturing = True
+    with pytest.raises(RuntimeError, match=r"^GdnBwdSm90\.execute: the stream is capturing a "
+                       r"CUDA graph and this op has no workspace \['work16', .*\] of 6 rows "
+                       r"for it; pass workspace= \(make_workspace\(128, 4\)\)"):
+        op.execute(**call(), stream=7)
+    assert launches.calls == [] and op._workspaces == {}
+    launches.capturing = False
+    op.execute(**call(), stream=7)
+    launches.capturing = True
+    op.execute(**call(), stream=7)  # made before the capture: reused
+    assert len(launches.calls) == 10
+
+
+# --- N == 0 and T == 0 ----------------------------------------------------------------------------
+def test_no_sequence_writes_nothing(launches):
+    op = bwd(sample_initial_state=state(), sample_dfinal=state()).check_support()
+    empty = meta(0, HO, V, K, dtype=F32)
+    op.execute(**call(t=0, n=0), initial_state=empty, dinitial_state=meta(0, HO, V, K, dtype=F32),
+               dfinal=empty, stream=1)
+    assert launches.events == [] and op._workspaces == {}
+
+
+@pytest.fixture
+def on_cpu(monkeypatch, launches):
+    """The rules ask tensors for device "cpu": execute() takes CPU tensors (real memory:
+    copies and overlaps)."""
+    for name in ("check_gdn_inputs", "check_gdn_gradients", "check_tensor"):
+        real = getattr(bwd_module, name)
+
+        def on(*a, _real=real, **kw):  # samples (descriptors) still describe cuda tensors
+            named = list(a) + list(kw.values()) + (list(a[1].values())
+                                                   if isinstance(a[1], dict) else [])
+            cpu = any(isinstance(t, torch.Tensor) for t in named)
+            return _real(*a, **{**kw, "device": "cpu" if cpu else "cuda"})
+        monkeypatch.setattr(bwd_module, name, on)
+    launches.alloc_device = "cpu"
+    return launches
+
+
+def cpu_call(t, n, **kw):
+    return {**{name: torch.zeros(x.shape, dtype=x.dtype) for name, x in call(t=t, n=n).items()},
+            **kw}
+
+
+def test_empty_tokens_initial_state_gradient_is_dfinal(on_cpu):
+    op = bwd(sample_initial_state=state(dtype=BF), sample_dfinal=state()).check_support()
+    dfinal = torch.randn(N, HO, V, K)
+    ds0 = torch.full((N, HO, V, K), math.nan).to(BF)
+    op.execute(**cpu_call(0, N), initial_state=torch.zeros(N, HO, V, K, dtype=BF),
+               dinitial_state=ds0, dfinal=dfinal, stream=4)
+    assert torch.equal(ds0, dfinal.to(BF)) and on_cpu.calls == []
+    assert kinds(on_cpu) == ["stream", "copy", "end stream"] and op._workspaces == {}
+    # without dfinal: zeros
+    op = bwd(sample_initial_state=state()).check_support()
+    ds0 = torch.full((N, HO, V, K), math.nan)
+    op.execute(**cpu_call(0, N), initial_state=torch.zeros(N, HO, V, K), dinitial_state=ds0,
+               stream=4)
+    assert torch.equal(ds0, torch.zeros_like(ds0))
+
+
+def test_gradients_may_not_alias(on_cpu):
+    op = bwd().check_support()
+    a = cpu_call(T, N)
+    with pytest.raises(ValueError, match="dq overlaps q in memory"):
+        op.execute(**{**a, "dq": a["q"]}, stream=1)
+    with pytest.raises(ValueError, match="dq overlaps dk in memory"):
+        op.execute(**{**a, "dk": a["dq"]}, stream=1)
+    ws = workspace(op, device="cpu")
+    inside = ws["ddelta"].reshape(-1)[:T * HO * V].view(T, HO, V)
+    with pytest.raises(ValueError, match=r"workspace\['ddelta'\] overlaps do in memory"):
+        op.execute(**{**a, "do": inside}, workspace=ws, stream=1)
+    # dg and dbeta as column slices of one gradient buffer: fine
+    gates = torch.zeros(T, 2 * HO)
+    op.execute(**{**a, "dg": gates[:, :HO], "dbeta": gates[:, HO:]}, stream=1)
+    assert [m for m, _ in on_cpu.calls] == LAUNCHED
+
+
+def test_gradient_rules_on_real_tensors():
+    """check_gdn_gradients on CPU tensors: a strided do (a view of a larger buffer) and
+    strided gradients pass; cross-device ones fail."""
+    named = {n: torch.zeros(x.shape, dtype=x.dtype) for n, x in call().items()}
+    s = check_gdn_inputs(*(named[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")),
+                         device="cpu")
+    inputs = {n: named[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")}
+    grads = {n: named[n] for n in ("dq", "dk", "dv", "dg", "dbeta")} | {"dinitial_state": None}
+    do = torch.zeros(T, HO, 2 * V, dtype=BF)[..., :V]
+    check_gdn_gradients(s, inputs, do=do, gradients=grads, device="cpu")
+    with pytest.raises(ValueError, match="do: tensor is on meta|dq is on meta"):
+        check_gdn_gradients(s, inputs, do=do, gradients={**grads, "dq": meta(T, HQ, K)},
+                            device="cpu")
+
+
+# --- the allocating function and the custom op ----------------------------------------------------
+@pytest.fixture
+def no_compile(monkeypatch, launches):
+    def compile(self, arch=None, cache=None):
+        self._kernels, self._arch = {}, "sm_90a"
+        return self
+    monkeypatch.setattr(Op, "compile", compile)
+    return launches
+
+
+def forward_inputs(t=T, n=N, **kw):
+    a = call(t=t, n=n)
+    return {**{name: a[name] for name in ("q", "k", "v", "g", "beta", "cu_seqlens", "do")}, **kw}
+
+
+def test_allocating_function(no_compile):
+    r = gated_delta_net_backward(**forward_inputs(), use_qk_l2norm_in_kernel=True, scale=0.5,
+                                 stream=0)
+    dq, dk, dv, dg, dbeta, ds0 = r
+    a = forward_inputs()
+    for grad, name in ((dq, "q"), (dk, "k"), (dv, "v"), (dg, "g"), (dbeta, "beta")):
+        assert grad.shape == a[name].shape and grad.dtype == a[name].dtype
+    assert ds0 is None and r.dq is dq
+    assert [m for m, _ in no_compile.calls] == LAUNCHED
+    assert same(no_compile.calls[-1][1][5:8], [dq, dk, dv])
+    assert no_compile.calls[0][1][9] == 0.5
+    (op,) = COMPILED_OPS._ops.values()
+    assert op.static_config() == {**BASE_CONFIG, "use_qk_l2norm_in_kernel": True}
+    # an initial state (io dtype), dfinal and reused checkpoints: another op
+    s0 = meta(N, HO, V, K)
+    r = gated_delta_net_backward(**forward_inputs(), initial_state=s0,
+                                 dfinal=meta(N, HO, V, K, dtype=F32),
+                                 checkpoints=meta(CHUNKS, HO, V, K), checkpoint_every_n_tokens=64,
+                                 stream=0)
+    assert r.dinitial_state.shape == s0.shape and r.dinitial_state.dtype == BF
+    assert len(COMPILED_OPS._ops) == 2 and no_compile.calls[-4][0] == "prepare"
+
+
+def test_allocating_function_copies_what_it_cannot_read(no_compile):
+    """An expanded do (what o.sum().backward() gives) is copied; gradients are compact with
+    their inputs' shapes even for strided inputs."""
+    fused = meta(T, HQ * K + HK * K)
+    q = fused[:, :HQ * K].unflatten(1, (HQ, K))
+    do = meta(1, 1, 1).expand(T, HO, V)
+    dq, *_ = gated_delta_net_backward(**forward_inputs(q=q, do=do), stream=0)
+    prep, sgrad = no_compile.calls[0][1], no_compile.calls[2][1]
+    assert prep[0] is q and sgrad[2] is not do and sgrad[2].is_contiguous()
+    assert dq.shape == q.shape and dq.is_contiguous()
+    with pytest.raises(NotImplementedError, match="state pool .* is forward only"):
+        gated_delta_net_backward(**forward_inputs(), state_indices=meta(N, dtype=I32),
+                                 stream=0)
+
+
+def test_custom_op_fake():
+    a = forward_inputs()
+    grads = torch.ops.precast.gated_delta_net_backward(
+        *a.values(), None, None, None, None, None, False)
+    assert [tuple(t.shape) for t in grads] == [
+        (T, HQ, K), (T, HK, K), (T, HV, V), (T, HO), (T, HO), (0, HO, V, K)]
+    s0 = meta(N, HO, V, K)
+    grads = torch.ops.precast.gated_delta_net_backward(
+        *a.values(), 0.5, s0, meta(N, HO, V, K, dtype=F32), meta(CHUNKS, HO, V, K), 64, True)
+    assert grads[-1].shape == s0.shape and grads[-1].dtype == BF
+
+
+def test_autograd_and_torch_compile_trace_through_the_fakes():
+    """On meta tensors the forward and backward custom ops run their fakes: loss.backward()
+    through gated_delta_net gives every input a gradient of its shape and dtype, eagerly
+    and under torch.compile(fullgraph=True)."""
+    a = forward_inputs()
+    do, dfinal = a.pop("do"), meta(N, HO, V, K, dtype=F32)
+    cu = a.pop("cu_seqlens")
+
+    def loss(q, k, v, g, beta, initial_state):
+        o, s = precast.gated_delta_net(q, k, v, g, beta, cu, initial_state=initial_state,
+                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return (o.float() * do.float()).sum() + (s * dfinal).sum()
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        x = [t.clone().requires_grad_() for t in (*a.values(), meta(N, HO, V, K))]
+        fn(*x).backward()
+        assert all(t.grad.shape == t.shape and t.grad.dtype == t.dtype for t in x)
+
+
+# --- the kernels' fake arguments and the cross-compilation ----------------------------------------
+@pytest.mark.compile
+def test_kernel_builder_arguments():
+    """Each mode's kernel and fake arguments as the kernels' signatures take them (no code
+    is generated here)."""
+    import cutlass
+    pytest.importorskip("cutlass")
+    op = GdnBwdSm90.from_config(dtype="float16", k_dim=64, v_dim=128, q_heads=2, k_heads=8,
+                                v_heads=8, g_dtype="bfloat16", state_dtype="io",
+                                use_qk_l2norm_in_kernel=True).check_support()
+    built = {mode: build() for mode, build in op._kernel_builders().items()}
+    kernel, prep = built["prepare"]
+    assert kernel.store_inverse and len(prep) == 11
+    assert tuple(prep[8].shape[1:]) == (8, 64, 64) and prep[8].element_type == cutlass.Float16
+    _, states = built["states"]
+    assert [i for i, x in enumerate(states) if x is None] == [5, 7, 8]  # no o
+    assert tuple(states[9].shape[1:]) == (8, 128, 64) and states[9].element_type == cutlass.Float16
+    assert states[6].element_type == cutlass.Float16  # the io initial state
+    _, sgrad = built["state_grad"]
+    assert len(sgrad) == 11 and sgrad[6] is None  # no dfinal
+    assert tuple(sgrad[2].shape[1:]) == (8, 128)  # do
+    assert tuple(sgrad[8].shape[1:]) == (8, 64, 128) and sgrad[9].element_type == cutlass.Float32
+    _, cgrad = built["chunk_grad"]
+    assert len(cgrad) == 20 and None not in cgrad
+    assert [tuple(t.shape[1:]) for t in cgrad[13:16]] == [(8, 64), (8, 64), (8, 128)]
+    assert all(t.element_type == cutlass.Float32 for t in cgrad[13:16])
+    assert cgrad[16].element_type == cutlass.BFloat16 and cgrad[17].element_type == cutlass.Float32
+    _, fin = built["finish"]
+    assert len(fin) == 9
+    assert [tuple(t.shape[1:]) for t in fin[5:8]] == [(2, 64), (8, 64), (8, 128)]
+
+
+@pytest.mark.compile
+def test_every_backward_kernel_cross_compiles(tmp_path):
+    """All five modes of one configuration (every optional tensor present) build for
+    sm_90a into one cache entry."""
+    op = GdnBwdSm90.from_config(state_dtype="float32", final_state_grad=True,
+                                use_qk_l2norm_in_kernel=True,
+                                beta_dtype="bfloat16").check_support()
+    cache = ArtifactCache(tmp_path)
+    op.compile(arch="sm_90a", cache=cache)
+    assert op.is_compiled and sorted(op._kernels) == sorted(kernel_modes(op.shapes))
+    ((_, manifest),) = list(cache.entries())
+    assert set(manifest["kernels"]) == set(kernel_modes(op.shapes))
+    assert manifest["key"]["op"] == "GdnBwdSm90" and manifest["key"]["config"] == \
+        op.static_config()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("k_dim,v_dim,heads,l2norm", [
+    (128, 128, (4, 4, 4), True), (64, 64, (16, 4, 4), False), (64, 128, (4, 4, 16), True)])
+def test_finish_kernel_cross_compiles(tmp_path, k_dim, v_dim, heads, l2norm):
+    import cutlass.cute as cute
+    op = GdnBwdSm90.from_config(k_dim=k_dim, v_dim=v_dim, q_heads=heads[0], k_heads=heads[1],
+                                v_heads=heads[2], use_qk_l2norm_in_kernel=l2norm)
+    kernel, args = op.check_support()._kernel_builders()["finish"]()
+    cute.compile(kernel, *args, options="--enable-tvm-ffi --gpu-arch sm_90a")
+
+
+# --- plans ----------------------------------------------------------------------------------------
+def planned_configs(path):
+    from precast.plan import load_plan
+    return [GdnBwdSm90.from_config(**dict(e.config)).check_support().static_config()
+            for e in load_plan(path) if e.op == "GdnBwdSm90"]
+
+
+def test_gpu_tests_use_planned_configurations():
+    from pathlib import Path
+
+    from test_gdn_bwd_gpu import CONFIGS as GPU_CONFIGS
+    planned = planned_configs(Path(__file__).parent / "gpu_plan.toml")
+    assert len(planned) == len({tuple(sorted(c.items())) for c in planned})
+    for name, config in GPU_CONFIGS.items():
+        assert config in planned, name
+    assert len(planned) == len(GPU_CONFIGS)
+
+
+def test_default_plan_has_the_backward_of_every_planned_forward_shape():
+    from precast.cli import DEFAULT_PLAN
+    from precast.plan import load_plan
+    planned = planned_configs(DEFAULT_PLAN)
+    forward = [dict(e.config) for e in load_plan(DEFAULT_PLAN) if e.op == "GdnFwdSm90"]
+    for cfg in forward:
+        fields = {k: cfg[k] for k in ("dtype", "k_dim", "v_dim", "q_heads", "k_heads",
+                                      "v_heads", "g_dtype", "beta_dtype", "state_dtype",
+                                      "use_qk_l2norm_in_kernel")}
+        for final_grad in (True, False):
+            assert {**fields, "final_state_grad": final_grad} in planned, cfg
