@@ -19,7 +19,9 @@ finish resets the counter for the next launch.
 SiLU(z) = s + s * tanh(s) with s = z / 2: one MUFU.TANH per score. Masks (window edges, the
 sequence end, func intervals) are applied only on key tiles that need them, as one bit per
 column of the thread's packed 16-bit P pairs: a few integer ops per row, exact zeros. Key
-tiles outside the window are never loaded; they run from the last to the first.
+tiles outside the window are never loaded; they run from the last to the first. The first of
+them may hide its second half from all 64 rows of a warpgroup (warpgroup 0 on the causal
+diagonal, the sequence end): that warpgroup then computes S and P V over its first half only.
 """
 import cuda.bindings.driver as cuda
 
@@ -65,6 +67,10 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         self.pingpong = pingpong
         self.tile_n = TILE_N[head_dim]
         self.mask_width = self.tile_n  # masks cover a whole key tile
+        # Keys of the half key tile a warpgroup multiplies when the other half is hidden from
+        # all its rows (0: never). With 128-key tiles only the first (highest) key tile of a
+        # work tile can be such a tile (see half_tile_hidden).
+        self.half_n = self.tile_n // 2 if self.tile_n == 128 else 0
         self.stages = STAGES[head_dim]
         # A second Q buffer lets the producer load the next tile's Q during this tile
         # (shared memory allows it up to D = 128).
@@ -101,6 +107,10 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         mma_qk = sm90_utils.make_trivial_tiled_mma(
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             (TILE_M // WG_ROWS, 1, 1), (WG_ROWS, tn))
+        # The same S = Q K^T over the first half of the key tile only.
+        mma_qk_half = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            (TILE_M // WG_ROWS, 1, 1), (WG_ROWS, tn // 2))
         mma_pv = sm90_utils.make_trivial_tiled_mma(
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             (TILE_M // WG_ROWS, 1, 1), (WG_ROWS, D), warpgroup.OperandSource.RMEM)
@@ -136,15 +146,16 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         num_batches = mCuSeqlensQ.shape[0] - 1
         tile_bound = self.num_heads * ((max_seqlen_q + TILE_M - 1) // TILE_M) * num_batches
         grid = cutlass.max(cutlass.min(tile_bound, num_ctas), 1)
-        self.kernel(mma_qk, mma_pv, mQ_tma, mK_tma, mVt_tma, mO, tma_q, tma_k, tma_v, sQ_layout,
-                    sK_layout, sVt_layout, mCuSeqlensQ, mCuSeqlensK, mFunc, mPageIds,
-                    mPageIndptrs, mTileCounter, num_batches, window_left, window_right,
-                    half_alpha, out_scale).launch(grid=[grid, 1, 1],
-                                                  block=[self.num_threads, 1, 1], stream=stream)
+        self.kernel(mma_qk, mma_qk_half, mma_pv, mQ_tma, mK_tma, mVt_tma, mO, tma_q, tma_k,
+                    tma_v, sQ_layout, sK_layout, sVt_layout, mCuSeqlensQ, mCuSeqlensK, mFunc,
+                    mPageIds, mPageIndptrs, mTileCounter, num_batches, window_left,
+                    window_right, half_alpha, out_scale).launch(
+            grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, mQ: cute.Tensor,
+    def kernel(self, mma_qk: cute.TiledMma, mma_qk_half: cute.TiledMma,
+               mma_pv: cute.TiledMma, mQ: cute.Tensor,
                mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout,
@@ -192,9 +203,9 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume(mma_qk, mma_pv, mO, sQ, sK, sVt, work, pipe_q, pipe_k, pipe_v,
-                         tidx - THREADS_PER_WG, num_batches, mFunc, window_left, window_right,
-                         half_alpha, out_scale)
+            self.consume(mma_qk, mma_qk_half, mma_pv, mO, sQ, sK, sVt, work, pipe_q, pipe_k,
+                         pipe_v, tidx - THREADS_PER_WG, num_batches, mFunc, window_left,
+                         window_right, half_alpha, out_scale)
 
     @cute.jit
     def tile_info(self, batch: Int32, m_block: Int32, mCuSeqlensQ, mCuSeqlensK,
@@ -428,8 +439,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         return advanced(state)
 
     @cute.jit
-    def consume(self, mma_qk, mma_pv, mO, sQ, sK, sVt, work, pipe_q, pipe_k, pipe_v, tidx: Int32,
-                num_batches: Int32, mFunc,
+    def consume(self, mma_qk, mma_qk_half, mma_pv, mO, sQ, sK, sVt, work, pipe_q, pipe_k,
+                pipe_v, tidx: Int32, num_batches: Int32, mFunc,
                 window_left: Int32, window_right: Int32, half_alpha: Float32,
                 out_scale: Float32):
         tn = self.tile_n
@@ -447,6 +458,18 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         acc_o = cute.make_rmem_tensor(wg_pv.partition_shape_C((TILE_M, D)), Float32)
         p_regs = cute.make_rmem_tensor(acc_s.layout, self.dtype)
         tOrP = cute.make_tensor(p_regs.iterator, acc_as_operand_a(acc_s.layout))
+        half = None
+        if const_expr(self.half_n > 0):
+            # S over keys 0 .. half_n - 1 (the K rows of the first half of each stage) into
+            # an accumulator of its own. In the wgmma layout ((2, 2, N / 8), M, N) its
+            # register e holds the score of acc_s's register e (columns 8 g .. 8 g + 7 in
+            # registers 4 g .. 4 g + 3).
+            wg_qk_half = mma_qk_half.get_slice(wg * THREADS_PER_WG)
+            sK_half = cute.local_tile(sK, (self.half_n, D, self.stages), (0, 0, 0))
+            tSrK_half = wg_qk_half.make_fragment_B(wg_qk_half.partition_B(sK_half))
+            acc_half_shape = wg_qk_half.partition_shape_C((TILE_M, self.half_n))
+            assert cute.size(acc_half_shape) * 2 == cute.size(acc_s)
+            half = (mma_qk_half, tSrK_half, acc_half_shape)
 
         rows = 2  # accumulator rows per thread (r and r + 8 of its warp's 16)
         row_i = cute.make_rmem_tensor(cute.make_layout(rows), Int32)
@@ -484,8 +507,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                         for t in cutlass.range_constexpr(nf):
                             func[r, t] = mFunc[0, t, q_start + row_i[r]]
                 kv_state = self.attend(mma_qk, mma_pv, tSrQ[None, None, None, q_state.index],
-                                       tSrK, tOrVt, sVt, acc_s, acc_o, p_regs, tOrP, thr_qk,
-                                       tidx, row_i, func, pipe_q, pipe_k, pipe_v, q_state,
+                                       tSrK, half, tOrVt, sVt, acc_s, acc_o, p_regs, tOrP,
+                                       thr_qk, tidx, row_i, func, pipe_q, pipe_k, pipe_v, q_state,
                                        kv_state, m0 + wg * WG_ROWS, len_q, len_k, n_min, n_max,
                                        window_left, window_right, half_alpha)
                 if const_expr(self.staged_output):
@@ -504,7 +527,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             batch = work[W_BATCH, q_state.count % self.work_slots]
 
     @cute.jit
-    def attend(self, mma_qk, mma_pv, tSrQ, tSrK, tOrVt, sVt, acc_s, acc_o, p_regs, tOrP,
+    def attend(self, mma_qk, mma_pv, tSrQ, tSrK, half, tOrVt, sVt, acc_s, acc_o, p_regs, tOrP,
                thr_qk, consumer_tidx: Int32, row_i, func, pipe_q, pipe_k, pipe_v, q_state,
                kv_state, m0_wg: Int32, len_q: Int32, len_k: Int32, n_min: Int32, n_max: Int32,
                window_left: Int32, window_right: Int32, half_alpha: Float32):
@@ -515,13 +538,35 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         # First key tile: S, then P (always masked: it holds the sequence end).
         k_state = kv_state
         n = n_max - 1
+        # Whether this warpgroup sees nothing in the tile's second half: then S and P V run
+        # over the first half only. S of that half goes to an accumulator of its own that
+        # lives only in its branch (ptxas serializes every wgmma of the kernel when one
+        # accumulator serves wgmmas of two widths, or when the half accumulator lives on
+        # past the branch), its SiLU into the first half of acc_s. The second half of acc_s
+        # keeps stale values (the previous tile's, or never written): P there is zeroed
+        # bitwise by the mask below (it covers the whole tile), and P V never reads it.
+        half_hidden = Boolean(False)
+        if const_expr(self.half_n > 0):
+            half_hidden = self.half_tile_hidden(n * self.tile_n, m0_wg, len_k, off,
+                                                window_right)
         pipe_k.consumer_wait(k_state)
         self.take_turn()
-        self.gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index], accumulate=False)
-        self.pass_turn()
-        warpgroup.wait_group(0)
-        pipe_k.consumer_release(k_state)
-        self.silu(acc_s, half_alpha)
+        if const_expr(self.half_n > 0):
+            mma_qk_half, tSrK_half, acc_half_shape = half
+            if half_hidden:
+                acc_half = cute.make_rmem_tensor(acc_half_shape, Float32)
+                self.gemm(mma_qk_half, acc_half,
+                          tSrQ, tSrK_half[None, None, None, k_state.index], accumulate=False)
+                self.pass_turn()
+                warpgroup.wait_group(0)
+                pipe_k.consumer_release(k_state)
+                # Registers 0 .. 4 g + 3 of either accumulator hold columns 0 .. 8 g + 7.
+                for e in cutlass.range_constexpr(cute.size(acc_half)):
+                    acc_s[e] = self.silu_half(acc_half[e], half_alpha)
+            else:
+                self.first_s(mma_qk, acc_s, tSrQ, tSrK, pipe_k, k_state, half_alpha)
+        else:
+            self.first_s(mma_qk, acc_s, tSrQ, tSrK, pipe_k, k_state, half_alpha)
         p_regs.store(acc_s.load().to(self.dtype))
         self.mask_p(p_regs, row_i, func, n * self.tile_n + first_col, len_k, off, window_left,
                     window_right)
@@ -533,7 +578,9 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             pipe_v.consumer_wait(v_state)
             self.zero_v_rows(sVt[None, None, v_state.index], len_k - (n_max - 1) * self.tile_n,
                              consumer_tidx)
-        # Steady state: S_n = Q K_n^T and its SiLU run beside O += P_{n+1} V_{n+1}.
+        # Steady state: S_n = Q K_n^T and its SiLU run beside O += P_{n+1} V_{n+1}. Only the
+        # first P V (of key tile n_max - 1) may run over half a tile.
+        pv_half = half_hidden
         for i in cutlass.range(1, n_max - n_min, unroll=1):
             n = n_max - 1 - i
             pipe_k.consumer_wait(k_state)
@@ -541,8 +588,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             self.take_turn()
             self.gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index],
                       accumulate=False)
-            self.gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index],
-                      accumulate=True)
+            self.gemm_pv(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], pv_half)
             self.pass_turn()
             warpgroup.wait_group(1)
             pipe_k.consumer_release(k_state)
@@ -557,15 +603,59 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                             window_left, window_right)
             v_state.advance()
             k_state.advance()
+            pv_half = Boolean(False)
         if const_expr(not self.staged_output):
             # Every Q K^T of this tile is done: the producer may load the next Q.
             self.release_q(pipe_q, q_state)
         pipe_v.consumer_wait(v_state)
-        self.gemm(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], accumulate=True)
+        self.gemm_pv(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], pv_half)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         v_state.advance()
         return v_state
+
+    @cute.jit
+    def first_s(self, mma_qk, acc_s, tSrQ, tSrK, pipe_k, k_state, half_alpha: Float32):
+        """The first key tile's S = Q K^T (the turn taken), then its SiLU."""
+        self.gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index], accumulate=False)
+        self.pass_turn()
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(k_state)
+        self.silu(acc_s, half_alpha)
+
+    @cute.jit
+    def gemm_pv(self, mma_pv, acc_o, tOrP, tOrVt, first_half: Boolean):
+        """acc_o += P V over the whole key tile, or over its first half_n keys (one wgmma
+        group either way)."""
+        if const_expr(self.half_n > 0):
+            if first_half:
+                warpgroup.fence()
+                atom = cute.make_mma_atom(mma_pv.op)
+                atom.set(warpgroup.Field.ACCUMULATE, True)
+                for k in cutlass.range_constexpr(self.half_n // 16):  # k16 blocks of keys
+                    cute.gemm(atom, acc_o, tOrP[None, None, k], tOrVt[None, None, k], acc_o)
+                warpgroup.commit_group()
+            else:
+                self.gemm(mma_pv, acc_o, tOrP, tOrVt, accumulate=True)
+        else:
+            self.gemm(mma_pv, acc_o, tOrP, tOrVt, accumulate=True)
+
+    @cute.jit
+    def half_tile_hidden(self, j0: Int32, m0_wg: Int32, len_k: Int32, off: Int32,
+                         window_right: Int32) -> Boolean:
+        """Whether keys j0 + half_n .. j0 + tile_n - 1 are hidden from all 64 rows of the
+        warpgroup (the last one included, even past len_q): they lie past the sequence end or
+        right of the window of its last row m0_wg + 63 (row i sees keys <= i + off +
+        window_right). Func intervals only hide more. The tiles run from the highest down, so
+        with 128-key tiles only the first can qualify: it holds the last key hi any row of
+        the work tile sees, and hi <= (the warpgroup's last visible key) + 64."""
+        mid = j0 + self.half_n
+        hidden = mid >= len_k
+        if const_expr(self.right_bounded):
+            hidden = hidden or (mid > m0_wg + WG_ROWS - 1 + off + window_right)
+        # Uniform over the warpgroup (its inputs come from shared memory); without the hint
+        # ptxas moves the wgmma descriptor arithmetic off the uniform datapath everywhere.
+        return cute.arch.make_warp_uniform(Int32(hidden)) != 0
 
     @cute.jit
     def zero_v_rows(self, sVt, first_row: Int32, consumer_tidx: Int32):
