@@ -1,17 +1,19 @@
 """Gated DeltaNet backward for SM90, the chunk-parallel gradients of q, k, v, g and beta.
 
+Verified on an H200 (2026-11-30) by tests/test_gdn_bwd_gpu.py.
+
 One CTA of two warpgroups per (64-token chunk, output head), after the forward's stage 1 with
 store_inverse (W, U, M, T = (I + A)^-1), the states entering every chunk (S, V x K as
 stored), and the reverse recurrence (gdn_bwd_recurrence_sm90: dS', the gradient of the
 state leaving the chunk, and dDelta). Every formula of precast/reference/gdn_backward.py's
 _chunk_backward that does not involve the recurrence runs here, each product a wgmma on
-16-bit tiles in shared memory. The two warpgroups take different products (module constant
-docs at WGS): warpgroup 0 the q side (Delta, dM', dq, dk's Delta and dQK^T terms),
-warpgroup 1 the WY side (dW, dT, dv, dBk, dA, dP and their dk terms), synchronized by
-named barriers where one's shared-memory tile is the other's input or free space. With Qn, Kn the
-L2-normalized rows (diag(r_q) Q, diag(r_k) K; r = 1 without the norm), gamma = exp(G),
-d = exp(G_L - G), Gamma_ij = exp(G_i - G_j) (j <= i) and M as stage 1 stores it
-(scale Gamma * Qn Kn^T, causal):
+16-bit tiles in shared memory. The warpgroups take different products: warpgroup 0 the q
+side (Delta, dM', dq, dk's Delta and dQK^T terms), warpgroup 1 the WY side (dW, dT, dv,
+dBk, dA, dP and their dk terms); mbarriers and a CTA barrier order the shared-memory
+tiles one hands to the other. q and k rows are normalized in shared memory first. With Qn,
+Kn the L2-normalized rows (diag(r_q) Q, diag(r_k) K; r = 1 without the norm),
+gamma = exp(G), d = exp(G_L - G), Gamma_ij = exp(G_i - G_j) (j <= i) and M as stage 1
+stores it (scale Gamma * Qn Kn^T, causal):
 
     Delta = U - W S                       dM' = tril(dO Delta^T)      dQK = scale dM' * Gamma
     dq_n  = diag(scale gamma) dO S^T + dQK Kn
@@ -25,11 +27,12 @@ d = exp(G_L - G), Gamma_ij = exp(G_i - G_j) (j <= i) and M as stage 1 stores it
             E = dM' * M + dP * Kn Kn^T;  dG_L += exp(G_L) <S, dS'> + sum_i d_i rowsum_i(...)
     dg    = reverse cumsum of dG over the chunk
 
-dq_n, dk_n (gradients of the normalized rows) and dv go to fp32 per-output-head buffers (the
-finishing kernel sums grouped heads and applies the L2 norm's Jacobian); dg and dbeta are
-written in g's and beta's dtypes. q and k rows are normalized in shared memory (Qn, Kn) before the products. Rows of
-a partial chunk past the sequence end are zero in shared memory (and have g = beta = 0), so they add nothing; only real rows are written. Sums
-run in a fixed order: the results are deterministic.
+Without grouped heads (gdn_layout.gradients_in_place) dq, dk (the L2 norm's Jacobian applied
+here) and dv are final, in the io dtype; otherwise dq_n, dk_n (gradients of the normalized
+rows) and dv go to fp32 per-output-head buffers for gdn_bwd_finish_sm90. dg and dbeta are
+written in g's and beta's dtypes. Rows of a partial chunk past the sequence end are zero in
+shared memory (and have g = beta = 0), so they add nothing; only real rows are written.
+Sums run in a fixed order: the results are deterministic.
 """
 import cuda.bindings.driver as cuda
 
@@ -48,11 +51,13 @@ from .gdn_layout import CHUNK, gradients_in_place
 WGS = 2  # warpgroup 0: the q side; warpgroup 1: the WY side
 THREADS = 128 * WGS
 WARPS = THREADS // 32
-# named barriers (0 is sync_threads): each warpgroup's own, then hand-offs between them
+# named barriers (0 is sync_threads, also the dk hand-off DK_READY: both warpgroups wait)
 WG_BARRIER = (1, 2)
-W_FREE = 3  # warpgroup 0 read W (Delta): dW may go there
-STATES_FREE = 4  # warpgroup 0 read S and dS': warpgroup 1's dk terms may go there
-DK_READY = 5  # warpgroup 1's dk terms are in shared memory (both warpgroups wait)
+# mbarriers: the two load groups, then warpgroup 0's signals to warpgroup 1 (all 128 of its
+# threads arrive; mbarrier arrive/wait order the shared-memory accesses around them)
+FIRST_LOADS, REST_LOADS, W_FREE, STATES_FREE = range(4)
+# W_FREE: warpgroup 0 read W (Delta), so dW may go there; STATES_FREE: warpgroup 0 read S
+# and dS', so warpgroup 1's dk terms may go there
 # per-token values in shared memory (rows of sRows): G, beta, the row scales r_q, r_k and
 # whether the L2 norm's projection term applies (0 where the norm's clamp is active)
 R_G, R_BETA, R_Q, R_K, R_QP, R_KP = range(6)
@@ -124,7 +129,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
         @cute.struct
         class SharedStorage:
-            bars: cute.struct.MemRange[cutlass.Int64, 2]
+            bars: cute.struct.MemRange[cutlass.Int64, 4]
             rows: cute.struct.MemRange[Float32, ROW_VALUES * C]
             dg: cute.struct.MemRange[Float32, WGS * C]
             dbeta: cute.struct.MemRange[Float32, WGS * C]
@@ -177,8 +182,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             first = start + chunk * C
             rows = cutlass.min(mCuSeqlens[batch + 1] - first, C)
             if tidx == 0:
-                cute.arch.mbarrier_init(bars, 1)
-                cute.arch.mbarrier_init(bars + 1, 1)
+                cute.arch.mbarrier_init(bars + FIRST_LOADS, 1)
+                cute.arch.mbarrier_init(bars + REST_LOADS, 1)
+                cute.arch.mbarrier_init(bars + W_FREE, 128)
+                cute.arch.mbarrier_init(bars + STATES_FREE, 128)
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if warp == 0:
@@ -191,26 +198,29 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     @cute.jit
     def load_all(self, loads, tiles, bars, start: Int32, chunk: Int32, packed: Int32,
                  head: Int32):
-        """Warp 0: the chunk's tiles by TMA, W, U, S onto bars[0], the rest onto bars[1]."""
+        """Warp 0: the chunk's tiles by TMA, W, U, S onto FIRST_LOADS, the rest onto
+        REST_LOADS."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
         lq, lk, lv, ldo, lw, lu, lm, linv, ls, lds, ldd = loads
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bars, self.first_bytes)
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + FIRST_LOADS, self.first_bytes)
         for (atom, m), s, col, shape in ((lw, sW, 0, (C, K)), (lu, sU, K, (C, V)),
                                          (ls, sS, 0, (V, K))):
-            self.tma_load(atom, self.block_tile(m, packed, head, col, shape), s, bars)
+            self.tma_load(atom, self.block_tile(m, packed, head, col, shape), s,
+                          bars + FIRST_LOADS)
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + 1, self.rest_bytes)
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + REST_LOADS, self.rest_bytes)
         for (atom, m), s, h, cols in ((lq, sQ, head // self.q_group, K),
                                       (lk, sK, head // self.k_group, K),
                                       (lv, sV, head // self.v_group, V), (ldo, sDO, head, V)):
             g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
                                 (chunk, 0))
-            self.tma_load(atom, g, s, bars + 1)
+            self.tma_load(atom, g, s, bars + REST_LOADS)
         for (atom, m), s, col, shape in ((lm, sM, K + V, (C, C)), (linv, sT, 0, (C, C)),
                                          (lds, sDS, 0, (V, K)), (ldd, sDD, 0, (C, V))):
-            self.tma_load(atom, self.block_tile(m, packed, head, col, shape), s, bars + 1)
+            self.tma_load(atom, self.block_tile(m, packed, head, col, shape), s,
+                          bars + REST_LOADS)
 
     @cute.jit
     def block_tile(self, m, packed: Int32, head: Int32, col: int, shape):
@@ -298,9 +308,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         C = CHUNK
         wg = tidx // 128
         if wg == 0:  # Delta = U - W S (into sU) needs only the first tiles
-            cute.arch.mbarrier_wait(bars, 0)
+            cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)
             self.delta(mmas[0], tiles, tidx % 128)
-        cute.arch.mbarrier_wait(bars + 1, 0)
+        cute.arch.mbarrier_wait(bars + REST_LOADS, 0)
         if rows < C:
             self.zero_tail(tiles, rows, tidx)
         cute.arch.sync_threads()
@@ -310,12 +320,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         sDG = storage.dg.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
         sDB = storage.dbeta.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
         if wg == 0:
-            cute.arch.barrier_arrive(barrier_id=W_FREE, number_of_threads=THREADS)
-            self.q_side(mmas, tiles, storage, sRows, sDG, mDQ, mDK, first, rows, head, scale,
-                        tidx % 128)
+            cute.arch.mbarrier_arrive(bars + W_FREE)
+            self.q_side(mmas, tiles, storage, sRows, sDG, bars, mDQ, mDK, first, rows, head,
+                        scale, tidx % 128)
         else:
-            self.wy_side(mmas, tiles, layouts, storage, sRows, sDG, sDB, mDV, first, rows,
-                         head, tidx % 128)
+            self.wy_side(mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, first,
+                         rows, head, tidx % 128)
         cute.arch.sync_threads()
         if tidx < C:
             col_e = storage.col_e.get_tensor(cute.make_layout((WARPS, C), stride=(C, 1)))
@@ -369,8 +379,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.store_16(acc, t_u)
 
     @cute.jit
-    def q_side(self, mmas, tiles, storage, sRows, sDG, mDQ, mDK, first: Int32, rows: Int32,
-               head: Int32, scale: Float32, wtidx: Int32):
+    def q_side(self, mmas, tiles, storage, sRows, sDG, bars, mDQ, mDK, first: Int32,
+               rows: Int32, head: Int32, scale: Float32, wtidx: Int32):
         """Warpgroup 0: dM' = tril(dO Delta^T), dQK = scale dM' Gamma (over M), E's first
         term; dq_n = diag(scale gamma) dO S^T + dQK Kn; <S, dS'>; dk_n's diag(d) Delta dS'^T
         and dQK^T Qn terms plus warpgroup 1's; dG's q-side terms."""
@@ -435,7 +445,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.ss(mma_kmn_k, acc_dk, two(sDelta), tr(sDS, V, K), False)
         warpgroup.wait_group(0)
         # S and dS' are read (by this warpgroup; warpgroup 1 reads neither)
-        cute.arch.barrier_arrive(barrier_id=STATES_FREE, number_of_threads=THREADS)
+        cute.arch.mbarrier_arrive(bars + STATES_FREE)
         part = [Float32(0.0), Float32(0.0)]
         k16 = self.loaded(t_kk, acc_dk)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
@@ -455,15 +465,15 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             for h in cutlass.range_constexpr(2):
                 sDG[0, rows_of[h]] = dg_part[h]
         warpgroup.wait_group(0)
-        cute.arch.barrier(barrier_id=DK_READY, number_of_threads=THREADS)
+        cute.arch.sync_threads()  # DK_READY: warpgroup 1's dk terms are in shared memory
         dk_wy = self.dk_exchange(storage, acc_dk)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[e] = acc_dk[e] + dk_wy[e * 128 + wtidx]
         self.store_grad(thr_k, mDK, acc_dk, t_kk, R_K, sRows, rows_of, first, rows, head)
 
     @cute.jit
-    def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, mDV, first: Int32,
-                rows: Int32, head: Int32, wtidx: Int32):
+    def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV,
+                first: Int32, rows: Int32, head: Int32, wtidx: Int32):
         """Warpgroup 1: dW = -dDelta S^T (over W, once warpgroup 0 read W);
         dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma); dv = diag(beta) T^T dDelta;
         dBk = T^T dW; dA = strict_tril(-(T^T dT) T^T); dP = diag(beta) (dA Gamma), E's
@@ -493,7 +503,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         t_kk = thr_k.partition_C(two(sK))
         self.ss(mma_kmn_k, acc_k, two(sDD), tr(sS, V, K), False)
         warpgroup.wait_group(0)
-        cute.arch.barrier(barrier_id=W_FREE, number_of_threads=THREADS)
+        cute.arch.mbarrier_wait(bars + W_FREE, 0)
         self.store_16(acc_k, thr_k.partition_C(two(sW)), negate=True)
         self.wg_sync(1, fence=True)
         # ---- dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma)
@@ -578,13 +588,13 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 sDG[1, rows_of[h]] = dg_part[h]
                 sDB[1, rows_of[h]] = db_part[h]
         warpgroup.wait_group(0)
-        cute.arch.barrier(barrier_id=STATES_FREE, number_of_threads=THREADS)
+        cute.arch.mbarrier_wait(bars + STATES_FREE, 0)
         dk_wy = self.dk_exchange(storage, acc_dk)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             dk_wy[e * 128 + wtidx] = acc_dk[e]
-        # a full barrier (this warpgroup has nothing left to do; compute-sanitizer's
-        # racecheck does not order writes before an arrive with reads after the sync)
-        cute.arch.barrier(barrier_id=DK_READY, number_of_threads=THREADS)
+        # DK_READY, as a CTA barrier (this warpgroup has nothing left to do; racecheck
+        # reported the hand-off through a named barrier, arrive/sync or sync/sync)
+        cute.arch.sync_threads()
 
     # ---------------------------------------------------------------- helpers
     @cute.jit
