@@ -21,31 +21,24 @@ import sys
 
 import torch
 
+from bench_gdn import DIM
+from bench_gdn import make_inputs as forward_inputs
 from common import do_bench, environment, write_json
 
 from precast import GdnBwdSm90, gated_delta_net, gated_delta_net_backward
-from precast.reference.offsets import offsets_from_lengths
 
 CASES = {  # name: (sequences, tokens each, q/k heads, v heads)
     "4x8192": (4, 8192, 64, 64),
     "1x32768-hv32": (1, 32768, 16, 32),
     "64x512": (64, 512, 64, 64),
 }
-DIM = 128
 
 
 def make_inputs(batch: int, seqlen: int, qk_heads: int, v_heads: int, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    tokens = batch * seqlen
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen)
-    q, k = (randn(tokens, qk_heads, DIM).to(torch.bfloat16) for _ in range(2))
-    v = randn(tokens, v_heads, DIM).to(torch.bfloat16)
-    g = torch.nn.functional.logsigmoid(randn(tokens, v_heads))
-    beta = torch.sigmoid(randn(tokens, v_heads)).to(torch.bfloat16)
-    cu = offsets_from_lengths([seqlen] * batch, device="cuda")
-    do = randn(tokens, v_heads, DIM).to(torch.bfloat16)
+    """bench_gdn's inputs and an output gradient do [T, HV, V]."""
+    q, k, v, g, beta, cu = forward_inputs(batch, seqlen, qk_heads, v_heads, seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    do = torch.randn(v.shape, device="cuda", generator=gen).to(v.dtype)
     return q, k, v, g, beta, cu, do
 
 
