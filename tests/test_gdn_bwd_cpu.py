@@ -12,9 +12,10 @@ import sys
 import pytest
 import torch
 from conftest import isolate_from_kernels, key_of, record_launches
+from test_gdn_fwd_cpu import desc, meta
 
 import precast
-from precast import GdnBwdSm90, TensorDesc, gated_delta_net_backward
+from precast import GdnBwdSm90, gated_delta_net_backward
 from precast.lifecycle import gdn_bwd as bwd_module
 from precast.lifecycle import gdn_fwd as fwd_module
 from precast.lifecycle.cache import ArtifactCache
@@ -47,14 +48,6 @@ def _isolated(request, monkeypatch, tmp_path):
     """Nothing here builds or loads kernels (but the compile-marked tests); no cached ops."""
     if request.node.get_closest_marker("compile") is None:
         isolate_from_kernels(monkeypatch, tmp_path)
-
-
-def desc(shape, dtype=BF, stride=None, alignment=16):
-    return TensorDesc(dtype, shape, stride, "cuda", alignment)
-
-
-def meta(*shape, dtype=BF):
-    return torch.empty(*shape, dtype=dtype, device="meta")
 
 
 def samples(t=T, n=N, hq=HQ, hk=HK, hv=HV, k=K, v=V, dtype=BF, g_dtype=F32, beta_dtype=F32):

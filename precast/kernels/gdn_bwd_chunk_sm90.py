@@ -385,7 +385,6 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         term; dq_n = diag(scale gamma) dO S^T + dQK Kn; <S, dS'>; dk_n's diag(d) Delta dS'^T
         and dQK^T Qn terms plus warpgroup 1's; dG's q-side terms."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
-        dt = self.dtype
         mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
         two = lambda t: t[None, None, 0]  # noqa: E731
