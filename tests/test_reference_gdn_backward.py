@@ -116,3 +116,22 @@ def test_reference_gradcheck_tiny():
         return ref["o"], ref["final_state"]
     inputs = tuple(x[n].clone().requires_grad_() for n in names)
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_state_gradient_is_affine_in_dfinal_through_the_forward_transition(l2norm):
+    """What a chunk-parallel scan of the backward's state recurrence relies on (NOTES: the
+    segment-parallel plan): per span, the state gradient entering it is
+    dfinal @ transition^T + (the gradient with dfinal = 0), with ``transition`` the
+    forward's span summary (summary_reference). A segment's backward map is the transpose
+    of its forward one."""
+    from precast.reference.gated_delta_net import summary_reference
+    x, cu, do, dfinal = problem([130, 0, 1, 64, 200], 2, 2, 4, 16, 8, seed=7, state=True,
+                                unit_qk=not l2norm)
+    args = dict(cu_seqlens=cu, do=do, use_qk_l2norm_in_kernel=l2norm)
+    with_dfinal = gdn_chunked_backward_reference(**x, dfinal=dfinal, **args)
+    without = gdn_chunked_backward_reference(**x, **args)
+    transition = summary_reference(x["k"], x["v"], x["g"], x["beta"], cu,
+                                   use_qk_l2norm_in_kernel=l2norm)["transition"]
+    want = dfinal @ transition.transpose(-1, -2) + without["dinitial_state"]
+    assert_close(with_dfinal["dinitial_state"], want, "dinitial_state")
