@@ -52,8 +52,10 @@ def stage_times(q, k, v, g, beta, cu, do) -> dict:
     real = dict(kernels)
     for mode, fn in real.items():  # record the launches of one execute
         kernels[mode] = (lambda m, f: lambda *a: launched.append((m, f, a)))(mode, fn)
-    op.execute(q, k, v, g, beta, cu, do, *grads, workspace=ws)
-    kernels.update(real)
+    try:
+        op.execute(q, k, v, g, beta, cu, do, *grads, workspace=ws)
+    finally:
+        kernels.update(real)
     times = {}
     for mode, fn, args in launched:
         fn(*args)

@@ -231,7 +231,7 @@ def test_at_most_65535_sequences():
 def launches(monkeypatch):
     """conftest.record_launches for GdnBwdSm90: its torch-side work runs in its module and
     in the forward's (stream_buffers, offsets_as_int32)."""
-    monkeypatch.setattr(bwd_module, "sm_count", lambda index: 16)
+    monkeypatch.setattr(fwd_module, "sm_count", lambda index: 16)  # splits_recurrences
     return record_launches(monkeypatch, (bwd_module, fwd_module),
                            lambda op: kernel_modes(op.shapes), "empty")
 
@@ -324,6 +324,18 @@ def test_execute_launches_every_stage_in_order(launches):
     # the op's buffers, made once on the launch stream before the launches
     assert kinds(launches)[-5:] == ["launch"] * 5 and "launch" not in kinds(launches)[:-5]
     assert launches.capture_queries == [7] * 3 and len(op._workspaces) == 3
+
+
+def test_split_recurrences_when_the_pairs_fill_at_most_half_the_sms(launches, monkeypatch):
+    """The forward's rule (gdn_fwd.splits_recurrences): N HO = 32 pairs here."""
+    op = bwd().check_support()
+    for sms, split in ((63, False), (64, True), (132, True)):
+        monkeypatch.setattr(fwd_module, "sm_count", lambda index: sms)
+        launches.calls.clear()
+        op.execute(**call(), stream=1)
+        suffix = "_split" if split else ""
+        assert [m for m, _ in launches.calls] == [
+            "prepare", "states" + suffix, "state_grad" + suffix, "chunk_grad", "finish"]
 
 
 def test_checkpoints_at_64_in_the_io_dtype_are_reused(launches):

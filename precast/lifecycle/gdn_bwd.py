@@ -38,16 +38,16 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
+from ..kernels.gdn_layout import gradients_in_place
 from ..reference.gated_delta_net import CHUNK_SIZE
 from .cache import KernelBuilder
 from .gdn_fwd import (CONFIG_SOURCES, DATA_ALIGN, KERNEL_SOURCES, _cute_type, _fake_gate,
                       _fake_offsets, _fake_rows, _fake_state, _fake_workspace, _option_dtype,
                       check_kernel_limits, check_same_config, offsets_as_int32,
-                      prepare_kernel, recurrence_kernel, static_config_of as forward_config,
-                      stream_buffers)
-from ..kernels.gdn_layout import gradients_in_place
+                      prepare_kernel, recurrence_kernel, splits_recurrences,
+                      static_config_of as forward_config, stream_buffers)
 from .gdn_rules import MAX_SPAN, GdnShapes, check_gdn_gradients, check_gdn_inputs
-from .launch import device_guard, sm_count, stream_handle, torch_stream
+from .launch import device_guard, stream_handle, torch_stream
 from .op import Op
 from .tensor_desc import TensorDesc, parse_dtype
 from .validation import (check_bool, check_int, check_no_overlap, check_same_device,
@@ -55,9 +55,9 @@ from .validation import (check_bool, check_int, check_no_overlap, check_same_dev
 
 def kernel_modes(s: GdnShapes) -> Tuple[str, ...]:
     """The kernels of an op: stage 1 with T, the states pass and the state-gradient
-    recurrence (at V = 128 also split over two CTAs per (sequence, head), chosen when the
-    pairs fill at most half of the SMs, as the forward does), the chunk gradients and,
-    with grouped heads, the finishing kernel."""
+    recurrence (at V = 128 also split over two CTAs per (sequence, head): see
+    gdn_fwd.splits_recurrences), the chunk gradients and, with grouped heads, the finishing
+    kernel."""
     split = ("states_split", "state_grad_split") if s.V == 128 else ()
     finish = () if gradients_in_place(s.HQ, s.HK, s.HV) else ("finish",)
     return ("prepare", "states", "state_grad", "chunk_grad") + split + finish
@@ -433,9 +433,7 @@ class GdnBwdSm90(Op):
         work = (ws["work16"], ws["work32"])
         in_place = gradients_in_place(s.HQ, s.HK, s.HV)
         grads = (dq, dk, dv) if in_place else (ws["dq32"], ws["dk32"], ws["dv32"])
-        # the recurrences split over two CTAs per (sequence, head) when the pairs fill at
-        # most half of the SMs (GdnFwdSm90._split_recurrence's rule)
-        split = "_split" if s.V == 128 and 2 * s.N * s.HO <= sm_count(index) else ""
+        split = "_split" if splits_recurrences(s, index) else ""
         with device_guard(index):
             kernels["prepare"](q, k, v, g, beta, cu_seqlens, *work, ws["inv"], s.scale, handle)
             if not reuse:

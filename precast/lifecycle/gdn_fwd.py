@@ -50,8 +50,17 @@ KERNEL_SOURCES = ("precast.kernels.gdn_chunk_sm90", "precast.kernels.gdn_recurre
 
 def kernel_modes(v_dim: int) -> Tuple[str, ...]:
     """The kernels of an op: stage 1, stage 2 and, at V = 128, stage 2 split over two CTAs
-    per (sequence, head) (64 state rows each; see _split_recurrence)."""
+    per (sequence, head) (64 state rows each; see splits_recurrences)."""
     return ("prepare", "recurrence") + (("recurrence_split",) if v_dim == 128 else ())
+
+
+def splits_recurrences(s: GdnShapes, index: Optional[int]) -> bool:
+    """Whether the recurrences (the forward's stage 2, the backward's states pass and state
+    gradient) run split over two CTAs per (sequence, head), 64 state rows each: at V = 128,
+    when the pairs fill at most half of the SMs (e.g. one long sequence), so that each CTA
+    has an SM to itself instead of half of the SMs idling. Otherwise one CTA per pair reads
+    the chunk's tiles once."""
+    return s.V == 128 and 2 * s.N * s.HO <= sm_count(index)
 
 
 # initial_state and checkpoint dtypes in the static configuration: none, float32 or the io
@@ -418,12 +427,6 @@ class GdnFwdSm90(Op):
                     "recurrence_split": lambda: recurrence(v_splits=2)}
         return {mode: builders[mode] for mode in kernel_modes(s.V)}
 
-    def _split_recurrence(self, s: GdnShapes, index: Optional[int]) -> bool:
-        """Stage 2 with two CTAs per (sequence, head) when the pairs fill at most half of
-        the SMs (e.g. one long sequence): each CTA then has an SM to itself instead of
-        half of the SMs idling. Otherwise one CTA per pair reads the chunk's tiles once."""
-        return "recurrence_split" in kernel_modes(s.V) and 2 * s.N * s.HO <= sm_count(index)
-
     # --- run ----------------------------------------------------------------------------------
     def workspace_shapes(self, total_tokens: int, num_seqs: int
                          ) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
@@ -531,7 +534,7 @@ class GdnFwdSm90(Op):
             kernels["prepare"](q, k, v, g, beta, cu_seqlens, work16, work32, None, s.scale,
                                handle)
             # ckpt_every is unused (compiled out) without checkpoints.
-            recurrence = "recurrence_split" if self._split_recurrence(s, index) else "recurrence"
+            recurrence = "recurrence_split" if splits_recurrences(s, index) else "recurrence"
             kernels[recurrence](q, k, work16, work32, cu_seqlens, o, initial_state,
                                 state_indices, final_state, checkpoints,
                                 n if checkpointing else 0, handle)
