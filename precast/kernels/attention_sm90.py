@@ -1,10 +1,11 @@
 """Pieces shared by the SM90 kernels (HSTU attention forward and backward, Gated DeltaNet):
-layout views of wgmma accumulators, a warp prefix sum, the wgmma issue loop, and the
-per-thread bit masks that zero hidden scores of packed 16-bit operands."""
+layout views of wgmma accumulators and of transposed shared-memory tiles, TMA tile copies,
+a warp prefix sum, the wgmma issue loop, and the per-thread bit masks that zero hidden
+scores of packed 16-bit operands."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32, Uint64, const_expr
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 
 def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
@@ -49,6 +50,32 @@ def wgmma(tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr):
         atom.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
     warpgroup.commit_group()
+
+
+def transposed(s: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
+    """A (rows, cols, stages) shared-memory tile viewed (cols, rows, stages): a K-major
+    tile read as an MN-major wgmma operand (the tile's row extent must be ``rows``)."""
+    stages = cute.size(s, mode=[2])
+    return cute.composition(s, cute.make_ordered_layout((cols, rows, stages), order=(1, 0, 2)))
+
+
+@cute.jit
+def tma_load_tile(atom, g, s, stage, bar):
+    """TMA copy of the 2-D global tile ``g`` into stage ``stage`` of the shared-memory tile
+    ``s`` (rows, cols, stages), completing on mbarrier ``bar``. The whole warp calls it:
+    the copy elects its issuing lane itself."""
+    t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                     cute.group_modes(g, 0, 2))
+    cute.copy(atom, t_g, t_s[None, stage], tma_bar_ptr=bar)
+
+
+@cute.jit
+def tma_store_tile(atom, s, g):
+    """TMA copy of stage 0 of the shared-memory tile ``s`` to the 2-D global tile ``g``
+    (not committed: the caller commits the bulk group). The whole warp calls it."""
+    t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                     cute.group_modes(g, 0, 2))
+    cute.copy(atom, t_s[None, 0], t_g)
 
 
 @cute.jit

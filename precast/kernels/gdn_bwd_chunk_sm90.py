@@ -43,8 +43,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import select_modes, wgmma
-from .gdn_bwd_recurrence_sm90 import transposed
+from .attention_sm90 import select_modes, tma_load_tile, transposed, wgmma
 from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90
 from .gdn_layout import CHUNK, gradients_in_place
 
@@ -207,7 +206,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cute.arch.mbarrier_arrive_and_expect_tx(bars + FIRST_LOADS, self.first_bytes)
         for (atom, m), s, col, shape in ((lw, sW, 0, (C, K)), (lu, sU, K, (C, V)),
                                          (ls, sS, 0, (V, K))):
-            self.tma_load(atom, self.block_tile(m, packed, head, col, shape), s,
+            tma_load_tile(atom, self.block_tile(m, packed, head, col, shape), s, 0,
                           bars + FIRST_LOADS)
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bars + REST_LOADS, self.rest_bytes)
@@ -216,10 +215,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                                       (lv, sV, head // self.v_group, V), (ldo, sDO, head, V)):
             g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
                                 (chunk, 0))
-            self.tma_load(atom, g, s, bars + REST_LOADS)
+            tma_load_tile(atom, g, s, 0, bars + REST_LOADS)
         for (atom, m), s, col, shape in ((lm, sM, K + V, (C, C)), (linv, sT, 0, (C, C)),
                                          (lds, sDS, 0, (V, K)), (ldd, sDD, 0, (C, V))):
-            self.tma_load(atom, self.block_tile(m, packed, head, col, shape), s,
+            tma_load_tile(atom, self.block_tile(m, packed, head, col, shape), s, 0,
                           bars + REST_LOADS)
 
     @cute.jit
@@ -228,12 +227,6 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         columns [col, col + shape[1])."""
         return cute.local_tile(cute.domain_offset((0, col), m[None, None, head, packed]), shape,
                                (0, 0))
-
-    @cute.jit
-    def tma_load(self, atom, g, s, bar):
-        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
-                                         cute.group_modes(g, 0, 2))
-        cute.copy(atom, t_g, t_s[None, 0], tma_bar_ptr=bar)
 
     @cute.jit
     def zero_tail(self, tiles, rows: Int32, tidx: Int32):
@@ -425,13 +418,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         t_kk = thr_k.partition_C(two(sK))
         self.ss(mma_kmn_k, acc_k, two(sDO), tr(sS, V, K), False)
         warpgroup.wait_group(0)
-        part = [Float32(0.0), Float32(0.0)]
-        q16 = self.loaded(t_q, acc_k)
-        for e in cutlass.range_constexpr(cute.size(acc_k)):
-            h = half(e)
-            part[h] = part[h] + acc_k[e] * q16[e].to(Float32)
-            acc_k[e] = acc_k[e] * (scale * eg_r[h])
-        part = self.quad_sums(part)
+        part = self.row_dots_then_scale(acc_k, t_q, [scale * x for x in eg_r])
         for h in cutlass.range_constexpr(2):
             dg_part[h] = dg_part[h] + part[h] * scale * eg_r[h]
         self.wg_sync(0, fence=True)  # dQK written
@@ -445,13 +432,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         warpgroup.wait_group(0)
         # S and dS' are read (by this warpgroup; warpgroup 1 reads neither)
         cute.arch.mbarrier_arrive(bars + STATES_FREE)
-        part = [Float32(0.0), Float32(0.0)]
-        k16 = self.loaded(t_kk, acc_dk)
-        for e in cutlass.range_constexpr(cute.size(acc_dk)):
-            h = half(e)
-            part[h] = part[h] + acc_dk[e] * k16[e].to(Float32)
-            acc_dk[e] = acc_dk[e] * d_r[h]
-        part = self.quad_sums(part)
+        part = self.row_dots_then_scale(acc_dk, t_kk, d_r)
         dd_sum = Float32(0.0)  # sum of dd over this thread's rows (leaders only count)
         for h in cutlass.range_constexpr(2):
             dd = part[h] * d_r[h]
@@ -525,13 +506,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         t_vv = thr_v.partition_C(two(sV))
         self.ss(mma_mnmn_v, acc_v, tr(sT, C, C), tr(sDD, C, V), False)
         warpgroup.wait_group(0)
-        part = [Float32(0.0), Float32(0.0)]
-        v16 = self.loaded(t_vv, acc_v)
-        for e in cutlass.range_constexpr(cute.size(acc_v)):
-            h = half(e)
-            part[h] = part[h] + acc_v[e] * v16[e].to(Float32)
-            acc_v[e] = acc_v[e] * beta_r[h]
-        part = self.quad_sums(part)
+        part = self.row_dots_then_scale(acc_v, t_vv, beta_r)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
         self.store_rows(thr_v, mDV, acc_v, rows_of, first, rows, head)
@@ -541,13 +516,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.ss(mma_mnmn_k, acc_dk, tr(sT, C, C), tr(sdW, C, K), False)
         self.ss(mma_mnmn_c, acc_c, tr(sT, C, C), tr(sdT, C, C), False)  # T^T dT
         warpgroup.wait_group(0)
-        part = [Float32(0.0), Float32(0.0)]
-        k16 = self.loaded(t_kk, acc_dk)
-        for e in cutlass.range_constexpr(cute.size(acc_dk)):
-            h = half(e)
-            part[h] = part[h] + acc_dk[e] * k16[e].to(Float32)
-            acc_dk[e] = acc_dk[e] * (beta_r[h] * eg_r[h])
-        part = self.quad_sums(part)
+        part = self.row_dots_then_scale(acc_dk, t_kk, [b * x for b, x in zip(beta_r, eg_r)])
         for h in cutlass.range_constexpr(2):
             t_i = part[h] * eg_r[h]
             db_part[h] = db_part[h] + t_i
@@ -653,6 +622,19 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 x = x + cute.arch.shuffle_sync_bfly(x, 1 << d)
             if lane < 4:
                 col_e[warp, 8 * (slot // 2) + 2 * lane + slot % 2] = x
+
+    @cute.jit
+    def row_dots_then_scale(self, acc, t_x, factors):
+        """The sums over each of the thread's two accumulator rows of acc * x (x: its
+        16-bit shared-memory elements ``t_x``, in accumulator order), over the row's 4
+        threads; acc's rows are then multiplied by ``factors`` (one per row)."""
+        x16 = self.loaded(t_x, acc)
+        part = [Float32(0.0), Float32(0.0)]
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            h = (e // 2) % 2
+            part[h] = part[h] + acc[e] * x16[e].to(Float32)
+            acc[e] = acc[e] * factors[h]
+        return self.quad_sums(part)
 
     @cute.jit
     def quad_sums(self, part):

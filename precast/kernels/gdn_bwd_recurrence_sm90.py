@@ -29,7 +29,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import acc_as_operand_a, advanced, select_modes, wgmma
+from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
+                             tma_store_tile, transposed, wgmma)
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
 
 THREADS_PER_WG = 128
@@ -37,13 +38,6 @@ STAGES = 2
 CONSUMER_BARRIER = 1  # the consumer warpgroups, around the scaled Q and the staging tiles
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
-
-
-def transposed(s: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
-    """A (rows, cols, stages) shared-memory tile viewed (cols, rows, stages): a K-major
-    tile read as an MN-major wgmma operand (the tile's row extent must be ``rows``)."""
-    stages = cute.size(s, mode=[2])
-    return cute.composition(s, cute.make_ordered_layout((cols, rows, stages), order=(1, 0, 2)))
 
 
 class GdnStateGradSm90:
@@ -191,25 +185,13 @@ class GdnStateGradSm90:
                     (tma_do, mDO, sDO, head, Vc, split)):
                 g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
                                     (c, col_tile))
-                self.tma_load(atom, g, s, state.index, bar)
+                tma_load_tile(atom, g, s, state.index, bar)
             for atom, m, s, col, cols in ((tma_w, mW_w, sW, 0, K),
                                           (tma_m, mW_m, sM, K + self.v_dim, C)):
                 block = m[None, None, head, first_chunk + c]  # (64, F)
                 g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
-                self.tma_load(atom, g, s, state.index, bar)
+                tma_load_tile(atom, g, s, state.index, bar)
             state = advanced(state)
-
-    @cute.jit
-    def tma_load(self, atom, g, s, stage, bar):
-        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
-                                         cute.group_modes(g, 0, 2))
-        cute.copy(atom, t_g, t_s[None, stage], tma_bar_ptr=bar)
-
-    @cute.jit
-    def tma_store(self, atom, s, g):
-        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
-                                         cute.group_modes(g, 0, 2))
-        cute.copy(atom, t_s[None, 0], t_g)
 
     def consumer_sync(self):
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER,
@@ -272,7 +254,7 @@ class GdnStateGradSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             self.consumer_sync()
             if issuer:  # the whole warp: the TMA copy elects its lane itself
-                self.tma_store(store_ds, sDS, cute.local_tile(
+                tma_store_tile(store_ds, sDS, cute.local_tile(
                     mDS_t[None, None, head, chunk], (rows, K), (split, 0)))
                 cute.arch.cp_async_bulk_commit_group()
             # dDelta^T = (D K^T) diag(k_f) + dO^T M
@@ -298,7 +280,7 @@ class GdnStateGradSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             self.consumer_sync()
             if issuer:
-                self.tma_store(store_dd, sDD, cute.local_tile(
+                tma_store_tile(store_dd, sDD, cute.local_tile(
                     mDD_t[None, None, head, chunk], (C, rows), (0, split)))
                 cute.arch.cp_async_bulk_commit_group()
             warpgroup.wait_group(0)

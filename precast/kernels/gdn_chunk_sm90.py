@@ -33,7 +33,8 @@ from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import select_modes, warp_inclusive_sum, wgmma
+from .attention_sm90 import (select_modes, tma_load_tile, tma_store_tile, transposed,
+                             warp_inclusive_sum, wgmma)
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
 
 THREADS = 128
@@ -228,17 +229,10 @@ class GdnChunkPrepareSm90:
                                            (store_m, sM, K + V, C)):
                     block = mWork16[None, None, head, packed]  # (64, F)
                     g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
-                    t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                                     cute.group_modes(s, 0, 2),
-                                                     cute.group_modes(g, 0, 2))
-                    cute.copy(atom, t_s[None, 0], t_g)
+                    tma_store_tile(atom, s, g)
                 if const_expr(self.store_inverse):
                     atom, m_inv = store_inv
-                    t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                                     cute.group_modes(sInv, 0, 2),
-                                                     cute.group_modes(
-                                                         m_inv[None, None, head, packed], 0, 2))
-                    cute.copy(atom, t_s[None, 0], t_g)
+                    tma_store_tile(atom, sInv, m_inv[None, None, head, packed])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # before the CTA exits
 
@@ -315,10 +309,7 @@ class GdnChunkPrepareSm90:
                                  (tma_v, mV, sV, V, heads[2])):
             g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, d),
                                 (chunk, 0))
-            t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                             cute.group_modes(s, 0, 2),
-                                             cute.group_modes(g, 0, 2))
-            cute.copy(atom, t_g, t_s[None, stage], tma_bar_ptr=bar)
+            tma_load_tile(atom, g, s, stage, bar)
 
     @cute.jit
     def load_gates(self, mG, mBeta, sGate, sBeta, first: Int32, rows: Int32, head: Int32,
@@ -461,13 +452,11 @@ class GdnChunkPrepareSm90:
         """W = Tw Kc and U = Tu Vc (Kc, Vc read transposed), 16-bit into ``out_w`` and
         ``out_u`` (which may be sV itself: the products are complete before the stores)."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
-        stages = cute.size(sK, mode=[2])
         # One product at a time: fewer live registers (the fused kernel's preparing
         # warpgroup has about 100).
         for mma, sT, sX, cols, out in ((mma_wk, sTw, sK, K, out_w), (mma_wv, sTu, sV, V, out_u)):
             thr = mma.get_slice(tidx)
-            x_t = cute.composition(sX, cute.make_ordered_layout((cols, C, stages),
-                                                                order=(1, 0, 2)))
+            x_t = transposed(sX, C, cols)
             tCrT = thr.make_fragment_A(thr.partition_A(sT))[None, None, None, 0]
             tCrX = thr.make_fragment_B(thr.partition_B(x_t))[None, None, None, stage]
             acc = cute.make_rmem_tensor(thr.partition_shape_C((C, cols)), Float32)

@@ -31,7 +31,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import acc_as_operand_a, advanced, select_modes, wgmma
+from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
+                             tma_store_tile, transposed, wgmma)
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
 
 THREADS_PER_WG = 128
@@ -228,18 +229,12 @@ class GdnChunkRecurrenceSm90:
                                   (tma_kr, mK, sK, head // self.k_group)):
                 g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, K),
                                     (c, 0))
-                self.tma_load(atom, g, s, state.index, bar)
+                tma_load_tile(atom, g, s, state.index, bar)
             for atom, m, s, col, cols in tiles:
                 block = m[None, None, head, first_chunk + c]  # (64, F)
                 g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
-                self.tma_load(atom, g, s, state.index, bar)
+                tma_load_tile(atom, g, s, state.index, bar)
             state = advanced(state)
-
-    @cute.jit
-    def tma_load(self, atom, g, s, stage, bar):
-        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
-                                         cute.group_modes(g, 0, 2))
-        cute.copy(atom, t_g, t_s[None, stage], tma_bar_ptr=bar)
 
     @cute.jit
     def consume(self, mma_tok, mma_state, sQ, sK, sW, sU, sM, staged_o, pipe, mWork32, mO,
@@ -279,13 +274,12 @@ class GdnChunkRecurrenceSm90:
         split * v_rows ...)."""
         K, C = self.k_dim, CHUNK
         rows = 64 * self.nwg
-        stages = cute.size(sK, mode=[2])
         wg = consumer_tidx // THREADS_PER_WG
         wg_tok = mma_tok.get_slice(wg * THREADS_PER_WG)
         wg_state = mma_state.get_slice(wg * THREADS_PER_WG)
         thr_tok = mma_tok.get_slice(consumer_tidx)
         thr_state = mma_state.get_slice(consumer_tidx)
-        k_t = cute.composition(sK, cute.make_ordered_layout((K, C, stages), order=(1, 0, 2)))
+        k_t = transposed(sK, C, K)
         frags = (wg_tok.make_fragment_B(wg_tok.partition_B(sW)),
                  wg_tok.make_fragment_B(wg_tok.partition_B(sQ)),
                  wg_tok.make_fragment_B(wg_tok.partition_B(sM)),
@@ -395,50 +389,38 @@ class GdnChunkRecurrenceSm90:
 
     @cute.jit
     def store_o_staged(self, parts, staged_o, start: Int32, c: Int32, head: Int32):
-        acc_o, thr_tok, split = parts.acc_o, parts.thr_tok, parts.split
-        consumer_tidx = parts.consumer_tidx
-        V, C = 64 * self.nwg, CHUNK
         sO, store_o, mO_t = staged_o
-        issuer = consumer_tidx < cute.arch.WARP_SIZE
-        if issuer:  # the previous chunk's store has read the tile
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
-        s_t = thr_tok.partition_C(cute.composition(
+        V, C = 64 * self.nwg, CHUNK
+        s_t = parts.thr_tok.partition_C(cute.composition(
             sO[None, None, 0], cute.make_ordered_layout((V, C), order=(1, 0))))
-        for e in cutlass.range_constexpr(cute.size(acc_o)):
-            s_t[e] = acc_o[e].to(self.dtype)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
-        if issuer:  # the whole warp: the TMA copy elects its issuing lane itself
-            g = cute.local_tile(cute.domain_offset((start + c * C, 0), mO_t[None, None, head]),
-                                (C, V), (0, split))
-            t_s, t_g = cpasync.tma_partition(store_o, 0, cute.make_layout(1),
-                                             cute.group_modes(sO, 0, 2),
-                                             cute.group_modes(g, 0, 2))
-            cute.copy(store_o, t_s[None, 0], t_g)
-            cute.arch.cp_async_bulk_commit_group()
+        self.store_staged(parts, parts.acc_o, s_t, store_o, sO, lambda: cute.local_tile(
+            cute.domain_offset((start + c * C, 0), mO_t[None, None, head]), (C, V),
+            (0, parts.split)))
 
     @cute.jit
     def save_state_staged(self, parts, staged, row: Int32, head: Int32):
-        """The state (16-bit) into checkpoint row ``row`` through the staging tile and a
-        TMA store issued by the first consumer warp."""
+        """The state (16-bit) into checkpoint row ``row`` through the staging tile."""
         sCk, store_ck, mCk_t = staged
+        self.store_staged(parts, parts.acc_state, parts.thr_state.partition_C(sCk[None, None, 0]),
+                          store_ck, sCk, lambda: cute.local_tile(
+                              mCk_t[None, None, head, row], (self.v_rows, self.k_dim),
+                              (parts.split, 0)))
+
+    @cute.jit
+    def store_staged(self, parts, values, t_stage, atom, s_tile, global_tile):
+        """A consumer thread's ``values`` into its elements ``t_stage`` of the 16-bit staging
+        tile ``s_tile`` (once the previous store from it has read it), then one TMA store
+        of the tile to ``global_tile()`` issued by the first consumer warp."""
         issuer = parts.consumer_tidx < cute.arch.WARP_SIZE
-        if issuer:  # the previous checkpoint's store has read the tile
+        if issuer:  # the previous store has read the tile
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
-        t_ck = parts.thr_state.partition_C(sCk[None, None, 0])
-        for e in cutlass.range_constexpr(cute.size(parts.acc_state)):
-            t_ck[e] = parts.acc_state[e].to(self.dtype)
+        for e in cutlass.range_constexpr(cute.size(values)):
+            t_stage[e] = values[e].to(self.dtype)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
         if issuer:  # the whole warp: the TMA copy elects its issuing lane itself
-            g = cute.local_tile(mCk_t[None, None, head, row], (self.v_rows, self.k_dim),
-                                (parts.split, 0))
-            t_s, t_g = cpasync.tma_partition(store_ck, 0, cute.make_layout(1),
-                                             cute.group_modes(sCk, 0, 2),
-                                             cute.group_modes(g, 0, 2))
-            cute.copy(store_ck, t_s[None, 0], t_g)
+            tma_store_tile(atom, s_tile, global_tile())
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
