@@ -41,12 +41,14 @@ def warp_inclusive_sum(value):
 
 
 @cute.jit
-def wgmma(tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr):
-    """acc (+)= A B over the k-blocks of the fragments, issued as one wgmma group (not
-    waited for)."""
+def wgmma(tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr,
+          k_blocks: cutlass.Constexpr = None):
+    """acc (+)= A B over the k-blocks of the fragments (the first ``k_blocks`` of them when
+    given), issued as one wgmma group (not waited for)."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its ACCUMULATE flag is mutated
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+    blocks = cute.size(tCrA.shape[2]) if const_expr(k_blocks is None) else k_blocks
+    for k in cutlass.range_constexpr(blocks):
         atom.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
     warpgroup.commit_group()

@@ -34,7 +34,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
-                             select_modes, warp_inclusive_sum)
+                             select_modes, warp_inclusive_sum, wgmma)
 
 TILE_M = 128  # query rows of a work tile (two consumer warpgroups of 64)
 WG_ROWS = 64
@@ -628,13 +628,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         """acc_o += P V over the whole key tile, or over its first half_n keys (one wgmma
         group either way)."""
         if const_expr(self.half_n > 0):
-            if first_half:
-                warpgroup.fence()
-                atom = cute.make_mma_atom(mma_pv.op)
-                atom.set(warpgroup.Field.ACCUMULATE, True)
-                for k in cutlass.range_constexpr(self.half_n // 16):  # k16 blocks of keys
-                    cute.gemm(atom, acc_o, tOrP[None, None, k], tOrVt[None, None, k], acc_o)
-                warpgroup.commit_group()
+            if first_half:  # the k16 blocks of keys 0 .. half_n - 1
+                wgmma(mma_pv, acc_o, tOrP, tOrVt, True, k_blocks=self.half_n // 16)
             else:
                 self.gemm(mma_pv, acc_o, tOrP, tOrVt, accumulate=True)
         else:
