@@ -5,10 +5,14 @@ the kernel; g float32, beta bfloat16; the loss on o only, so no final-state grad
 - 64 sequences of 512 tokens, 64 heads.
 
     python bench/bench_gdn_bwd.py [--case NAME ...] [--no-peer] [--stages]
+                                  [--checkpoints N]
 
 Times with triton.testing.do_bench (median), per case: the forward (``gated_delta_net``),
 the backward (``gated_delta_net_backward``, which recomputes the forward's chunk states),
-their ratio, and forward + backward tokens per second; ``--stages`` also times each of the
+their ratio, and forward + backward tokens per second; with ``--checkpoints N`` (default
+1024, 0: off) also the training pair that keeps fp32 checkpoints every N tokens (the
+forward writes them, the backward's states pass starts from them, one CTA per checkpoint
+row and head); ``--stages`` also times each of the
 backward's kernels alone (GdnBwdSm90.execute with a caller-owned workspace, kernels
 launched one by one from the op's loaded modes). flash-linear-attention's backward is
 attempted for reference (its Triton kernels may refuse this Triton version on Hopper; the
@@ -42,9 +46,11 @@ def make_inputs(batch: int, seqlen: int, qk_heads: int, v_heads: int, seed: int 
     return q, k, v, g, beta, cu, do
 
 
-def stage_times(q, k, v, g, beta, cu, do) -> dict:
+def stage_times(q, k, v, g, beta, cu, do, checkpoints=None, n=None) -> dict:
     """Each backward kernel alone, in the op's order, on a caller-owned workspace."""
-    op = GdnBwdSm90(q, k, v, g, beta, cu, do, use_qk_l2norm_in_kernel=True).check_support()
+    op = GdnBwdSm90(q, k, v, g, beta, cu, do, use_qk_l2norm_in_kernel=True,
+                    sample_checkpoints=checkpoints,
+                    checkpoint_every_n_tokens=n).check_support()
     ws = op.make_workspace(q.shape[0], cu.shape[0] - 1, device="cuda")
     grads = [torch.empty_like(t) for t in (q, k, v, g, beta)]
     launched = []
@@ -53,7 +59,8 @@ def stage_times(q, k, v, g, beta, cu, do) -> dict:
     for mode, fn in real.items():  # record the launches of one execute
         kernels[mode] = (lambda m, f: lambda *a: launched.append((m, f, a)))(mode, fn)
     try:
-        op.execute(q, k, v, g, beta, cu, do, *grads, workspace=ws)
+        op.execute(q, k, v, g, beta, cu, do, *grads, workspace=ws, checkpoints=checkpoints,
+                   checkpoint_every_n_tokens=n)
     finally:
         kernels.update(real)
     times = {}
@@ -83,7 +90,7 @@ def peer_backward(q, k, v, g, beta, cu, do):
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
 
 
-def run_case(name: str, peer: bool, stages: bool) -> dict:
+def run_case(name: str, peer: bool, stages: bool, every: int) -> dict:
     batch, seqlen, qk_heads, v_heads = CASES[name]
     q, k, v, g, beta, cu, do = make_inputs(batch, seqlen, qk_heads, v_heads)
     fwd = lambda: gated_delta_net(q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True,  # noqa
@@ -105,6 +112,26 @@ def run_case(name: str, peer: bool, stages: bool) -> dict:
         row["stages_us"] = stage_times(q, k, v, g, beta, cu, do)
         print(f"{'':>13}  " + "  ".join(f"{m} {t:.1f}" for m, t in row["stages_us"].items()),
               flush=True)
+    if every:
+        fwd_ck = lambda: gated_delta_net(  # noqa: E731
+            q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True, output_final_state=True,
+            checkpoint_every_n_tokens=every, checkpoint_dtype=torch.float32)
+        ckpt = fwd_ck().checkpoints
+        bwd_ck = lambda: gated_delta_net_backward(  # noqa: E731
+            q, k, v, g, beta, cu, do, use_qk_l2norm_in_kernel=True, checkpoints=ckpt,
+            checkpoint_every_n_tokens=every)
+        bwd_ck()
+        torch.cuda.synchronize()
+        f_us, b_us = do_bench(fwd_ck) * 1e3, do_bench(bwd_ck) * 1e3
+        row.update(checkpoint_every=every, fwd_ckpt_us=f_us, bwd_ckpt_us=b_us,
+                   train_ckpt_tokens_per_s=tokens / ((f_us + b_us) * 1e-6))
+        print(f"{'':>13}  fp32 checkpoints every {every}: forward {f_us:8.1f} us  backward "
+              f"{b_us:8.1f} us ({b_us / fwd_us:.2f}x the plain forward)  forward+backward "
+              f"{row['train_ckpt_tokens_per_s'] / 1e6:6.2f} M tokens/s", flush=True)
+        if stages:
+            row["stages_ckpt_us"] = stage_times(q, k, v, g, beta, cu, do, ckpt, every)
+            print(f"{'':>13}  " + "  ".join(
+                f"{m} {t:.1f}" for m, t in row["stages_ckpt_us"].items()), flush=True)
     if peer:
         peer_us, error = peer_backward(q, k, v, g, beta, cu, do)
         row.update(peer_bwd_us=peer_us, peer_error=error)
@@ -118,11 +145,14 @@ def main(argv=None) -> int:
     ap.add_argument("--case", action="append", choices=sorted(CASES))
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--stages", action="store_true")
+    ap.add_argument("--checkpoints", type=int, default=1024, metavar="N",
+                    help="also time the pair with fp32 checkpoints every N tokens (0: off)")
     args = ap.parse_args(argv)
     env = environment()
     print(f"{env['gpu']} {env['date']}: Gated DeltaNet backward, K = V = {DIM}, bf16, l2norm, "
           "loss on o", flush=True)
-    rows = [run_case(name, not args.no_peer, args.stages) for name in (args.case or list(CASES))]
+    rows = [run_case(name, not args.no_peer, args.stages, args.checkpoints)
+            for name in (args.case or list(CASES))]
     write_json("bench_gdn_bwd.json", {"env": env, "results": rows})
     return 0
 

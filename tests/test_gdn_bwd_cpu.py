@@ -15,11 +15,11 @@ from conftest import isolate_from_kernels, key_of, record_launches
 from test_gdn_fwd_cpu import desc, meta
 
 import precast
-from precast import GdnBwdSm90, gated_delta_net_backward
+from precast import GdnBwdSm90, GdnFwdSm90, gated_delta_net_backward
 from precast.lifecycle import gdn_bwd as bwd_module
 from precast.lifecycle import gdn_fwd as fwd_module
 from precast.lifecycle.cache import ArtifactCache
-from precast.lifecycle.gdn_bwd import kernel_modes
+from precast.lifecycle.gdn_bwd import FORWARD_FIELDS, kernel_modes
 from precast.lifecycle.gdn_rules import check_gdn_gradients, check_gdn_inputs
 from precast.lifecycle.op import OP_REGISTRY, Op
 from precast.plan import OP_MODULES, expand
@@ -39,8 +39,10 @@ LAUNCHED = ["prepare", "states", "state_grad", "chunk_grad", "finish"]
 def expected_modes(cfg) -> tuple:
     split = ("states_split", "state_grad_split") if cfg["v_dim"] == 128 else ()
     grouped = len({cfg["q_heads"], cfg["k_heads"], cfg["v_heads"]}) > 1
+    regenerate = () if cfg["checkpoint_dtype"] == "none" else (
+        ("regenerate", "regenerate_split") if cfg["v_dim"] == 128 else ("regenerate",))
     return ("prepare", "states", "state_grad", "chunk_grad") + split + (
-        ("finish",) if grouped else ())
+        ("finish",) if grouped else ()) + regenerate
 
 
 @pytest.fixture(autouse=True)
@@ -107,7 +109,7 @@ def test_cache_key_fingerprints_the_forward_module(monkeypatch):
 BASE_CONFIG = {"dtype": "bfloat16", "k_dim": K, "v_dim": V, "q_heads": HQ, "k_heads": HK,
                "v_heads": HV, "g_dtype": "float32", "beta_dtype": "float32",
                "state_dtype": "none", "use_qk_l2norm_in_kernel": False,
-               "final_state_grad": False}
+               "final_state_grad": False, "checkpoint_dtype": "none"}
 
 
 def test_static_config_reads_the_samples():
@@ -130,6 +132,8 @@ STATIC_CHANGES = {
     "state_dtype": dict(sample_initial_state=state()),
     "final_state_grad": dict(sample_dfinal=state()),
     "use_qk_l2norm_in_kernel": dict(use_qk_l2norm_in_kernel=True),
+    "checkpoint_dtype": dict(sample_checkpoints=state(rows=CHUNKS, dtype=BF),
+                             checkpoint_every_n_tokens=64),
 }
 
 
@@ -143,9 +147,8 @@ def test_cache_key_changes_with_each_static_field(fixed_sources, field):
 
 @pytest.mark.parametrize("kw", [
     dict(scale=0.125), dict(**samples(t=4096, n=1)), dict(**samples(t=0, n=0)),
-    # checkpoints are runtime values: reused or not, any spacing and dtype
-    dict(sample_checkpoints=state(rows=CHUNKS, dtype=BF), checkpoint_every_n_tokens=64),
-    dict(sample_checkpoints=state(rows=T // 128 + N), checkpoint_every_n_tokens=128),
+    # without checkpoints, n describes nothing
+    dict(checkpoint_every_n_tokens=128),
     dict(sample_q=desc((T, HQ, K), stride=(3 * HQ * K, K + 8, 1)),
          sample_do=desc((T, HO, V), stride=(2 * HO * V, V, 1))),
 ])
@@ -153,12 +156,22 @@ def test_cache_key_ignores_runtime_values(fixed_sources, kw):
     assert key_of(bwd(**kw)) == key_of(bwd())
 
 
+@pytest.mark.parametrize("dtype", [BF, F32])
+def test_checkpoint_spacing_is_a_runtime_value(fixed_sources, dtype):
+    """Reused (n = 64 in the io dtype) or regenerated from, one compile: only the
+    checkpoints' dtype is static."""
+    keys = {key_of(bwd(sample_checkpoints=state(rows=T // n + N, dtype=dtype),
+                       checkpoint_every_n_tokens=n)) for n in (64, 128, 640)}
+    assert len(keys) == 1 and key_of(bwd()) not in keys
+
+
 CONFIGS = [
     {}, dict(dtype="float16", k_dim=64, v_dim=64),
     dict(q_heads=4, k_heads=4, v_heads=16), dict(q_heads=16, k_heads=4, v_heads=4),
     dict(g_dtype="bfloat16", beta_dtype="float16"),
     dict(state_dtype="float32", final_state_grad=True, use_qk_l2norm_in_kernel=True),
-    dict(state_dtype="io"), dict(final_state_grad=True),
+    dict(state_dtype="io"), dict(final_state_grad=True), dict(checkpoint_dtype="float32"),
+    dict(checkpoint_dtype="io", v_dim=64, state_dtype="float32"),
 ]
 
 
@@ -338,10 +351,16 @@ def test_split_recurrences_when_the_pairs_fill_at_most_half_the_sms(launches, mo
             "prepare", "states" + suffix, "state_grad" + suffix, "chunk_grad", "finish"]
 
 
+def io_checkpoint_op(**kw) -> GdnBwdSm90:
+    """The base configuration with an fp32 initial state and io-dtype checkpoints."""
+    return bwd(sample_initial_state=state(), sample_checkpoints=state(rows=CHUNKS, dtype=BF),
+               checkpoint_every_n_tokens=64, **kw).check_support()
+
+
 def test_checkpoints_at_64_in_the_io_dtype_are_reused(launches):
     """The states kernel is skipped and the checkpoints are the chunk states; the op does
     not make the states buffer."""
-    op = bwd(sample_initial_state=state()).check_support()
+    op = io_checkpoint_op()
     ckpt = meta(CHUNKS, HO, V, K)
     s0, ds0 = meta(N, HO, V, K, dtype=F32), meta(N, HO, V, K, dtype=F32)
     op.execute(**call(), initial_state=s0, dinitial_state=ds0, checkpoints=ckpt,
@@ -350,17 +369,45 @@ def test_checkpoints_at_64_in_the_io_dtype_are_reused(launches):
     assert launches.calls[2][1][10] is ckpt
     assert launches.calls[1][1][9] is ds0  # a float32 initial state: written in place
     assert all("states" not in key and "o" not in key for key in op._workspaces)
-    # n = 128 or float32 checkpoints: recomputed from the initial state, never read
-    for n, dtype in ((128, BF), (64, F32)):
+
+
+@pytest.mark.parametrize("n,dtype", [(128, BF), (640, BF), (64, F32), (192, F32)])
+def test_states_are_regenerated_from_coarse_or_float32_checkpoints(launches, n, dtype):
+    """The states pass starts from the checkpoints (one grid row per checkpoint row, n a
+    runtime argument) instead of the initial state; the chunk kernel reads its states."""
+    op = (io_checkpoint_op() if dtype == BF else bwd(
+        sample_initial_state=state(), sample_checkpoints=state(rows=CHUNKS, dtype=F32),
+        checkpoint_every_n_tokens=64).check_support())
+    s0, ds0 = meta(N, HO, V, K, dtype=F32), meta(N, HO, V, K, dtype=F32)
+    ckpt = meta(T // n + N, HO, V, K, dtype=dtype)
+    op.execute(**call(), initial_state=s0, dinitial_state=ds0, checkpoints=ckpt,
+               checkpoint_every_n_tokens=n, stream=3)
+    assert [m for m, _ in launches.calls] == ["prepare", "regenerate", "state_grad",
+                                              "chunk_grad", "finish"]
+    # regenerate(q, k, work16, work32, cu_seqlens, no o, checkpoints, None, None, states, n,
+    # stream)
+    states = launches.calls[1][1]
+    assert states[5] is None and states[6] is ckpt and states[7:9] == (None, None)
+    assert tuple(states[9].shape) == (CHUNKS, HO, V, K) and states[10:] == (n, 3)
+    assert launches.calls[3][1][10] is states[9]
+    assert not any(x is s0 for x in states)
+
+
+def test_regeneration_splits_by_checkpoint_rows(launches, monkeypatch):
+    """gdn_fwd.splits_recurrences with the checkpoint rows (T // n + N) as the grid rows:
+    V = 128, 2 rows HO <= SMs."""
+    op = bwd(sample_checkpoints=desc((CHUNKS, HO, 128, 128), BF), checkpoint_every_n_tokens=64,
+             **samples(v=128, k=128)).check_support()
+    rows = T // 128 + N
+    for sms, split in ((2 * rows * HO - 1, False), (2 * rows * HO, True)):
+        monkeypatch.setattr(fwd_module, "sm_count", lambda index: sms)
         launches.calls.clear()
-        ckpt = meta(T // n + N, HO, V, K, dtype=dtype)
-        op.execute(**call(), initial_state=s0, dinitial_state=ds0, checkpoints=ckpt,
-                   checkpoint_every_n_tokens=n, stream=3)
-        assert [m for m, _ in launches.calls] == LAUNCHED
-        states = launches.calls[1][1]
-        assert states[6] is s0 and states[9] is not ckpt
-        assert launches.calls[3][1][10] is states[9]
-        assert not any(x is ckpt for _, args in launches.calls for x in args)
+        op.execute(**call(v=meta(T, HV, 128), do=meta(T, HO, 128), dv=meta(T, HV, 128),
+                          q=meta(T, HQ, 128), k=meta(T, HK, 128), dq=meta(T, HQ, 128),
+                          dk=meta(T, HK, 128)),
+                   checkpoints=meta(rows, HO, 128, 128), checkpoint_every_n_tokens=128,
+                   stream=1)
+        assert launches.calls[1][0] == "regenerate" + ("_split" if split else "")
 
 
 def test_io_initial_state_gradient_is_converted_on_the_stream(launches):
@@ -432,9 +479,12 @@ def test_execute_with_a_workspace_allocates_nothing(launches):
     # reusing checkpoints, states may be left out
     ckpt = meta(CHUNKS, HO, V, K)
     del ws["states"]
+    op = bwd(sample_checkpoints=state(rows=CHUNKS, dtype=BF),
+             checkpoint_every_n_tokens=64).check_support()
     op.execute(**call(), workspace=ws, checkpoints=ckpt, checkpoint_every_n_tokens=64, stream=3)
     with pytest.raises(ValueError, match=r"workspace: lacks \['states'\]"):
-        op.execute(**call(), workspace=ws, stream=3)
+        op.execute(**call(), workspace=ws, checkpoints=meta(T // 128 + N, HO, V, K),
+                   checkpoint_every_n_tokens=128, stream=3)
 
 
 WORKSPACE_RULES = [
@@ -733,10 +783,10 @@ def test_default_plan_has_the_backward_of_every_planned_forward_shape():
     from precast.cli import DEFAULT_PLAN
     from precast.plan import load_plan
     planned = planned_configs(DEFAULT_PLAN)
-    forward = [dict(e.config) for e in load_plan(DEFAULT_PLAN) if e.op == "GdnFwdSm90"]
+    # forward configurations with every field filled in (checkpoint_dtype defaults)
+    forward = [GdnFwdSm90.from_config(**dict(e.config)).check_support().static_config()
+               for e in load_plan(DEFAULT_PLAN) if e.op == "GdnFwdSm90"]
     for cfg in forward:
-        fields = {k: cfg[k] for k in ("dtype", "k_dim", "v_dim", "q_heads", "k_heads",
-                                      "v_heads", "g_dtype", "beta_dtype", "state_dtype",
-                                      "use_qk_l2norm_in_kernel")}
+        fields = {k: cfg[k] for k in FORWARD_FIELDS}
         for final_grad in (True, False):
             assert {**fields, "final_state_grad": final_grad} in planned, cfg

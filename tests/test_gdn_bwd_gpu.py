@@ -36,7 +36,7 @@ GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
 # The backward's static configurations in tests/gpu_plan.toml.
 BASE = dict(dtype="bfloat16", k_dim=128, v_dim=128, q_heads=4, k_heads=4, v_heads=4,
             g_dtype="float32", beta_dtype="float32", state_dtype="none",
-            use_qk_l2norm_in_kernel=True, final_state_grad=True)
+            use_qk_l2norm_in_kernel=True, final_state_grad=True, checkpoint_dtype="none")
 
 
 def _config(**changes):
@@ -51,7 +51,11 @@ CONFIGS = {
     "bf16-hv16": _config(v_heads=16, beta_dtype="bfloat16"),
     "bf16-hq16": _config(q_heads=16, beta_dtype="bfloat16"),
     "bf16-d64-io-state": _config(k_dim=64, v_dim=64, state_dtype="io"),
+    # given the forward's checkpoints (test_checkpoints_reused_or_regenerated)
+    "bf16-state-ckpt-io": _config(state_dtype="float32", checkpoint_dtype="io"),
+    "bf16-state-ckpt-f32": _config(state_dtype="float32", checkpoint_dtype="float32"),
 }
+WITHOUT_CHECKPOINTS = sorted(n for n, c in CONFIGS.items() if c["checkpoint_dtype"] == "none")
 # Forward configurations only these tests run (checkpoints in the io dtype, which the
 # backward reuses), besides test_gdn_fwd_gpu's CONFIGS.
 FORWARD_CONFIGS = {
@@ -144,7 +148,7 @@ def assert_grads_close(got: Grads, want: dict, dtype, what: str) -> None:
 
 # --- against the reference ------------------------------------------------------------------------
 @pytest.mark.parametrize("lengths", sorted(LENGTHS))
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", WITHOUT_CHECKPOINTS)
 def test_matches_the_reference(name, lengths):
     """Every planned configuration: head ratios 1:1, 1:4 (v heads) and 4:1 (q heads), K = V
     = 64 and 128, with and without the L2 norm, an initial state (float32 and io) and the
@@ -186,20 +190,31 @@ def forward_checkpoints(config: dict, b: Batch, n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("lengths", sorted(LENGTHS))
-def test_checkpoint_reuse_equals_recomputation(lengths):
+def test_checkpoints_reused_or_regenerated(lengths):
     """The forward's checkpoints at n = 64 in the io dtype are the chunk states the backward
     recomputes: reused (no states kernel), the gradients are bitwise those of recomputation.
-    Coarser (n = 128) or float32 checkpoints are not read: the same bits again."""
-    name = "bf16-state"
-    b = make_batch(CONFIGS[name], LENGTHS[lengths], seed=11)
-    ct = cotangents(name, b, seed=11)
-    recomputed = launch(name, b, ct)
-    assert_grads_close(recomputed, reference(name, b, ct), BF, "recomputed")
-    io = FORWARD_CONFIGS["bf16-state-io-checkpoints"]
-    for config, n in ((io, 64), (io, 128), (FORWARD_TESTED["bf16-state-checkpoints"], 64)):
-        ckpt = forward_checkpoints(config, b, n)
-        got = launch(name, b, ct, checkpoints=ckpt, n=n)
-        assert got.equal(recomputed), (config["checkpoint_dtype"], n)
+    float32 checkpoints at any n: the states pass starts from each (one CTA per checkpoint
+    row and head; both grid sizes, split and not, occur here): bitwise the recomputation
+    again, the forward's state arithmetic being the same. io checkpoints at a coarser n:
+    each segment starts from the rounded state: within the reference's tolerance. The
+    ragged lengths put sequences of 0 and 1 tokens and partial segments between them."""
+    b = make_batch(CONFIGS["bf16-state"], LENGTHS[lengths], seed=11)
+    ct = cotangents("bf16-state", b, seed=11)
+    recomputed = launch("bf16-state", b, ct)
+    want = reference("bf16-state", b, ct)
+    assert_grads_close(recomputed, want, BF, "recomputed")
+    io, f32 = FORWARD_CONFIGS["bf16-state-io-checkpoints"], FORWARD_TESTED[
+        "bf16-state-checkpoints"]
+    for n in (64, 128, 192, 640):
+        got = launch("bf16-state-ckpt-f32", b, ct, checkpoints=forward_checkpoints(f32, b, n),
+                     n=n)
+        assert got.equal(recomputed), ("float32", n)
+    got = launch("bf16-state-ckpt-io", b, ct, checkpoints=forward_checkpoints(io, b, 64), n=64)
+    assert got.equal(recomputed), ("io", 64)
+    for n in (128, 640):
+        got = launch("bf16-state-ckpt-io", b, ct, checkpoints=forward_checkpoints(io, b, n),
+                     n=n)
+        assert_grads_close(got, want, BF, f"io checkpoints every {n}")
 
 
 # --- layouts, offsets, empty batches, streams ----------------------------------------------------
@@ -328,7 +343,8 @@ def leaves(b: Batch, *names):
 
 def test_autograd_end_to_end_matches_autograd_of_the_reference():
     """o, s = gated_delta_net(...); loss.backward() with an initial state and fp32
-    checkpoints (forward "bf16-state-checkpoints", backward "bf16-state"): the gradients of
+    checkpoints (forward "bf16-state-checkpoints", backward "bf16-state-ckpt-f32", its
+    states regenerated from them): the gradients of
     q, k, v, g, beta and the initial state against autograd of the float64 token-by-token
     reference under the same loss."""
     name = "bf16-state"
@@ -351,7 +367,8 @@ def test_autograd_end_to_end_matches_autograd_of_the_reference():
         tol = TOL_INITIAL if n == "initial_state" else TOL_GRAD
         assert x[n].grad.dtype == x[n].dtype
         assert_close(x[n].grad, ref[n].grad, BF, f"d{n}", tol=tol)
-    # and the same bits as execute (the checkpoints are fp32: not read)
+    # and the bits of execute recomputing every state (fp32 checkpoints regenerate them
+    # exactly)
     expect = launch(name, b, ct)
     got = Grads(*(x[n].grad for n in names))
     assert got.equal(expect)

@@ -990,7 +990,10 @@ def test_default_plan_has_the_issue_shapes():
     grouped = {**issue, "q_heads": 16, "k_heads": 16}  # the bench's 32k-token GVA case
     backward_shape = {**grouped, "v_heads": 32}  # the backward issue's 32k-token case
     assert issue in planned and grouped in planned and backward_shape in planned
-    assert len(planned) == 5
+    # training: fp32 checkpoints for the backward at the 64-head and the 32k-token shapes
+    for shape in (issue, backward_shape):
+        assert {**shape, "checkpoint_dtype": "float32"} in planned
+    assert len(planned) == 6
 
 
 def test_reference_measures():

@@ -50,7 +50,7 @@ from .gdn_layout import CHUNK, gradients_in_place
 WGS = 2  # warpgroup 0: the q side; warpgroup 1: the WY side
 THREADS = 128 * WGS
 WARPS = THREADS // 32
-# named barriers (0 is sync_threads, also the dk hand-off DK_READY: both warpgroups wait)
+# named barriers (0 is sync_threads, also the dk hand-off DK_READY after both sides)
 WG_BARRIER = (1, 2)
 # mbarriers: the two load groups, then warpgroup 0's signals to warpgroup 1 (all 128 of its
 # threads arrive; mbarrier arrive/wait order the shared-memory accesses around them)
@@ -312,14 +312,24 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.normalize_rows(tiles[0], tiles[1], sRows, tidx)
         sDG = storage.dg.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
         sDB = storage.dbeta.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
+        # dk's accumulator, one for both sides: warpgroup 1's terms go through shared
+        # memory to warpgroup 0, which adds them after the CTA barrier below
+        acc_dk = cute.make_rmem_tensor(
+            mmas[2].get_slice(tidx % 128).partition_shape_C((C, self.k_dim)), Float32)
         if wg == 0:
             cute.arch.mbarrier_arrive(bars + W_FREE)
-            self.q_side(mmas, tiles, storage, sRows, sDG, bars, mDQ, mDK, first, rows, head,
-                        scale, tidx % 128)
+            self.q_side(mmas, tiles, storage, sRows, sDG, bars, mDQ, acc_dk, first, rows,
+                        head, scale, tidx % 128)
         else:
-            self.wy_side(mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, first,
-                         rows, head, tidx % 128)
+            self.wy_side(mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, acc_dk,
+                         first, rows, head, tidx % 128)
+        # DK_READY (and dG's partial sums written). Every thread meets it at this one
+        # instruction: a CTA barrier inside a branch not all threads take is undefined in
+        # the CUDA model, and compute-sanitizer racecheck reported the hand-off then.
         cute.arch.sync_threads()
+        if wg == 0:
+            self.finish_dk(mmas, tiles, storage, sRows, mDK, acc_dk, first, rows, head,
+                           tidx % 128)
         if tidx < C:
             col_e = storage.col_e.get_tensor(cute.make_layout((WARPS, C), stride=(C, 1)))
             total = sDG[0, tidx] + sDG[1, tidx]
@@ -372,11 +382,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.store_16(acc, t_u)
 
     @cute.jit
-    def q_side(self, mmas, tiles, storage, sRows, sDG, bars, mDQ, mDK, first: Int32,
+    def q_side(self, mmas, tiles, storage, sRows, sDG, bars, mDQ, acc_dk, first: Int32,
                rows: Int32, head: Int32, scale: Float32, wtidx: Int32):
         """Warpgroup 0: dM' = tril(dO Delta^T), dQK = scale dM' Gamma (over M), E's first
         term; dq_n = diag(scale gamma) dO S^T + dQK Kn; <S, dS'>; dk_n's diag(d) Delta dS'^T
-        and dQK^T Qn terms plus warpgroup 1's; dG's q-side terms."""
+        and dQK^T Qn terms into ``acc_dk`` (finish_dk adds warpgroup 1's); dG's q-side
+        terms."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
@@ -426,8 +437,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.state_dot(sS, sDS, storage, wtidx)
         warpgroup.wait_group(0)
         self.store_grad(thr_k, mDQ, acc_k, t_q, R_Q, sRows, rows_of, first, rows, head)
-        # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms)
-        acc_dk = cute.make_rmem_tensor(acc_k.layout, Float32)
+        # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms, finish_dk)
         self.ss(mma_kmn_k, acc_dk, two(sDelta), tr(sDS, V, K), False)
         warpgroup.wait_group(0)
         # S and dS' are read (by this warpgroup; warpgroup 1 reads neither)
@@ -445,14 +455,22 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             for h in cutlass.range_constexpr(2):
                 sDG[0, rows_of[h]] = dg_part[h]
         warpgroup.wait_group(0)
-        cute.arch.sync_threads()  # DK_READY: warpgroup 1's dk terms are in shared memory
+
+    @cute.jit
+    def finish_dk(self, mmas, tiles, storage, sRows, mDK, acc_dk, first: Int32, rows: Int32,
+                  head: Int32, wtidx: Int32):
+        """Warpgroup 0, after DK_READY: warpgroup 1's dk terms (shared memory) added to its
+        own, then dk stored."""
+        thr_k = mmas[2].get_slice(wtidx)
+        t_kk = thr_k.partition_C(tiles[1][None, None, 0])
         dk_wy = self.dk_exchange(storage, acc_dk)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[e] = acc_dk[e] + dk_wy[e * 128 + wtidx]
-        self.store_grad(thr_k, mDK, acc_dk, t_kk, R_K, sRows, rows_of, first, rows, head)
+        self.store_grad(thr_k, mDK, acc_dk, t_kk, R_K, sRows,
+                        self.row_context(sRows, wtidx)["rows_of"], first, rows, head)
 
     @cute.jit
-    def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV,
+    def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, acc_dk,
                 first: Int32, rows: Int32, head: Int32, wtidx: Int32):
         """Warpgroup 1: dW = -dDelta S^T (over W, once warpgroup 0 read W);
         dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma); dv = diag(beta) T^T dDelta;
@@ -512,7 +530,6 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.store_rows(thr_v, mDV, acc_v, rows_of, first, rows, head)
         self.wg_sync(1, fence=True)  # dT written
         # ---- dBk = T^T dW: dk_n = diag(beta gamma) dBk ...; t = rowsum(dBk Kn)
-        acc_dk = cute.make_rmem_tensor(acc_k.layout, Float32)
         self.ss(mma_mnmn_k, acc_dk, tr(sT, C, C), tr(sdW, C, K), False)
         self.ss(mma_mnmn_c, acc_c, tr(sT, C, C), tr(sdT, C, C), False)  # T^T dT
         warpgroup.wait_group(0)
@@ -560,9 +577,6 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         dk_wy = self.dk_exchange(storage, acc_dk)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             dk_wy[e * 128 + wtidx] = acc_dk[e]
-        # DK_READY, as a CTA barrier (this warpgroup has nothing left to do; racecheck
-        # reported the hand-off through a named barrier, arrive/sync or sync/sync)
-        cute.arch.sync_threads()
 
     # ---------------------------------------------------------------- helpers
     @cute.jit

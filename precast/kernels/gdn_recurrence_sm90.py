@@ -64,7 +64,7 @@ class GdnChunkRecurrenceSm90:
     def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
                  v_heads: int, initial_state: bool, pool: bool, final_state: bool,
                  checkpoints: bool, overlap_products: bool = True, v_splits: int = 1,
-                 states_only: bool = False):
+                 states_only: bool = False, from_checkpoints: bool = False):
         """initial_state: an [N or N_pool, HO, V, K] state is read (with pool: at row
         state_indices[b], and the final state written back there); final_state: the end
         state goes to an [N, HO, V, K] fp32 tensor; checkpoints: [rows, HO, V, K].
@@ -74,10 +74,16 @@ class GdnChunkRecurrenceSm90:
         chunk's q, k, W, M and its columns of U): more CTAs when (sequence, head) pairs are
         fewer than the SMs. states_only: no o (mO is None); the checkpoints (in the io
         dtype) leave through a staging tile by TMA stores: the backward's pass that writes
-        the state entering every chunk."""
+        the state entering every chunk. from_checkpoints (with states_only): the states
+        pass regenerated from the forward's checkpoints, every ckpt_every tokens (mState0,
+        io dtype or float32): one CTA per (checkpoint row, head) walks only its segment
+        (its grid covers mState0's rows; rows past the series exit), so a long sequence
+        spreads over many SMs; the states go to mCkpt at every chunk's packed row."""
         assert k_dim in (64, 128) and v_dim in (64, 128)
         assert not states_only or checkpoints
-        self.states_only = states_only
+        assert not from_checkpoints or (states_only and initial_state and not pool
+                                        and not final_state)
+        self.states_only, self.from_checkpoints = states_only, from_checkpoints
         assert not pool or initial_state
         self.dtype = dtype
         self.k_dim, self.v_dim = k_dim, v_dim
@@ -132,9 +138,12 @@ class GdnChunkRecurrenceSm90:
             store_o, mO_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
                                                         select_modes(mO, [0, 2, 1]),
                                                         one(sO_layout), (C, Vc))
-        self.stage_bytes = (3 * cute.size_in_bytes(dt, one(sK_layout))
+        # states_only loads neither Q nor M (they only make o)
+        self.stage_bytes = ((2 if const_expr(self.states_only) else 3)
+                            * cute.size_in_bytes(dt, one(sK_layout))
                             + cute.size_in_bytes(dt, one(sU_layout))
-                            + cute.size_in_bytes(dt, one(sM_layout)))
+                            + (0 if const_expr(self.states_only)
+                               else cute.size_in_bytes(dt, one(sM_layout))))
         rmem = warpgroup.OperandSource.RMEM
         mma_tok = sm90_utils.make_trivial_tiled_mma(  # (V rows) x 64 tokens
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
@@ -155,12 +164,14 @@ class GdnChunkRecurrenceSm90:
 
         self.storage = SharedStorage
         num_batches = mCuSeqlens.shape[0] - 1
+        # one grid column per (sequence) or, from checkpoints, per checkpoint row
+        grid = ([mState0.shape[0], self.heads, self.v_splits] if const_expr(self.from_checkpoints)
+                else [self.heads, cutlass.max(num_batches, 1), self.v_splits])
         self.kernel(mma_tok, mma_state, mQ_t, mK_t, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k,
                     tma_u, tma_m, sK_layout, sU_layout, sM_layout, sO_layout, store_o, mO_t,
                     mWork32, mCuSeqlens, mO, mState0, mStateIdx, mFinal, mCkpt, ckpt_every,
                     num_batches).launch(
-            grid=[self.heads, cutlass.max(num_batches, 1), self.v_splits],
-            block=[self.num_threads, 1, 1], stream=stream)
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -174,7 +185,11 @@ class GdnChunkRecurrenceSm90:
                mState0: cute.Tensor, mStateIdx: cute.Tensor, mFinal: cute.Tensor,
                mCkpt: cute.Tensor, ckpt_every: Int32, num_batches: Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        head, batch, split = cute.arch.block_idx()
+        if const_expr(self.from_checkpoints):
+            # batch: the checkpoint row this segment starts from
+            batch, head, split = cute.arch.block_idx()
+        else:
+            head, batch, split = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.storage)
@@ -193,17 +208,24 @@ class GdnChunkRecurrenceSm90:
         sM = storage.sM.get_tensor(sM_layout.outer, swizzle=sM_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
-        start = mCuSeqlens[batch]
-        length = mCuSeqlens[batch + 1] - start
+        if const_expr(self.from_checkpoints):
+            start, length, first_chunk, batch = self.find_segment(mCuSeqlens, num_batches,
+                                                                  ckpt_every, batch)
+        else:
+            start = mCuSeqlens[batch]
+            length = mCuSeqlens[batch + 1] - start
+            # Packed chunk number of this sequence's first chunk (stage 1's numbering).
+            first_chunk = Int32(0)
+            for b in cutlass.range(batch, unroll=1):
+                first_chunk = first_chunk + (mCuSeqlens[b + 1] - mCuSeqlens[b] + CHUNK - 1) \
+                    // CHUNK
         chunks = (length + CHUNK - 1) // CHUNK
-        # Packed chunk number of this sequence's first chunk (stage 1's numbering).
-        first_chunk = Int32(0)
-        for b in cutlass.range(batch, unroll=1):
-            first_chunk = first_chunk + (mCuSeqlens[b + 1] - mCuSeqlens[b] + CHUNK - 1) // CHUNK
+        # chunk updates: a segment's last one would only make the next checkpoint
+        updates = cutlass.max(chunks - 1, 0) if const_expr(self.from_checkpoints) else chunks
         if warp == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ, sK,
-                         sW, sU, sM, pipe, head, start, first_chunk, chunks, split)
+                         sW, sU, sM, pipe, head, start, first_chunk, updates, split)
         elif warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         else:
@@ -214,19 +236,44 @@ class GdnChunkRecurrenceSm90:
                          head, start, length, first_chunk, chunks, tidx - THREADS_PER_WG, split)
 
     @cute.jit
+    def find_segment(self, mCuSeqlens, num_batches: Int32, every: Int32, row: Int32):
+        """Checkpoint row ``row`` (rows of the sequences in order, ceil(len / every) each)
+        as (its first token, its token count (0 past the series), its first chunk's packed
+        number, the row to read, 0 past the series)."""
+        before = Int32(0)  # checkpoint rows of the sequences before b
+        chunks_before = Int32(0)
+        start, length, first_chunk, state_row = Int32(0), Int32(0), Int32(0), Int32(0)
+        for b in cutlass.range(num_batches, unroll=1):
+            seq_start = mCuSeqlens[b]
+            seq_len = mCuSeqlens[b + 1] - seq_start
+            rows = (seq_len + every - 1) // every
+            j = row - before
+            if j >= 0:
+                if j < rows:
+                    start = seq_start + j * every
+                    length = cutlass.min(every, seq_len - j * every)
+                    first_chunk = chunks_before + j * (every // CHUNK)
+                    state_row = row
+            before = before + rows
+            chunks_before = chunks_before + (seq_len + CHUNK - 1) // CHUNK
+        return start, length, first_chunk, state_row
+
+    @cute.jit
     def produce(self, mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ, sK,
                 sW, sU, sM, pipe, head: Int32, start: Int32, first_chunk: Int32,
                 chunks: Int32, split: Int32):
         K, V, C = self.k_dim, self.v_dim, CHUNK
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         # workspace tiles: (atom, tensor, smem, first column, columns); U: this CTA's columns
-        tiles = ((tma_k, mW_k, sW, 0, K), (tma_u, mW_u, sU, K + split * self.v_rows, self.v_rows),
-                 (tma_m, mW_m, sM, K + V, C))
+        tiles = ((tma_k, mW_k, sW, 0, K), (tma_u, mW_u, sU, K + split * self.v_rows, self.v_rows))
+        token_tiles = ((tma_kr, mK, sK, head // self.k_group),)
+        if const_expr(not self.states_only):  # Q and M only make o
+            tiles = tiles + ((tma_m, mW_m, sM, K + V, C),)
+            token_tiles = ((tma_q, mQ, sQ, head // self.q_group),) + token_tiles
         for c in cutlass.range(chunks, unroll=1):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
-            for atom, m, s, h in ((tma_q, mQ, sQ, head // self.q_group),
-                                  (tma_kr, mK, sK, head // self.k_group)):
+            for atom, m, s, h in token_tiles:
                 g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, K),
                                     (c, 0))
                 tma_load_tile(atom, g, s, state.index, bar)
@@ -245,12 +292,15 @@ class GdnChunkRecurrenceSm90:
         parts = self.state_parts(mma_tok, mma_state, sQ, sK, sW, sM, consumer_tidx, split)
         state_row, ckpt_row = self.load_state(parts, mState0, mStateIdx, mCuSeqlens,
                                               ckpt_every, batch, head)
+        every, updates = ckpt_every, chunks
+        if const_expr(self.from_checkpoints):  # a state at every chunk of the segment
+            every, ckpt_row, updates = Int32(CHUNK), first_chunk, cutlass.max(chunks - 1, 0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-        for c in cutlass.range(chunks, unroll=1):
+        for c in cutlass.range(updates, unroll=1):
             if const_expr(self.states_only):
-                if (c * CHUNK) % ckpt_every == 0:
-                    self.save_state_staged(parts, staged_o,
-                                           ckpt_row + (c * CHUNK) // ckpt_every, head)
+                if (c * CHUNK) % every == 0:
+                    self.save_state_staged(parts, staged_o, ckpt_row + (c * CHUNK) // every,
+                                           head)
             else:
                 self.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
             pipe.consumer_wait(state)
@@ -261,6 +311,9 @@ class GdnChunkRecurrenceSm90:
             state = advanced(state)
             if const_expr(not self.states_only):
                 self.store_o(parts, mO, start, length, c, head, staged_o)
+        if const_expr(self.from_checkpoints):
+            if chunks > 0:  # the state entering the segment's last chunk
+                self.save_state_staged(parts, staged_o, ckpt_row + updates, head)
         if consumer_tidx < cute.arch.WARP_SIZE:  # the staging tile's last store has read it
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_state(parts, mState0, mFinal, state_row, batch, head)
@@ -307,7 +360,7 @@ class GdnChunkRecurrenceSm90:
             for e in cutlass.range_constexpr(cute.size(acc_state)):
                 acc_state[e] = src[e].to(Float32)
         ckpt_row = Int32(0)
-        if const_expr(self.checkpoints):
+        if const_expr(self.checkpoints and not self.from_checkpoints):
             # Rows of the checkpoint series before this sequence's: ceil(len / n) each.
             for b in cutlass.range(batch, unroll=1):
                 ckpt_row = ckpt_row + (mCuSeqlens[b + 1] - mCuSeqlens[b] + ckpt_every - 1) \
@@ -346,29 +399,46 @@ class GdnChunkRecurrenceSm90:
         tSrDk = cute.make_tensor(delta_k16.iterator, acc_as_operand_a(acc_x.layout))
         state16.store(acc_state.load().to(self.dtype))
         wgmma(mma_tok, acc_x, tXrS, tXrW[None, None, None, s], False)
-        if const_expr(self.overlap_products):
-            wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
+        if const_expr(self.states_only):  # no o: X^T, Delta^T, the update
+            self.update_state(parts, u_t, t_kf, factors, tSrDk, tSrK[None, None, None, s])
+        else:
+            if const_expr(self.overlap_products):
+                wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
+            decay = cute.math.exp(factors[G_LAST], fastmath=True)
+            # X^T is the state's critical path; S^T Q^T (in flight with it) waits until the
+            # state's update is issued.
+            warpgroup.wait_group(1 if const_expr(self.overlap_products) else 0)
+            for e in cutlass.range_constexpr(cute.size(acc_x)):  # Delta^T = U^T - X^T
+                d = u_t[e].to(Float32) - acc_x[e]
+                delta16[e] = d.to(self.dtype)
+                delta_k16[e] = (d * t_kf[e]).to(self.dtype)
+            for e in cutlass.range_constexpr(cute.size(acc_state)):
+                acc_state[e] = acc_state[e] * decay
+            if const_expr(self.overlap_products):
+                wgmma(mma_state, acc_state, tSrDk, tSrK[None, None, None, s], True)
+                warpgroup.wait_group(1)  # S^T Q^T
+            else:
+                wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
+                warpgroup.wait_group(0)
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[e] = acc_o[e] * t_qf[e]
+            wgmma(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
+            if const_expr(not self.overlap_products):
+                wgmma(mma_state, acc_state, tSrDk, tSrK[None, None, None, s], True)
+            warpgroup.wait_group(0)
+
+    @cute.jit
+    def update_state(self, parts, u_t, t_kf, factors, tSrDk, tSrK):
+        """states_only's chunk, after S^T W^T was issued into acc_x: Delta^T diag(k_f) and
+        the state update, waited for."""
+        acc_x, acc_state, delta_k16 = parts.acc_x, parts.acc_state, parts.deltas[1]
         decay = cute.math.exp(factors[G_LAST], fastmath=True)
-        # X^T is the state's critical path; S^T Q^T (in flight with it) waits until the
-        # state's update is issued.
-        warpgroup.wait_group(1 if const_expr(self.overlap_products) else 0)
-        for e in cutlass.range_constexpr(cute.size(acc_x)):  # Delta^T = U^T - X^T
-            d = u_t[e].to(Float32) - acc_x[e]
-            delta16[e] = d.to(self.dtype)
-            delta_k16[e] = (d * t_kf[e]).to(self.dtype)
+        warpgroup.wait_group(0)
+        for e in cutlass.range_constexpr(cute.size(acc_x)):
+            delta_k16[e] = ((u_t[e].to(Float32) - acc_x[e]) * t_kf[e]).to(self.dtype)
         for e in cutlass.range_constexpr(cute.size(acc_state)):
             acc_state[e] = acc_state[e] * decay
-        if const_expr(self.overlap_products):
-            wgmma(mma_state, acc_state, tSrDk, tSrK[None, None, None, s], True)
-            warpgroup.wait_group(1)  # S^T Q^T
-        else:
-            wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
-            warpgroup.wait_group(0)
-        for e in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[e] = acc_o[e] * t_qf[e]
-        wgmma(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
-        if const_expr(not self.overlap_products):
-            wgmma(mma_state, acc_state, tSrDk, tSrK[None, None, None, s], True)
+        wgmma(parts.mma_state, acc_state, tSrDk, tSrK, True)
         warpgroup.wait_group(0)
 
     @cute.jit

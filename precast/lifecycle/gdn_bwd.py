@@ -7,13 +7,15 @@ gdn_rules.check_gdn_gradients'. Five kernels run in order on one stream:
 
 * "prepare": the forward's stage 1 (precast/kernels/gdn_chunk_sm90.py) with
   store_inverse: the WY factors of every (64-token chunk, output head) and T = (I + A)^-1;
-* "states": the forward's stage 2 (gdn_recurrence_sm90.py) writing the state entering
-  every chunk (checkpoints every 64 tokens, io dtype) into a workspace; o goes to scratch.
-  Skipped when the caller passes the forward's checkpoints at n = 64 in the io dtype: those
-  rows are exactly these states, in the same order. Checkpoints at a coarser n, or in
-  float32, are not read: the states are recomputed from the initial state as without
-  checkpoints (regenerating them chunk by chunk from the nearest checkpoint is a later
-  optimization);
+* "states": the forward's stage 2 (gdn_recurrence_sm90.py) in its states_only mode, writing
+  the state entering every chunk (io dtype) into a workspace. Skipped when the caller passes
+  the forward's checkpoints at n = 64 in the io dtype: those rows are exactly these states,
+  in the same order. With checkpoints at a coarser n (or in float32) the "regenerate" mode
+  runs instead: one CTA per (checkpoint row, head) walks only the chunks of its n tokens,
+  starting from that checkpoint, so one long sequence spreads over T / n CTAs per head
+  instead of one. float32 checkpoints give states bitwise equal to the recomputation (the
+  forward's state arithmetic is the same); io-dtype ones start each segment from the
+  rounded state;
 * "state_grad" (gdn_bwd_recurrence_sm90.py): one CTA per (sequence, output head) walks the
   chunks last to first with dS: the gradient of the state leaving each chunk, dDelta, and
   the initial state's gradient;
@@ -46,7 +48,8 @@ from .gdn_fwd import (CONFIG_SOURCES, DATA_ALIGN, KERNEL_SOURCES, _cute_type, _f
                       check_kernel_limits, check_same_config, offsets_as_int32,
                       prepare_kernel, recurrence_kernel, splits_recurrences,
                       static_config_of as forward_config, stream_buffers)
-from .gdn_rules import MAX_SPAN, GdnShapes, check_gdn_gradients, check_gdn_inputs
+from .gdn_rules import (MAX_SPAN, GdnShapes, check_gdn_gradients, check_gdn_inputs,
+                        max_checkpoint_rows)
 from .launch import device_guard, stream_handle, torch_stream
 from .op import Op
 from .tensor_desc import TensorDesc, parse_dtype
@@ -56,11 +59,13 @@ from .validation import (check_bool, check_int, check_no_overlap, check_same_dev
 def kernel_modes(s: GdnShapes) -> Tuple[str, ...]:
     """The kernels of an op: stage 1 with T, the states pass and the state-gradient
     recurrence (at V = 128 also split over two CTAs per (sequence, head): see
-    gdn_fwd.splits_recurrences), the chunk gradients and, with grouped heads, the finishing
-    kernel."""
+    gdn_fwd.splits_recurrences), the chunk gradients, with grouped heads the finishing
+    kernel and, with checkpoints, the states pass from them (regenerate)."""
     split = ("states_split", "state_grad_split") if s.V == 128 else ()
     finish = () if gradients_in_place(s.HQ, s.HK, s.HV) else ("finish",)
-    return ("prepare", "states", "state_grad", "chunk_grad") + split + finish
+    regenerate = (() if s.checkpoint_dtype is None
+                  else ("regenerate",) + (("regenerate_split",) if s.V == 128 else ()))
+    return ("prepare", "states", "state_grad", "chunk_grad") + split + finish + regenerate
 
 
 BWD_KERNEL_SOURCES = KERNEL_SOURCES + (
@@ -68,7 +73,7 @@ BWD_KERNEL_SOURCES = KERNEL_SOURCES + (
     "precast.kernels.gdn_bwd_finish_sm90", "precast.kernels.rowwise", "precast.kernels.tiling")
 # The forward's static fields the backward's kernels depend on, plus the dfinal flag.
 FORWARD_FIELDS = ("dtype", "k_dim", "v_dim", "q_heads", "k_heads", "v_heads", "g_dtype",
-                  "beta_dtype", "state_dtype", "use_qk_l2norm_in_kernel")
+                  "beta_dtype", "state_dtype", "use_qk_l2norm_in_kernel", "checkpoint_dtype")
 BWD_CONFIG_SOURCES = {**{key: CONFIG_SOURCES[key] for key in FORWARD_FIELDS},
                       "final_state_grad": "dfinal given (the final state's gradient)"}
 
@@ -104,12 +109,14 @@ def static_config_of(s: GdnShapes, final_state_grad: bool) -> Dict[str, object]:
 def check_forward_inputs(q, k, v, g, beta, cu_seqlens, *, scale, initial_state, checkpoints,
                          checkpoint_every_n_tokens, use_qk_l2norm_in_kernel) -> GdnShapes:
     """gdn_rules on the forward inputs of a backward call: the checkpoints as the forward
-    wrote them (T // n + N rows, float32 or the io dtype; their dtype is the buffer's)."""
+    wrote them (T // n + N rows, float32 or the io dtype; their dtype is the buffer's). n
+    describes the checkpoints: without them it is not used."""
     with_n = checkpoints is not None and checkpoint_every_n_tokens is not None
     return check_gdn_inputs(
         q, k, v, g, beta, cu_seqlens, scale=scale, initial_state=initial_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        checkpoint_every_n_tokens=checkpoint_every_n_tokens,
+        checkpoint_every_n_tokens=(checkpoint_every_n_tokens if checkpoints is not None
+                                   else None),
         checkpoint_dtype=checkpoints.dtype if with_n else None, checkpoints=checkpoints)
 
 
@@ -183,17 +190,22 @@ class GdnBwdSm90(Op):
     @classmethod
     def from_config(cls, dtype="bfloat16", k_dim=128, v_dim=128, q_heads=4, k_heads=None,
                     v_heads=None, g_dtype="float32", beta_dtype="float32", state_dtype="none",
-                    final_state_grad=False, use_qk_l2norm_in_kernel=False) -> "GdnBwdSm90":
+                    final_state_grad=False, use_qk_l2norm_in_kernel=False,
+                    checkpoint_dtype="none") -> "GdnBwdSm90":
         """Descriptors of a small batch (2 sequences of 64 tokens) with this static
-        configuration (for precompile). k_heads and v_heads default to q_heads."""
+        configuration (for precompile). k_heads and v_heads default to q_heads;
+        checkpoint_dtype: of the forward's checkpoints the backward is given ('none': none)."""
         io = parse_dtype(dtype)
         k_dim, v_dim, hq = (check_int(name, value, lo=1) for name, value in (
             ("k_dim", k_dim), ("v_dim", v_dim), ("q_heads", q_heads)))
         hk = hq if k_heads is None else check_int("k_heads", k_heads, lo=1)
         hv = hq if v_heads is None else check_int("v_heads", v_heads, lo=1)
         state = _option_dtype("state_dtype", state_dtype, io)
+        ckpt = _option_dtype("checkpoint_dtype", checkpoint_dtype, io)
         n, tokens, ho = 2, 2 * CHUNK_SIZE, max(hq, hv)
         dfinal = TensorDesc(torch.float32, (n, ho, v_dim, k_dim))
+        checkpoints = (None if ckpt is None else TensorDesc(
+            ckpt, (max_checkpoint_rows(tokens, n, CHUNK_SIZE), ho, v_dim, k_dim)))
         return cls(TensorDesc(io, (tokens, hq, k_dim)), TensorDesc(io, (tokens, hk, k_dim)),
                    TensorDesc(io, (tokens, hv, v_dim)), TensorDesc(g_dtype, (tokens, ho)),
                    TensorDesc(beta_dtype, (tokens, ho)), TensorDesc(torch.int32, (n + 1,)),
@@ -202,6 +214,8 @@ class GdnBwdSm90(Op):
                                          else TensorDesc(state, (n, ho, v_dim, k_dim))),
                    sample_dfinal=(dfinal if check_bool("final_state_grad",
                                                            final_state_grad) else None),
+                   sample_checkpoints=checkpoints,
+                   checkpoint_every_n_tokens=None if ckpt is None else CHUNK_SIZE,
                    use_qk_l2norm_in_kernel=check_bool("use_qk_l2norm_in_kernel",
                                                       use_qk_l2norm_in_kernel))
 
@@ -273,7 +287,14 @@ class GdnBwdSm90(Op):
                     fake_stream())
             return kernel, args
 
+        def regenerate(v_splits: int = 1):
+            return recurrence_kernel(s, state_dtype=s.checkpoint_dtype, pool=False,
+                                     final_state=False, checkpoint_dtype=s.dtype,
+                                     v_splits=v_splits, states_only=True,
+                                     from_checkpoints=True)
+
         builders = {"prepare": lambda: prepare_kernel(s, store_inverse=True), "states": states,
+                    "regenerate": regenerate, "regenerate_split": lambda: regenerate(2),
                     "state_grad": state_grad, "chunk_grad": chunk_grad, "finish": finish,
                     "states_split": lambda: states(v_splits=2),
                     "state_grad_split": lambda: state_grad(v_splits=2)}
@@ -377,8 +398,9 @@ class GdnBwdSm90(Op):
         input's dtype and shape, any layout the forward reads) and, with an initial state,
         dinitial_state [N, HO, V, K] (initial_state's dtype), given do [T, HO, V] and, when
         compiled with final_state_grad, dfinal [N, HO, V, K] float32. ``checkpoints``: the
-        forward's, every ``checkpoint_every_n_tokens`` (default the constructor's) tokens;
-        reused at n = 64 in the io dtype, else not read. Never reads device memory;
+        forward's, every ``checkpoint_every_n_tokens`` (default the constructor's) tokens:
+        the states entering every chunk at n = 64 in the io dtype, else the starts of the
+        states pass (see the module docstring). Never reads device memory;
         allocates nothing when ``workspace`` is given (see workspace_shapes; else the op
         keeps one per device and stream) but the int32 copy of int64 cu_seqlens (kept per
         device and stream like the workspace). scale defaults to the constructor's.
@@ -429,16 +451,24 @@ class GdnBwdSm90(Op):
             cu_seqlens = offsets_as_int32(type(self).__name__, self._offset_buffers,
                                           self._outgrown, index, handle, cu_seqlens, s.N)
         states = checkpoints if reuse else ws["states"]
+        # the states pass: from the checkpoints when given (one grid row per checkpoint
+        # row: T // n + N, the bound), else from the initial state
+        split = "_split" if splits_recurrences(s, index) else ""
+        if checkpoints is not None:
+            states_pass = "regenerate" + (
+                "_split" if splits_recurrences(s, index, rows=checkpoints.shape[0]) else "")
+            states_args = (checkpoints, None, None, states, n)
+        else:
+            states_pass = "states" + split
+            states_args = (initial_state, None, None, states, CHUNK_SIZE)
         dinit = ws.get("dinit32", dinitial_state)
         work = (ws["work16"], ws["work32"])
         in_place = gradients_in_place(s.HQ, s.HK, s.HV)
         grads = (dq, dk, dv) if in_place else (ws["dq32"], ws["dk32"], ws["dv32"])
-        split = "_split" if splits_recurrences(s, index) else ""
         with device_guard(index):
             kernels["prepare"](q, k, v, g, beta, cu_seqlens, *work, ws["inv"], s.scale, handle)
             if not reuse:
-                kernels["states" + split](q, k, *work, cu_seqlens, None, initial_state, None,
-                                          None, states, CHUNK_SIZE, handle)
+                kernels[states_pass](q, k, *work, cu_seqlens, None, *states_args, handle)
             kernels["state_grad" + split](q, k, do, *work, cu_seqlens, dfinal, ws["dstates"],
                                           ws["ddelta"], dinit, handle)
             kernels["chunk_grad"](q, k, v, g, beta, cu_seqlens, do, *work, ws["inv"], states,

@@ -54,13 +54,14 @@ def kernel_modes(v_dim: int) -> Tuple[str, ...]:
     return ("prepare", "recurrence") + (("recurrence_split",) if v_dim == 128 else ())
 
 
-def splits_recurrences(s: GdnShapes, index: Optional[int]) -> bool:
+def splits_recurrences(s: GdnShapes, index: Optional[int], rows: Optional[int] = None) -> bool:
     """Whether the recurrences (the forward's stage 2, the backward's states pass and state
     gradient) run split over two CTAs per (sequence, head), 64 state rows each: at V = 128,
     when the pairs fill at most half of the SMs (e.g. one long sequence), so that each CTA
     has an SM to itself instead of half of the SMs idling. Otherwise one CTA per pair reads
-    the chunk's tiles once."""
-    return s.V == 128 and 2 * s.N * s.HO <= sm_count(index)
+    the chunk's tiles once. ``rows``: the grid's rows per head when not the N sequences
+    (the backward's states pass from checkpoints: one per checkpoint row)."""
+    return s.V == 128 and 2 * (s.N if rows is None else rows) * s.HO <= sm_count(index)
 
 
 # initial_state and checkpoint dtypes in the static configuration: none, float32 or the io
@@ -235,11 +236,13 @@ def prepare_kernel(s: GdnShapes, store_inverse: bool = False):
 
 def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool: bool,
                       final_state: bool, checkpoint_dtype: Optional[torch.dtype],
-                      v_splits: int = 1, states_only: bool = False):
+                      v_splits: int = 1, states_only: bool = False,
+                      from_checkpoints: bool = False):
     """Stage 2 (GdnChunkRecurrenceSm90) and its fake arguments (q, k, work16, work32,
     cu_seqlens, o, initial state, state_indices, final state, checkpoints, ckpt_every,
     stream); absent tensors are None. states_only: no o, the checkpoints (io dtype) stored
-    by TMA (the backward's states pass)."""
+    by TMA (the backward's states pass); from_checkpoints: that pass started from the
+    forward's checkpoints (passed as the initial state, of ``state_dtype``)."""
     import cutlass
     import cutlass.cute as cute
     from ..kernels.fake import fake_stream, fake_tokens, scalar
@@ -247,7 +250,8 @@ def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool:
     io, tokens = _cute_type(s.dtype), cute.sym_int()
     kernel = GdnChunkRecurrenceSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, state_dtype is not None,
                                     pool, final_state, checkpoint_dtype is not None,
-                                    v_splits=v_splits, states_only=states_only)
+                                    v_splits=v_splits, states_only=states_only,
+                                    from_checkpoints=from_checkpoints)
     o = None if states_only else fake_tokens(io, cute.sym_int(), s.HO, s.V)
     args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
             *_fake_workspace(s), _fake_offsets(), o,
