@@ -50,13 +50,13 @@ from .gdn_layout import CHUNK, gradients_in_place
 WGS = 2  # warpgroup 0: the q side; warpgroup 1: the WY side
 THREADS = 128 * WGS
 WARPS = THREADS // 32
-# named barriers (0 is sync_threads, also the dk hand-off DK_READY after both sides)
+# named barriers (0 is sync_threads)
 WG_BARRIER = (1, 2)
-# mbarriers: the two load groups, then warpgroup 0's signals to warpgroup 1 (all 128 of its
-# threads arrive; mbarrier arrive/wait order the shared-memory accesses around them)
-FIRST_LOADS, REST_LOADS, W_FREE, STATES_FREE = range(4)
+# mbarriers: the two load groups, then the warpgroups' signals to each other (all 128
+# threads of one arrive; mbarrier arrive/wait order the shared-memory accesses around them)
+FIRST_LOADS, REST_LOADS, W_FREE, STATES_FREE, DK_READY = range(5)
 # W_FREE: warpgroup 0 read W (Delta), so dW may go there; STATES_FREE: warpgroup 0 read S
-# and dS', so warpgroup 1's dk terms may go there
+# and dS', so warpgroup 1's dk terms may go there; DK_READY: they are there
 # per-token values in shared memory (rows of sRows): G, beta, the row scales r_q, r_k and
 # whether the L2 norm's projection term applies (0 where the norm's clamp is active)
 R_G, R_BETA, R_Q, R_K, R_QP, R_KP = range(6)
@@ -128,7 +128,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
         @cute.struct
         class SharedStorage:
-            bars: cute.struct.MemRange[cutlass.Int64, 4]
+            bars: cute.struct.MemRange[cutlass.Int64, 5]
             rows: cute.struct.MemRange[Float32, ROW_VALUES * C]
             dg: cute.struct.MemRange[Float32, WGS * C]
             dbeta: cute.struct.MemRange[Float32, WGS * C]
@@ -185,6 +185,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 cute.arch.mbarrier_init(bars + REST_LOADS, 1)
                 cute.arch.mbarrier_init(bars + W_FREE, 128)
                 cute.arch.mbarrier_init(bars + STATES_FREE, 128)
+                cute.arch.mbarrier_init(bars + DK_READY, 128)
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if warp == 0:
@@ -323,12 +324,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         else:
             self.wy_side(mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, acc_dk,
                          first, rows, head, tidx % 128)
-        # DK_READY (and dG's partial sums written). Every thread meets it at this one
-        # instruction: a CTA barrier inside a branch not all threads take is undefined in
-        # the CUDA model, and compute-sanitizer racecheck reported the hand-off then.
+        # dG's partial sums are written (every thread meets this barrier at one instruction)
         cute.arch.sync_threads()
         if wg == 0:
-            self.finish_dk(mmas, tiles, storage, sRows, mDK, acc_dk, first, rows, head,
+            self.finish_dk(mmas, tiles, storage, sRows, bars, mDK, acc_dk, first, rows, head,
                            tidx % 128)
         if tidx < C:
             col_e = storage.col_e.get_tensor(cute.make_layout((WARPS, C), stride=(C, 1)))
@@ -457,10 +456,13 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         warpgroup.wait_group(0)
 
     @cute.jit
-    def finish_dk(self, mmas, tiles, storage, sRows, mDK, acc_dk, first: Int32, rows: Int32,
-                  head: Int32, wtidx: Int32):
-        """Warpgroup 0, after DK_READY: warpgroup 1's dk terms (shared memory) added to its
-        own, then dk stored."""
+    def finish_dk(self, mmas, tiles, storage, sRows, bars, mDK, acc_dk, first: Int32,
+                  rows: Int32, head: Int32, wtidx: Int32):
+        """Warpgroup 0: warpgroup 1's dk terms (shared memory, DK_READY) added to its own,
+        then dk stored. (The CTA barrier before already orders them; the mbarrier states the
+        hand-off in the form compute-sanitizer racecheck follows: through a CTA or named
+        barrier alone it reported hazards.)"""
+        cute.arch.mbarrier_wait(bars + DK_READY, 0)
         thr_k = mmas[2].get_slice(wtidx)
         t_kk = thr_k.partition_C(tiles[1][None, None, 0])
         dk_wy = self.dk_exchange(storage, acc_dk)
@@ -577,6 +579,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         dk_wy = self.dk_exchange(storage, acc_dk)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             dk_wy[e * 128 + wtidx] = acc_dk[e]
+        cute.arch.mbarrier_arrive(bars + DK_READY)
 
     # ---------------------------------------------------------------- helpers
     @cute.jit
