@@ -10,7 +10,8 @@ Custom ops (each with a fake implementation: they trace under torch.compile):
 * ``torch.ops.precast.gated_delta_net``: the forward, functional, with an autograd formula
   (the backward op): ``o, s = gated_delta_net(...); loss.backward()`` trains. The final
   state's gradient is the backward's dfinal; checkpoints are not differentiable, and the
-  backward reuses them (at n = 64 in the io dtype; see GdnBwdSm90).
+  backward starts its states pass from them (at n = 64 in the io dtype they are its chunk
+  states; see GdnBwdSm90).
 * ``torch.ops.precast.gated_delta_net_backward``: dq, dk, dv, dg, dbeta, dinitial_state.
 * ``torch.ops.precast.gated_delta_net_pool``: the forward with a state pool updated in
   place (inference only: the pool has no gradient).
@@ -166,8 +167,8 @@ def gated_delta_net_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Gradients of gated_delta_net's o (and final state) given ``do`` [T, HO, V] (q's
     dtype) and ``dfinal`` [N, HO, V, K] float32 (None: the final state is not
     differentiated). The forward's inputs and options as they were (``checkpoints``: the
-    forward's, written every ``checkpoint_every_n_tokens`` tokens; reused without
-    recomputation at n = 64 in the io dtype). Returns dq, dk, dv, dg, dbeta in each input's
+    forward's, written every ``checkpoint_every_n_tokens`` tokens: the chunk states at
+    n = 64 in the io dtype, else where the states pass starts from). Returns dq, dk, dv, dg, dbeta in each input's
     dtype and shape and dinitial_state (initial_state's dtype; None without one). Inputs
     whose layout the kernels cannot read in place (e.g. an expanded do) are copied. The
     compiled op is made once per static configuration (GdnBwdSm90.static_config)."""
