@@ -78,7 +78,11 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
     Differentiable in q, k, v, g, beta and initial_state through
     ``torch.ops.precast.gated_delta_net`` (taken when grad mode is on and an input requires
-    grad; the backward is GdnBwdSm90). The state pool is forward only: with an input
+    grad; the backward is GdnBwdSm90). Checkpoints asked for here are kept for the backward,
+    which starts its states pass from them instead of walking each sequence from its start:
+    for training on few long sequences (fewer (sequence, head) pairs than SMs), float32
+    checkpoints every ~1024 tokens make the backward faster and give the same bits; with
+    many pairs they cost more than they save (bench/RESULTS.md, session 13). The state pool is forward only: with an input
     requiring grad it raises (use torch.no_grad(), or gather the pool rows into an
     initial_state).
     """
