@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .lifecycle.gdn_bwd import GdnBwdSm90, check_forward_inputs
+from .lifecycle.gdn_bwd import GdnBwdSm90, check_forward_inputs, refuse_state_pool
 from .lifecycle.gdn_bwd import static_config_of as backward_config
 from .lifecycle.gdn_fwd import GdnFwdSm90, readable_in_place, static_config_of
 from .lifecycle.gdn_rules import check_gdn_inputs, max_checkpoint_rows
@@ -82,9 +82,9 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     which starts its states pass from them instead of walking each sequence from its start:
     for training on few long sequences (fewer (sequence, head) pairs than SMs), float32
     checkpoints every ~1024 tokens make the backward faster and give the same bits; with
-    many pairs they cost more than they save (bench/RESULTS.md, session 13). The state pool is forward only: with an input
-    requiring grad it raises (use torch.no_grad(), or gather the pool rows into an
-    initial_state).
+    many pairs they cost more than they save (bench/RESULTS.md, session 13). The state pool
+    is forward only: with an input requiring grad it raises (use torch.no_grad(), or gather
+    the pool rows into an initial_state).
     """
     differentiable = [name for name, t in (("q", q), ("k", k), ("v", v), ("g", g),
                                            ("beta", beta), ("initial_state", initial_state))
@@ -172,14 +172,12 @@ def gated_delta_net_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dtype) and ``dfinal`` [N, HO, V, K] float32 (None: the final state is not
     differentiated). The forward's inputs and options as they were (``checkpoints``: the
     forward's, written every ``checkpoint_every_n_tokens`` tokens: the chunk states at
-    n = 64 in the io dtype, else where the states pass starts from). Returns dq, dk, dv, dg, dbeta in each input's
-    dtype and shape and dinitial_state (initial_state's dtype; None without one). Inputs
+    n = 64 in the io dtype, else where the states pass starts from). Returns dq, dk, dv,
+    dg, dbeta in each input's dtype and shape and dinitial_state (initial_state's dtype;
+    None without one). Inputs
     whose layout the kernels cannot read in place (e.g. an expanded do) are copied. The
     compiled op is made once per static configuration (GdnBwdSm90.static_config)."""
-    if state_indices is not None:
-        raise NotImplementedError(
-            "gated_delta_net_backward: the state pool (state_indices) is forward only; pass "
-            "the gathered rows as an [N, HO, V, K] initial_state")
+    refuse_state_pool(state_indices)
     with in_stream_order(stream, q.device):
         q, k, v, do = (_in_place_or_copy("tokens", t) for t in (q, k, v, do))
         g, beta = (_in_place_or_copy("gate", t) for t in (g, beta))

@@ -42,6 +42,19 @@ def key_of(op):
     return op.check_support().cache_key("sm_90a")
 
 
+@pytest.fixture
+def no_compile(monkeypatch, launches):
+    """compile() builds and loads nothing (a test module's ``launches`` fixture stands in
+    for the kernels): for the allocating functions and custom ops on the CPU."""
+    from precast.lifecycle.op import Op
+
+    def compile(self, arch=None, cache=None):
+        self._kernels, self._arch = {}, "sm_90a"
+        return self
+    monkeypatch.setattr(Op, "compile", compile)
+    return launches
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _default_arch():
     # CPU machines compile for Hopper unless told otherwise.

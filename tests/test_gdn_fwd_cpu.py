@@ -18,7 +18,7 @@ from precast import GdnFwdSm90, TensorDesc, gated_delta_net
 from precast.lifecycle import gdn_fwd as gdn_module
 from precast.lifecycle.cache import ArtifactCache
 from precast.lifecycle.gdn_fwd import kernel_modes, readable_in_place
-from precast.lifecycle.op import OP_REGISTRY, Op
+from precast.lifecycle.op import OP_REGISTRY
 from precast.plan import OP_MODULES, expand
 
 BF, FP, F32, F64, I32, I64 = (torch.bfloat16, torch.float16, torch.float32, torch.float64,
@@ -688,15 +688,6 @@ def test_workspace_may_not_alias_anything(on_cpu):
 
 
 # --- the allocating function and the custom op ----------------------------------------------------
-@pytest.fixture
-def no_compile(monkeypatch, launches):
-    def compile(self, arch=None, cache=None):
-        self._kernels, self._arch = {}, "sm_90a"
-        return self
-    monkeypatch.setattr(Op, "compile", compile)
-    return launches
-
-
 def inputs(t=T, n=N, **kw):
     a = call(t=t, n=n)
     del a["o"]

@@ -701,15 +701,6 @@ def test_kernel_builder_arguments(stub_kernel, config, none_args):
 
 
 # --- the allocating function and the custom op ----------------------------------------------------
-@pytest.fixture
-def no_compile(monkeypatch, launches):
-    def compile(self, arch=None, cache=None):
-        self._kernels, self._arch = {}, "sm_90a"
-        return self
-    monkeypatch.setattr(Op, "compile", compile)
-    return launches
-
-
 def forward_args(**kw):
     args = meta_args()
     del args["o"]

@@ -27,7 +27,6 @@ from precast.lifecycle import hstu_attention_bwd as bwd_module
 from precast.lifecycle import op as op_mod
 from precast.lifecycle.hstu_attention import FLOAT32_MAX, WINDOW_CAP
 from precast.lifecycle.hstu_attention_bwd import fixed_rows
-from precast.lifecycle.op import Op
 from precast.lifecycle.validation import (INT32_MAX, _share_elements, byte_range,
                                           check_no_overlap)
 from precast.plan import expand
@@ -1395,15 +1394,6 @@ def test_kernel_builder_arguments(stub_kernel, config, none_args):
 
 
 # --- the allocating function and the custom ops ---------------------------------------------------
-@pytest.fixture
-def no_compile(monkeypatch, launches):
-    def compile(self, arch=None, cache=None):
-        self._kernels, self._arch = {}, "sm_90a"
-        return self
-    monkeypatch.setattr(Op, "compile", compile)
-    return launches
-
-
 def backward_args(**kw):
     a = meta_args()
     for name in ("dq", "dk", "dv"):

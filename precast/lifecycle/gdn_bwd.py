@@ -120,7 +120,8 @@ def check_forward_inputs(q, k, v, g, beta, cu_seqlens, *, scale, initial_state, 
         checkpoint_dtype=checkpoints.dtype if with_n else None, checkpoints=checkpoints)
 
 
-def _refuse_pool(state_indices) -> None:
+def refuse_state_pool(state_indices) -> None:
+    """The backward (the op and gated_delta_net_backward) takes no state pool."""
     check_value(state_indices is None, NotImplementedError,
                 "state_indices: the state pool is forward only (inference); the backward "
                 "takes an [N, HO, V, K] initial_state (gather the pool rows first)")
@@ -175,7 +176,7 @@ class GdnBwdSm90(Op):
     def shapes(self) -> GdnShapes:
         """The samples' GdnShapes (validated once)."""
         if self._shapes is None:
-            _refuse_pool(self._sample_state_indices)
+            refuse_state_pool(self._sample_state_indices)
             names = ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state", "checkpoints")
             s = self._call_shapes(**{n: self._samples[n] for n in names}, scale=self.scale,
                                   checkpoint_every_n_tokens=self.checkpoint_every_n_tokens)
@@ -234,10 +235,12 @@ class GdnBwdSm90(Op):
         s = self.shapes
         final_grad, init_grad = self.final_state_grad, s.state_dtype is not None
 
-        def states(v_splits: int = 1):
-            return recurrence_kernel(s, state_dtype=s.state_dtype, pool=False,
-                                     final_state=False, checkpoint_dtype=s.dtype,
-                                     v_splits=v_splits, states_only=True)
+        def states(v_splits: int = 1, from_checkpoints: bool = False):
+            # starting from the initial state, or from the forward's checkpoints
+            start = s.checkpoint_dtype if from_checkpoints else s.state_dtype
+            return recurrence_kernel(s, state_dtype=start, pool=False, final_state=False,
+                                     checkpoint_dtype=s.dtype, v_splits=v_splits,
+                                     states_only=True, from_checkpoints=from_checkpoints)
 
         def state_grad(v_splits: int = 1):
             import cutlass.cute as cute
@@ -287,14 +290,9 @@ class GdnBwdSm90(Op):
                     fake_stream())
             return kernel, args
 
-        def regenerate(v_splits: int = 1):
-            return recurrence_kernel(s, state_dtype=s.checkpoint_dtype, pool=False,
-                                     final_state=False, checkpoint_dtype=s.dtype,
-                                     v_splits=v_splits, states_only=True,
-                                     from_checkpoints=True)
-
         builders = {"prepare": lambda: prepare_kernel(s, store_inverse=True), "states": states,
-                    "regenerate": regenerate, "regenerate_split": lambda: regenerate(2),
+                    "regenerate": lambda: states(from_checkpoints=True),
+                    "regenerate_split": lambda: states(2, from_checkpoints=True),
                     "state_grad": state_grad, "chunk_grad": chunk_grad, "finish": finish,
                     "states_split": lambda: states(v_splits=2),
                     "state_grad_split": lambda: state_grad(v_splits=2)}
@@ -410,7 +408,7 @@ class GdnBwdSm90(Op):
         """
         if not self._checked:
             self.check_support()
-        _refuse_pool(state_indices)
+        refuse_state_pool(state_indices)
         check_value(dfinal is not None or not self.final_state_grad, ValueError,
                     "dfinal is required: this op is compiled for final_state_grad=True; pass "
                     "the final state's gradient [N, HO, V, K] float32")
