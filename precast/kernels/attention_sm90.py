@@ -1,15 +1,29 @@
 """Pieces shared by the SM90 kernels (HSTU attention forward and backward, Gated DeltaNet):
 layout views of wgmma accumulators and of transposed shared-memory tiles, TMA tile copies,
 a warp prefix sum, the wgmma issue loop, and the per-thread bit masks that zero hidden
-scores of packed 16-bit operands."""
+scores of packed 16-bit operands, and the TMA pipelines every kernel's producer warp
+feeds."""
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Int32, Uint32, Uint64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 
 def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def tma_pipeline(barriers, stages: int, tx_bytes: int, consumer_threads: int):
+    """A TMA pipeline of ``stages`` stages over the mbarriers at ``barriers``: one producer
+    thread arms a stage with ``tx_bytes``, the ``consumer_threads`` (whole warps) release
+    it. The caller fences the barriers' init and syncs the CTA (deferred)."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers, num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        consumer_group=pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, consumer_threads // cute.arch.WARP_SIZE),
+        tx_count=tx_bytes, defer_sync=True)
 
 
 def acc_mn_layout(acc_layout: cute.Layout) -> cute.Layout:

@@ -65,6 +65,26 @@ ROW_VALUES = 6
 REDUCE_SLOTS = 8
 
 
+# Element e of a thread's (64, N) warpgroup accumulator (see row_context): which of its two
+# rows, and in a 64-wide tile which of its 16 column slots.
+def row_half(e: int) -> int:
+    return (e // 2) % 2
+
+
+def col_slot(e: int) -> int:
+    return (e // 4) * 2 + e % 2
+
+
+def stage0(t):
+    """The (rows, cols) tile of a one-stage shared-memory buffer."""
+    return t[None, None, 0]
+
+
+def stage0_t(t, rows: int, cols: int):
+    """That tile read transposed (attention_sm90.transposed)."""
+    return transposed(t, rows, cols)[None, None, 0]
+
+
 class GdnChunkGradSm90(GdnChunkPrepareSm90):
     """Reuses stage 1's chunk lookup (find_chunk) and gate loading (load_gates,
     cumulative_gates)."""
@@ -253,13 +273,13 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             acc = Float32(0.0)
             if row < C:
                 for v in cutlass.range_constexpr(vecs // 2):
-                    cute.autovec_copy(cute.local_tile(sQ[None, None, 0], (1, 8),
+                    cute.autovec_copy(cute.local_tile(stage0(sQ), (1, 8),
                                                       (row, (tidx % 2) * (vecs // 2) + v)), x8)
                     for u in cutlass.range_constexpr(8):
                         acc = acc + x8[u].to(Float32) * x8[u].to(Float32)
             else:
                 for v in cutlass.range_constexpr(vecs // 2):
-                    cute.autovec_copy(cute.local_tile(sK[None, None, 0], (1, 8),
+                    cute.autovec_copy(cute.local_tile(stage0(sK), (1, 8),
                                                       (row - C, (tidx % 2) * (vecs // 2) + v)),
                                       x8)
                     for u in cutlass.range_constexpr(8):
@@ -287,7 +307,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     @cute.jit
     def scale_vector(self, s, row: Int32, v: Int32, factor: Float32, x8):
         """Elements [8 v, 8 v + 8) of row ``row`` of the 16-bit tile ``s`` times factor."""
-        tile = cute.local_tile(s[None, None, 0], (1, 8), (row, v))
+        tile = cute.local_tile(stage0(s), (1, 8), (row, v))
         cute.autovec_copy(tile, x8)
         for u in cutlass.range_constexpr(8):
             x8[u] = (x8[u].to(Float32) * factor).to(self.dtype)
@@ -350,8 +370,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
     def row_context(self, sRows, wtidx):
         """This thread's accumulator rows (row_lo, row_lo + 8), its 16 columns of a 64-wide
-        tile and per-row values: element e is row rows_of[(e // 2) % 2] and, in a 64-wide
-        tile, column cols_of[(e // 4) * 2 + e % 2]."""
+        tile and per-row values: element e is row rows_of[row_half(e)] and, in a 64-wide
+        tile, column cols_of[col_slot(e)]."""
         C = CHUNK
         lane = wtidx % 32
         row_lo = 16 * (wtidx // 32) + lane // 4
@@ -372,9 +392,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         sW, sU, sS = tiles[4], tiles[5], tiles[8]
         thr = mma_kk_v.get_slice(wtidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((C, V)), Float32)
-        self.ss(mma_kk_v, acc, sW[None, None, 0], sS[None, None, 0], False)
+        self.ss(mma_kk_v, acc, stage0(sW), stage0(sS), False)
         warpgroup.wait_group(0)
-        t_u = thr.partition_C(sU[None, None, 0])
+        t_u = thr.partition_C(stage0(sU))
         u = self.loaded(t_u, acc)
         for e in cutlass.range_constexpr(cute.size(acc)):
             acc[e] = u[e].to(Float32) - acc[e]
@@ -390,27 +410,23 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         K, V, C = self.k_dim, self.v_dim, CHUNK
         mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
-        two = lambda t: t[None, None, 0]  # noqa: E731
-        tr = lambda t, r, c: transposed(t, r, c)[None, None, 0]  # noqa: E731
         ctx = self.row_context(sRows, wtidx)
         rows_of, cols_of, g_r, eg_r, d_r = (ctx[n] for n in ("rows_of", "cols_of", "g_r",
                                                              "eg_r", "d_r"))
-        half = lambda e: (e // 2) % 2  # noqa: E731
-        slot_of = lambda e: (e // 4) * 2 + e % 2  # noqa: E731
         sDelta, sX = sU, sM
         dg_part = [Float32(0.0), Float32(0.0)]
         # ---- dM' = tril(dO Delta^T); dQK = scale dM' Gamma (over M); E = dM' * M
         thr_c = mma_kk_c.get_slice(wtidx)
         acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
-        self.ss(mma_kk_c, acc_c, two(sDO), two(sDelta), False)
+        self.ss(mma_kk_c, acc_c, stage0(sDO), stage0(sDelta), False)
         g_c = [sRows[R_G, j] for j in cols_of]
         warpgroup.wait_group(0)
         e_cols = [Float32(0.0)] * len(cols_of)
         e_rows = [Float32(0.0), Float32(0.0)]
-        t_m = thr_c.partition_C(two(sM))
+        t_m = thr_c.partition_C(stage0(sM))
         m16 = self.loaded(t_m, acc_c)
         for e in cutlass.range_constexpr(cute.size(acc_c)):
-            h, sl = half(e), slot_of(e)
+            h, sl = row_half(e), col_slot(e)
             seen = cols_of[sl] <= rows_of[h]
             gamma_ij = cute.math.exp(cutlass.select_(seen, g_r[h] - g_c[sl], Float32(0.0)),
                                      fastmath=True)
@@ -424,20 +440,20 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
         thr_k = mma_kmn_k.get_slice(wtidx)
         acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
-        t_q = thr_k.partition_C(two(sQ))
-        t_kk = thr_k.partition_C(two(sK))
-        self.ss(mma_kmn_k, acc_k, two(sDO), tr(sS, V, K), False)
+        t_q = thr_k.partition_C(stage0(sQ))
+        t_kk = thr_k.partition_C(stage0(sK))
+        self.ss(mma_kmn_k, acc_k, stage0(sDO), stage0_t(sS, V, K), False)
         warpgroup.wait_group(0)
         part = self.row_dots_then_scale(acc_k, t_q, [scale * x for x in eg_r])
         for h in cutlass.range_constexpr(2):
             dg_part[h] = dg_part[h] + part[h] * scale * eg_r[h]
         self.wg_sync(0, fence=True)  # dQK written
-        self.ss(mma_kmn_k, acc_k, two(sX), tr(sK, C, K), True)
+        self.ss(mma_kmn_k, acc_k, stage0(sX), stage0_t(sK, C, K), True)
         self.state_dot(sS, sDS, storage, wtidx)
         warpgroup.wait_group(0)
         self.store_grad(thr_k, mDQ, acc_k, t_q, R_Q, sRows, rows_of, first, rows, head)
         # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms, finish_dk)
-        self.ss(mma_kmn_k, acc_dk, two(sDelta), tr(sDS, V, K), False)
+        self.ss(mma_kmn_k, acc_dk, stage0(sDelta), stage0_t(sDS, V, K), False)
         warpgroup.wait_group(0)
         # S and dS' are read (by this warpgroup; warpgroup 1 reads neither)
         cute.arch.mbarrier_arrive(bars + STATES_FREE)
@@ -449,7 +465,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             dd_sum = dd_sum + dd
         self.warp_reduce_to(storage, 4 + wtidx // 32,
                             cutlass.select_(ctx["leader"], dd_sum, Float32(0.0)))
-        self.ss(mma_mnmn_k, acc_dk, tr(sX, C, C), tr(sQ, C, K), True)
+        self.ss(mma_mnmn_k, acc_dk, stage0_t(sX, C, C), stage0_t(sQ, C, K), True)
         if ctx["leader"]:
             for h in cutlass.range_constexpr(2):
                 sDG[0, rows_of[h]] = dg_part[h]
@@ -464,7 +480,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         barrier alone it reported hazards.)"""
         cute.arch.mbarrier_wait(bars + DK_READY, 0)
         thr_k = mmas[2].get_slice(wtidx)
-        t_kk = thr_k.partition_C(tiles[1][None, None, 0])
+        t_kk = thr_k.partition_C(stage0(tiles[1]))
         dk_wy = self.dk_exchange(storage, acc_dk)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[e] = acc_dk[e] + dk_wy[e * 128 + wtidx]
@@ -484,13 +500,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
         lay_c = layouts[2]
-        two = lambda t: t[None, None, 0]  # noqa: E731
-        tr = lambda t, r, c: transposed(t, r, c)[None, None, 0]  # noqa: E731
         ctx = self.row_context(sRows, wtidx)
         rows_of, cols_of, g_r, eg_r, beta_r = (ctx[n] for n in ("rows_of", "cols_of", "g_r",
                                                                 "eg_r", "beta_r"))
-        half = lambda e: (e // 2) % 2  # noqa: E731
-        slot_of = lambda e: (e // 4) * 2 + e % 2  # noqa: E731
         sdT, sX2, sP = (cute.make_tensor(
             cute.recast_ptr(storage.sWY.data_ptr() + n * cute.cosize(lay_c.outer),
                             swizzle_=lay_c.inner, dtype=dt), lay_c.outer) for n in range(3))
@@ -500,31 +512,31 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # ---- dW = -dDelta S^T (over W)
         thr_k = mma_kmn_k.get_slice(wtidx)
         acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
-        t_kk = thr_k.partition_C(two(sK))
-        self.ss(mma_kmn_k, acc_k, two(sDD), tr(sS, V, K), False)
+        t_kk = thr_k.partition_C(stage0(sK))
+        self.ss(mma_kmn_k, acc_k, stage0(sDD), stage0_t(sS, V, K), False)
         warpgroup.wait_group(0)
         cute.arch.mbarrier_wait(bars + W_FREE, 0)
-        self.store_16(acc_k, thr_k.partition_C(two(sW)), negate=True)
+        self.store_16(acc_k, thr_k.partition_C(stage0(sW)), negate=True)
         self.wg_sync(1, fence=True)
         # ---- dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma)
         thr_c = mma_kk_c.get_slice(wtidx)
         acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
         acc_t2 = cute.make_rmem_tensor(acc_c.layout, Float32)
-        self.ss(mma_kk_c, acc_c, two(sDD), two(sV), False)
-        self.ss(mma_kk_c, acc_t2, two(sdW), two(sK), False)
+        self.ss(mma_kk_c, acc_c, stage0(sDD), stage0(sV), False)
+        self.ss(mma_kk_c, acc_t2, stage0(sdW), stage0(sK), False)
         g_c = [sRows[R_G, j] for j in cols_of]
         beta_c = [sRows[R_BETA, j] for j in cols_of]
         warpgroup.wait_group(0)
         eg_c = [cute.math.exp(x, fastmath=True) for x in g_c]
         for e in cutlass.range_constexpr(cute.size(acc_c)):
-            sl = slot_of(e)
+            sl = col_slot(e)
             acc_c[e] = beta_c[sl] * (acc_c[e] + acc_t2[e] * eg_c[sl])
-        self.store_16(acc_c, thr_c.partition_C(two(sdT)))
+        self.store_16(acc_c, thr_c.partition_C(stage0(sdT)))
         # ---- dv = diag(beta) T^T dDelta;  dbeta += rowsum(T^T dDelta * V)
         thr_v = mma_mnmn_v.get_slice(wtidx)
         acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
-        t_vv = thr_v.partition_C(two(sV))
-        self.ss(mma_mnmn_v, acc_v, tr(sT, C, C), tr(sDD, C, V), False)
+        t_vv = thr_v.partition_C(stage0(sV))
+        self.ss(mma_mnmn_v, acc_v, stage0_t(sT, C, C), stage0_t(sDD, C, V), False)
         warpgroup.wait_group(0)
         part = self.row_dots_then_scale(acc_v, t_vv, beta_r)
         for h in cutlass.range_constexpr(2):
@@ -532,8 +544,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.store_rows(thr_v, mDV, acc_v, rows_of, first, rows, head)
         self.wg_sync(1, fence=True)  # dT written
         # ---- dBk = T^T dW: dk_n = diag(beta gamma) dBk ...; t = rowsum(dBk Kn)
-        self.ss(mma_mnmn_k, acc_dk, tr(sT, C, C), tr(sdW, C, K), False)
-        self.ss(mma_mnmn_c, acc_c, tr(sT, C, C), tr(sdT, C, C), False)  # T^T dT
+        self.ss(mma_mnmn_k, acc_dk, stage0_t(sT, C, C), stage0_t(sdW, C, K), False)
+        self.ss(mma_mnmn_c, acc_c, stage0_t(sT, C, C), stage0_t(sdT, C, C), False)  # T^T dT
         warpgroup.wait_group(0)
         part = self.row_dots_then_scale(acc_dk, t_kk, [b * x for b, x in zip(beta_r, eg_r)])
         for h in cutlass.range_constexpr(2):
@@ -541,17 +553,17 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             db_part[h] = db_part[h] + t_i
             dg_part[h] = dg_part[h] + t_i * beta_r[h]
         # ---- dA = strict_tril(-(T^T dT) T^T); P = Kn Kn^T
-        self.store_16(acc_c, thr_c.partition_C(two(sX2)))
+        self.store_16(acc_c, thr_c.partition_C(stage0(sX2)))
         self.wg_sync(1, fence=True)
-        self.ss(mma_kk_c, acc_t2, two(sX2), two(sT), False)
-        self.ss(mma_kk_c, acc_c, two(sK), two(sK), False)
+        self.ss(mma_kk_c, acc_t2, stage0(sX2), stage0(sT), False)
+        self.ss(mma_kk_c, acc_c, stage0(sK), stage0(sK), False)
         warpgroup.wait_group(0)
         # ---- dP = diag(beta) (dA Gamma) (into sP); dbeta += rowsum(dA Gamma P); E = dP P
         e_cols = [Float32(0.0)] * len(cols_of)
         e_rows = [Float32(0.0), Float32(0.0)]
         part = [Float32(0.0), Float32(0.0)]
         for e in cutlass.range_constexpr(cute.size(acc_c)):
-            h, sl = half(e), slot_of(e)
+            h, sl = row_half(e), col_slot(e)
             below = cols_of[sl] < rows_of[h]
             gamma_ij = cute.math.exp(cutlass.select_(below, g_r[h] - g_c[sl], Float32(0.0)),
                                      fastmath=True)
@@ -564,12 +576,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
-        self.store_16(acc_t2, thr_c.partition_C(two(sP)))
+        self.store_16(acc_t2, thr_c.partition_C(stage0(sP)))
         self.flush_e(e_rows, e_cols, dg_part, storage)
         self.wg_sync(1, fence=True)
         # ---- dk_n += dP Kn + dP^T Kn, to warpgroup 0 (over S, once it is free)
-        self.ss(mma_kmn_k, acc_dk, two(sP), tr(sK, C, K), True)
-        self.ss(mma_mnmn_k, acc_dk, tr(sP, C, C), tr(sK, C, K), True)
+        self.ss(mma_kmn_k, acc_dk, stage0(sP), stage0_t(sK, C, K), True)
+        self.ss(mma_mnmn_k, acc_dk, stage0_t(sP, C, C), stage0_t(sK, C, K), True)
         if ctx["leader"]:
             for h in cutlass.range_constexpr(2):
                 sDG[1, rows_of[h]] = dg_part[h]
@@ -648,7 +660,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         x16 = self.loaded(t_x, acc)
         part = [Float32(0.0), Float32(0.0)]
         for e in cutlass.range_constexpr(cute.size(acc)):
-            h = (e // 2) % 2
+            h = row_half(e)
             part[h] = part[h] + acc[e] * x16[e].to(Float32)
             acc[e] = acc[e] * factors[h]
         return self.quad_sums(part)
@@ -681,8 +693,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         for idx in cutlass.range(wtidx, V * K // 8, 128, unroll=2):
             r = idx // (K // 8)
             c8 = idx - r * (K // 8)
-            cute.autovec_copy(cute.local_tile(sS[None, None, 0], (1, 8), (r, c8)), a8)
-            cute.autovec_copy(cute.local_tile(sDS[None, None, 0], (1, 8), (r, c8)), b8)
+            cute.autovec_copy(cute.local_tile(stage0(sS), (1, 8), (r, c8)), a8)
+            cute.autovec_copy(cute.local_tile(stage0(sDS), (1, 8), (r, c8)), b8)
             for u in cutlass.range_constexpr(8):
                 acc = acc + a8[u].to(Float32) * b8[u].to(Float32)
         self.warp_reduce_to(storage, wtidx // cute.arch.WARP_SIZE, acc)
@@ -701,7 +713,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cute.autovec_copy(out, t_g)
         else:
             for e in cutlass.range_constexpr(cute.size(acc)):
-                if rows_of[(e // 2) % 2] < rows:
+                if rows_of[row_half(e)] < rows:
                     t_g[e] = out[e]
 
     @cute.jit
@@ -714,13 +726,13 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             xn = self.loaded(t_xn, acc)
             part = [Float32(0.0), Float32(0.0)]
             for e in cutlass.range_constexpr(cute.size(acc)):
-                h = (e // 2) % 2
+                h = row_half(e)
                 part[h] = part[h] + acc[e] * xn[e].to(Float32)
             part = self.quad_sums(part)
             coef = [part[h] * sRows[r_row + R_QP - R_Q, rows_of[h]] for h in range(2)]
             r_of = [sRows[r_row, i] for i in rows_of]
             for e in cutlass.range_constexpr(cute.size(acc)):
-                h = (e // 2) % 2
+                h = row_half(e)
                 acc[e] = r_of[h] * (acc[e] - coef[h] * xn[e].to(Float32))
         self.store_rows(thr, mOut, acc, rows_of, first, rows, head)
 

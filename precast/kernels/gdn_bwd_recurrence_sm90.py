@@ -30,8 +30,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
-                             tma_store_tile, transposed, wgmma)
+                             tma_pipeline, tma_store_tile, transposed, wgmma)
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
+from .gdn_recurrence_sm90 import packed_chunk_start
 
 THREADS_PER_WG = 128
 STAGES = 2
@@ -137,12 +138,8 @@ class GdnStateGradSm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.storage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                              self.nwg * THREADS_PER_WG // cute.arch.WARP_SIZE)
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.bars.data_ptr(), num_stages=STAGES, producer_group=producer,
-            consumer_group=consumers, tx_count=self.stage_bytes, defer_sync=True)
+        pipe = tma_pipeline(storage.bars.data_ptr(), STAGES, self.stage_bytes,
+                            self.nwg * THREADS_PER_WG)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         tiles = tuple(s.get_tensor(layout.outer, swizzle=layout.inner) for s, layout in (
@@ -154,9 +151,7 @@ class GdnStateGradSm90:
         start = mCuSeqlens[batch]
         length = mCuSeqlens[batch + 1] - start
         chunks = (length + CHUNK - 1) // CHUNK
-        first_chunk = Int32(0)  # packed number of this sequence's first chunk
-        for b in cutlass.range(batch, unroll=1):
-            first_chunk = first_chunk + (mCuSeqlens[b + 1] - mCuSeqlens[b] + CHUNK - 1) // CHUNK
+        first_chunk = packed_chunk_start(mCuSeqlens, batch)
         if warp == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(loads, tiles, pipe, head, start, first_chunk, chunks, split)

@@ -32,7 +32,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
-                             tma_store_tile, transposed, wgmma)
+                             tma_pipeline, tma_store_tile, transposed, wgmma)
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
 
 THREADS_PER_WG = 128
@@ -54,6 +54,16 @@ class StateParts(NamedTuple):
     thr_tok: object
     consumer_tidx: object
     split: object
+@cute.jit
+def packed_chunk_start(mCuSeqlens: cute.Tensor, batch: Int32):
+    """The packed number (stage 1's numbering) of sequence ``batch``'s first chunk: the
+    chunks of the sequences before it."""
+    first = Int32(0)
+    for b in cutlass.range(batch, unroll=1):
+        first = first + (mCuSeqlens[b + 1] - mCuSeqlens[b] + CHUNK - 1) // CHUNK
+    return first
+
+
 STAGES = 2
 O_BARRIER = 1  # the consumer warpgroups, around the o staging tile
 PRODUCER_REGS = 40
@@ -193,12 +203,8 @@ class GdnChunkRecurrenceSm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.storage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                              self.nwg * THREADS_PER_WG // cute.arch.WARP_SIZE)
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.bars.data_ptr(), num_stages=STAGES, producer_group=producer,
-            consumer_group=consumers, tx_count=self.stage_bytes, defer_sync=True)
+        pipe = tma_pipeline(storage.bars.data_ptr(), STAGES, self.stage_bytes,
+                            self.nwg * THREADS_PER_WG)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         sQ = storage.sQ.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -214,11 +220,7 @@ class GdnChunkRecurrenceSm90:
         else:
             start = mCuSeqlens[batch]
             length = mCuSeqlens[batch + 1] - start
-            # Packed chunk number of this sequence's first chunk (stage 1's numbering).
-            first_chunk = Int32(0)
-            for b in cutlass.range(batch, unroll=1):
-                first_chunk = first_chunk + (mCuSeqlens[b + 1] - mCuSeqlens[b] + CHUNK - 1) \
-                    // CHUNK
+            first_chunk = packed_chunk_start(mCuSeqlens, batch)
         chunks = (length + CHUNK - 1) // CHUNK
         # chunk updates: a segment's last one would only make the next checkpoint
         updates = cutlass.max(chunks - 1, 0) if const_expr(self.from_checkpoints) else chunks
@@ -233,7 +235,8 @@ class GdnChunkRecurrenceSm90:
             self.consume(mma_tok, mma_state, sQ, sK, sW, sU, sM, (sO, store_o, mO_t), pipe,
                          mWork32, mO,
                          mState0, mStateIdx, mFinal, mCkpt, ckpt_every, mCuSeqlens, batch,
-                         head, start, length, first_chunk, chunks, tidx - THREADS_PER_WG, split)
+                         head, start, length, first_chunk, chunks, updates,
+                         tidx - THREADS_PER_WG, split)
 
     @cute.jit
     def find_segment(self, mCuSeqlens, num_batches: Int32, every: Int32, row: Int32):
@@ -288,13 +291,13 @@ class GdnChunkRecurrenceSm90:
                 mState0,
                 mStateIdx, mFinal, mCkpt, ckpt_every: Int32, mCuSeqlens, batch: Int32,
                 head: Int32, start: Int32, length: Int32, first_chunk: Int32, chunks: Int32,
-                consumer_tidx: Int32, split: Int32):
+                updates: Int32, consumer_tidx: Int32, split: Int32):
         parts = self.state_parts(mma_tok, mma_state, sQ, sK, sW, sM, consumer_tidx, split)
         state_row, ckpt_row = self.load_state(parts, mState0, mStateIdx, mCuSeqlens,
                                               ckpt_every, batch, head)
-        every, updates = ckpt_every, chunks
+        every = ckpt_every
         if const_expr(self.from_checkpoints):  # a state at every chunk of the segment
-            every, ckpt_row, updates = Int32(CHUNK), first_chunk, cutlass.max(chunks - 1, 0)
+            every, ckpt_row = Int32(CHUNK), first_chunk
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for c in cutlass.range(updates, unroll=1):
             if const_expr(self.states_only):

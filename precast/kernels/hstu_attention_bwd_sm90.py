@@ -37,7 +37,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
-                             select_modes)
+                             select_modes, tma_pipeline)
 from .hstu_attention_fwd_sm90 import PRODUCER_REGS, THREADS_PER_WG, WG_ROWS
 
 STREAM_ROWS = 64
@@ -205,16 +205,10 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.storage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                              self.nwg * THREADS_PER_WG // cute.arch.WARP_SIZE)
-        pipe_fixed = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.fixed_bars.data_ptr(), num_stages=1, producer_group=producer,
-            consumer_group=consumers, tx_count=self.fixed_bytes, defer_sync=True)
-        pipe_stream = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.stream_bars.data_ptr(), num_stages=self.stages,
-            producer_group=producer, consumer_group=consumers, tx_count=self.stream_bytes,
-            defer_sync=True)
+        consumers = self.nwg * THREADS_PER_WG
+        pipe_fixed = tma_pipeline(storage.fixed_bars.data_ptr(), 1, self.fixed_bytes, consumers)
+        pipe_stream = tma_pipeline(storage.stream_bars.data_ptr(), self.stages,
+                                   self.stream_bytes, consumers)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 

@@ -34,7 +34,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
-                             select_modes, warp_inclusive_sum, wgmma)
+                             select_modes, tma_pipeline, warp_inclusive_sum, wgmma)
 
 TILE_M = 128  # query rows of a work tile (two consumer warpgroups of 64)
 WG_ROWS = 64
@@ -171,21 +171,10 @@ class HstuAttentionForwardSm90(AttentionTileOps):
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.storage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                              2 * THREADS_PER_WG // cute.arch.WARP_SIZE)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.q_bars.data_ptr(), num_stages=self.q_stages,
-            producer_group=producer,
-            consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True)
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.k_bars.data_ptr(), num_stages=self.stages,
-            producer_group=producer, consumer_group=consumers, tx_count=self.kv_bytes,
-            defer_sync=True)
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.v_bars.data_ptr(), num_stages=self.stages,
-            producer_group=producer, consumer_group=consumers, tx_count=self.kv_bytes,
-            defer_sync=True)
+        consumers = 2 * THREADS_PER_WG
+        pipe_q = tma_pipeline(storage.q_bars.data_ptr(), self.q_stages, self.q_bytes, consumers)
+        pipe_k = tma_pipeline(storage.k_bars.data_ptr(), self.stages, self.kv_bytes, consumers)
+        pipe_v = tma_pipeline(storage.v_bars.data_ptr(), self.stages, self.kv_bytes, consumers)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
