@@ -368,8 +368,8 @@ class GdnBwdSm90(Op):
     def _own_workspace(self, index: Optional[int], handle: int, s: GdnShapes,
                        reuse: bool) -> Dict[str, torch.Tensor]:
         """This op's buffers for (device, stream), group by group (OWN_GROUPS, each made
-        and grown by gdn_fwd.stream_buffers); the states and o scratch only when states are
-        recomputed."""
+        and grown by gdn_fwd.stream_buffers); the states only when they are not the reused
+        checkpoints."""
         shapes = self.workspace_shapes(s.T, s.N)
         needed = self._needed(reuse)
         rows = {"chunks": shapes["work16"][0], "tokens": s.T, "sequences": s.N}
