@@ -325,15 +325,15 @@ def test_execute_launches_every_stage_in_order(launches):
     assert tuple(sgrad[7].shape) == (CHUNKS, HO, V, K) and sgrad[7].dtype == BF
     assert tuple(sgrad[8].shape) == (CHUNKS, HO, 64, V) and sgrad[9:] == (None, 7)
     # chunk_grad(q, k, v, g, beta, cu_seqlens, do, work16, work32, inv, states, dstates,
-    # ddelta, dq32, dk32, dv32, dg, dbeta, scale, stream)
+    # ddelta, dq32, dk32, dv (v's heads are not grouped: final there), dg, dbeta, scale, stream)
     assert same(cgrad[:13], [q, k, v, g, beta, cu, do, prep[6], prep[7], prep[8], states[9],
                              sgrad[7], sgrad[8]])
-    assert [(tuple(t.shape), t.dtype) for t in cgrad[13:16]] == [
-        ((T, HO, K), F32), ((T, HO, K), F32), ((T, HO, V), F32)]
+    assert [(tuple(t.shape), t.dtype) for t in cgrad[13:15]] == [
+        ((T, HO, K), F32), ((T, HO, K), F32)] and cgrad[15] is a["dv"]
     assert same(cgrad[16:18], [a["dg"], a["dbeta"]]) and cgrad[18:] == (0.5, 7)
-    # finish(q, k, dq32, dk32, dv32, dq, dk, dv, stream)
-    assert same(fin, [q, k, *cgrad[13:16], a["dq"], a["dk"], a["dv"]] + [fin[-1]])
-    assert fin[-1] == 7
+    # finish(q, k, dq32, dk32, no dv32, dq, dk, dv, stream)
+    assert same(fin[:4], [q, k, *cgrad[13:15]]) and fin[4] is None
+    assert same(fin[5:8], [a["dq"], a["dk"], a["dv"]]) and fin[-1] == 7
     # the op's buffers, made once on the launch stream before the launches
     assert kinds(launches)[-5:] == ["launch"] * 5 and "launch" not in kinds(launches)[:-5]
     assert launches.capture_queries == [7] * 3 and len(op._workspaces) == 3
@@ -452,12 +452,12 @@ def test_workspace_shapes():
     assert shapes == {"work16": (CHUNKS, HO, 64, K + V + 64), "work32": (CHUNKS, HO, 136),
                       "inv": (CHUNKS, HO, 64, 64), "dstates": (CHUNKS, HO, V, K),
                       "ddelta": (CHUNKS, HO, 64, V), "states": (CHUNKS, HO, V, K),
-                      "dq32": (T, HO, K), "dk32": (T, HO, K), "dv32": (T, HO, V)}
+                      "dq32": (T, HO, K), "dk32": (T, HO, K)}  # v: no grouped heads
     assert op.workspace_shapes(0, 3)["inv"][0] == 3
     assert op.workspace_shapes(65, 2)["dq32"][0] == 65
     assert {n: op.workspace_dtype(n) for n in shapes} == {
         **{n: BF for n in ("work16", "inv", "dstates", "ddelta", "states")},
-        **{n: F32 for n in ("work32", "dq32", "dk32", "dv32")}}
+        **{n: F32 for n in ("work32", "dq32", "dk32")}}
     ws = op.make_workspace(T, N, device="meta")
     assert {n: (tuple(t.shape), t.dtype) for n, t in ws.items()} == {
         n: (shape, op.workspace_dtype(n)) for n, shape in shapes.items()}
@@ -465,17 +465,30 @@ def test_workspace_shapes():
         op.workspace_shapes(-1, 1)
 
 
+@pytest.mark.parametrize("hq,hk,hv,fp32_grads", [
+    (8, 8, 8, ()), (4, 4, 8, ("dq32", "dk32")), (4, 8, 8, ("dq32",)),
+    (8, 8, 4, ("dv32",)), (8, 4, 4, ("dk32", "dv32"))])
+def test_only_grouped_gradients_go_through_fp32_buffers(hq, hk, hv, fp32_grads):
+    """The chunk kernel writes a gradient final when its input has a head per output head
+    (one writer per row); only the others take an fp32 buffer and the finishing kernel."""
+    op = GdnBwdSm90(**samples(hq=hq, hk=hk, hv=hv)).check_support()
+    shapes = op.workspace_shapes(T, N)
+    assert tuple(n for n in ("dq32", "dk32", "dv32") if n in shapes) == fp32_grads
+    assert ("finish" in op._kernel_builders()) == bool(fp32_grads)
+
+
 def test_execute_with_a_workspace_allocates_nothing(launches):
     op = bwd().check_support()
     ws = workspace(op)
     launches.capturing = True  # also while the stream captures
-    op.execute(**call(), workspace=ws, stream=3)
+    args = call()
+    op.execute(**args, workspace=ws, stream=3)
     assert kinds(launches) == ["launch"] * 5 and op._workspaces == {}
     (_, prep), (_, states), (_, sgrad), (_, cgrad), _ = launches.calls
     assert same(prep[6:9], [ws["work16"], ws["work32"], ws["inv"]])
     assert states[5] is None and states[9] is ws["states"]
     assert sgrad[7] is ws["dstates"] and sgrad[8] is ws["ddelta"]
-    assert same(cgrad[13:16], [ws["dq32"], ws["dk32"], ws["dv32"]])
+    assert same(cgrad[13:16], [ws["dq32"], ws["dk32"], args["dv"]])
     # reusing checkpoints, states may be left out
     ckpt = meta(CHUNKS, HO, V, K)
     del ws["states"]
@@ -518,7 +531,7 @@ def test_own_workspace_per_stream_grown_and_reused(launches):
     first = dict(op._workspaces)
     op.execute(**call(t=T // 2, n=1), stream=7)  # smaller: views of the same buffers
     assert op._workspaces == first
-    assert launches.calls[-1][1][2]._base is first[(None, 7, "dq32", "dk32", "dv32")][0]
+    assert launches.calls[-1][1][2]._base is first[(None, 7, "dq32", "dk32")][0]
     op.execute(**call(t=4 * T), stream=7)  # more tokens and chunks: grown
     assert len(op._outgrown) == 3 and op._workspaces.keys() == first.keys()
     op.execute(**call(), stream=8)  # another stream: its own

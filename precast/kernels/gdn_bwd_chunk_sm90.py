@@ -27,9 +27,10 @@ stores it (scale Gamma * Qn Kn^T, causal):
             E = dM' * M + dP * Kn Kn^T;  dG_L += exp(G_L) <S, dS'> + sum_i d_i rowsum_i(...)
     dg    = reverse cumsum of dG over the chunk
 
-Without grouped heads (gdn_layout.gradients_in_place) dq, dk (the L2 norm's Jacobian applied
-here) and dv are final, in the io dtype; otherwise dq_n, dk_n (gradients of the normalized
-rows) and dv go to fp32 per-output-head buffers for gdn_bwd_finish_sm90. dg and dbeta are
+A gradient whose input heads are not grouped (gdn_layout.gradients_in_place) is final here,
+in the io dtype (dq, dk with the L2 norm's Jacobian applied); the others (dq_n, dk_n: the
+gradients of the normalized rows, and dv) go to fp32 per-output-head buffers for
+gdn_bwd_finish_sm90. dg and dbeta are
 written in g's and beta's dtypes. Rows of a partial chunk past the sequence end are zero in
 shared memory (and have g = beta = 0), so they add nothing; only real rows are written.
 Sums run in a fixed order: the results are deterministic.
@@ -93,8 +94,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                  v_heads: int, l2norm: bool, g_dtype, beta_dtype):
         super().__init__(dtype, k_dim, v_dim, q_heads, k_heads, v_heads, l2norm, g_dtype,
                          beta_dtype)
-        # Without grouped heads every gradient row has one writer: dq, dk, dv are final
-        # here (the L2 norm's Jacobian applied, in the io dtype); otherwise they are the
+        # dq, dk, dv: final here where that gradient's heads are not grouped (every row
+        # has one writer; the L2 norm's Jacobian applied, in the io dtype); otherwise the
         # normalized rows' fp32 gradients per output head, for gdn_bwd_finish_sm90.
         self.final_outputs = gradients_in_place(q_heads, k_heads, v_heads)
 
@@ -109,8 +110,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         """mQ (T, HQ, K), mK (T, HK, K), mV (T, HV, V), mDO (T, HO, V); mG, mBeta, mDG,
         mDBeta (T, HO); mWork16 / mWork32 as gdn_layout.workspace_shapes; mInv (chunks,
         HO, 64, 64); mStates, mDStates (chunks, HO, V, K); mDDelta (chunks, HO, 64, V);
-        mDQ, mDK (T, HO, K) and mDV (T, HO, V): the final gradients in the io dtype (strided
-        like q, k, v) when gdn_layout.gradients_in_place, else fp32 (compact) per output head."""
+        mDQ, mDK, mDV: each the final gradient in the io dtype (strided like its input) where
+        gdn_layout.gradients_in_place says so, else fp32 (T, HO, K or V) per output head."""
         dt = self.dtype
         K, V, C = self.k_dim, self.v_dim, CHUNK
 
@@ -451,7 +452,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.ss(mma_kmn_k, acc_k, stage0(sX), stage0_t(sK, C, K), True)
         self.state_dot(sS, sDS, storage, wtidx)
         warpgroup.wait_group(0)
-        self.store_grad(thr_k, mDQ, acc_k, t_q, R_Q, sRows, rows_of, first, rows, head)
+        self.store_grad(thr_k, mDQ, acc_k, t_q, R_Q, self.final_outputs[0], sRows, rows_of,
+                        first, rows, head)
         # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms, finish_dk)
         self.ss(mma_kmn_k, acc_dk, stage0(sDelta), stage0_t(sDS, V, K), False)
         warpgroup.wait_group(0)
@@ -484,7 +486,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         dk_wy = self.dk_exchange(storage, acc_dk)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[e] = acc_dk[e] + dk_wy[e * 128 + wtidx]
-        self.store_grad(thr_k, mDK, acc_dk, t_kk, R_K, sRows,
+        self.store_grad(thr_k, mDK, acc_dk, t_kk, R_K, self.final_outputs[1], sRows,
                         self.row_context(sRows, wtidx)["rows_of"], first, rows, head)
 
     @cute.jit
@@ -717,12 +719,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                     t_g[e] = out[e]
 
     @cute.jit
-    def store_grad(self, thr, mOut, acc, t_xn, r_row: int, sRows, rows_of, first: Int32,
-                   rows: Int32, head: Int32):
-        """dq or dk: with final outputs and the L2 norm, the Jacobian
+    def store_grad(self, thr, mOut, acc, t_xn, r_row: int, final: cutlass.Constexpr, sRows,
+                   rows_of, first: Int32, rows: Int32, head: Int32):
+        """dq or dk: when ``final`` (written in place) with the L2 norm, the Jacobian
         dx = r (dx_n - (x_n . dx_n) x_n) (x_n from shared memory, t_xn; only the first
         term where the clamp is active) before the store. ``acc`` is reused."""
-        if const_expr(self.final_outputs and self.l2norm):
+        if const_expr(final and self.l2norm):
             xn = self.loaded(t_xn, acc)
             part = [Float32(0.0), Float32(0.0)]
             for e in cutlass.range_constexpr(cute.size(acc)):

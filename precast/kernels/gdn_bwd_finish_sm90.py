@@ -1,9 +1,10 @@
 """Gated DeltaNet backward, last step: the per-output-head fp32 gradients of q, k and v
 become the gradients of the raw inputs (SIMT, memory bound).
 
-The chunk kernel writes dq32, dk32 (T, HO, K) and dv32 (T, HO, V) in fp32, one row per
-output head, w.r.t. the rows it used: the L2-normalized q and k when the forward normalized
-them in the kernel. Per token and input head this kernel
+For each of q, k, v whose heads are grouped (gdn_layout.gradients_in_place: the others the
+chunk kernel writes final itself) the chunk kernel writes dq32, dk32 (T, HO, K) or dv32
+(T, HO, V) in fp32, one row per output head, w.r.t. the rows it used: the L2-normalized q
+and k when the forward normalized them in the kernel. Per token and input head this kernel
 
 * sums the rows of the head's group of output heads (output head h reads q head
   h // (HO // HQ), likewise k and v) in a fixed order, so results are bitwise reproducible;
@@ -12,7 +13,7 @@ them in the kernel. Per token and input head this kernel
   active (r is then a constant; precast/reference/gdn_backward.py, _l2norm_backward);
 * writes the result in the io dtype, strided like the input.
 
-Grid: (ceil(T / tokens_per_cta), 3): blockIdx.y picks q, k or v. A row of D elements is
+Grid: (ceil(T / tokens_per_cta), grouped gradients): blockIdx.y picks one of them. A row of D elements is
 D / 8 threads of one warp, 8 elements each (16-byte io accesses, two 16-byte fp32 loads
 per summed row); row dot products are shuffles within those threads.
 """
@@ -24,6 +25,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from .gdn_layout import gradients_in_place
 from .rowwise import vector_copy_atom
 from .tiling import VEC
 
@@ -52,12 +54,16 @@ class GdnGradFinishSm90:
         assert k_dim in (64, 128) and v_dim in (64, 128)
         heads = max(q_heads, v_heads)
         self.dtype = dtype
-        self.roles = (Role(q_heads, k_dim, heads // q_heads, l2norm),
-                      Role(k_heads, k_dim, heads // k_heads, l2norm),
-                      Role(v_heads, v_dim, heads // v_heads, False))
+        roles = (Role(q_heads, k_dim, heads // q_heads, l2norm),
+                 Role(k_heads, k_dim, heads // k_heads, l2norm),
+                 Role(v_heads, v_dim, heads // v_heads, False))
+        # (index into (q, k, v), role) of the gradients left to finish
+        self.roles = tuple((i, role) for i, (role, final) in enumerate(
+            zip(roles, gradients_in_place(q_heads, k_heads, v_heads))) if not final)
+        assert self.roles, "no grouped heads: the chunk kernel writes every gradient"
         # Enough tokens per CTA that the largest role fills ~ITEMS_PER_CTA thread-items
         # (small head counts would otherwise leave most threads idle), a power of two.
-        widest = max(r.heads * r.threads_per_row for r in self.roles)
+        widest = max(r.heads * r.threads_per_row for _, r in self.roles)
         self.tokens_per_cta = 1 << max(0, (ITEMS_PER_CTA // widest).bit_length() - 1)
 
     @cute.jit
@@ -65,7 +71,8 @@ class GdnGradFinishSm90:
                  mDK32: cute.Tensor, mDV32: cute.Tensor, mDQ: cute.Tensor, mDK: cute.Tensor,
                  mDV: cute.Tensor, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K) raw rows; mDQ32, mDK32 (T, HO, K), mDV32 (T, HO, V)
-        fp32; mDQ (T, HQ, K), mDK (T, HK, K), mDV (T, HV, V) written. T >= 1."""
+        fp32; mDQ (T, HQ, K), mDK (T, HK, K), mDV (T, HV, V) written. T >= 1. The 32-bit
+        buffer of a gradient the chunk kernel writes final is None."""
         tokens = mQ.shape[0]
         grid_x = (tokens + self.tokens_per_cta - 1) // self.tokens_per_cta
         self.kernel(mQ, mK, mDQ32, mDK32, mDV32, mDQ, mDK, mDV).launch(
@@ -74,13 +81,13 @@ class GdnGradFinishSm90:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mDQ32: cute.Tensor, mDK32: cute.Tensor,
                mDV32: cute.Tensor, mDQ: cute.Tensor, mDK: cute.Tensor, mDV: cute.Tensor):
-        _, role, _ = cute.arch.block_idx()
-        if role == 0:
-            self.finish_rows(self.roles[0], mQ, mDQ32, mDQ)
-        elif role == 1:
-            self.finish_rows(self.roles[1], mK, mDK32, mDK)
-        else:
-            self.finish_rows(self.roles[2], mDV, mDV32, mDV)  # mX unused: no Jacobian
+        _, slot, _ = cute.arch.block_idx()
+        # v's mX is unused (no Jacobian)
+        tensors = ((mQ, mDQ32, mDQ), (mK, mDK32, mDK), (mDV, mDV32, mDV))
+        for j in cutlass.range_constexpr(len(self.roles)):
+            which, role = self.roles[j]
+            if slot == j:
+                self.finish_rows(role, *tensors[which])
 
     @cute.jit
     def finish_rows(self, role: cutlass.Constexpr, mX: cute.Tensor, mGrad32: cute.Tensor,

@@ -32,7 +32,7 @@ from cutlass.utils import LayoutEnum
 from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
                              tma_pipeline, tma_store_tile, transposed, wgmma)
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
-from .gdn_recurrence_sm90 import packed_chunk_start
+from .gdn_recurrence_sm90 import factor_row_loads, load_factor_row, packed_chunk_start
 
 THREADS_PER_WG = 128
 STAGES = 2
@@ -90,9 +90,10 @@ class GdnStateGradSm90:
             s2g, select_modes(mDStates, [2, 3, 1, 0]), one(sDS_layout), (Vc, K))
         store_dd, mDD_t = cpasync.make_tiled_tma_atom(
             s2g, select_modes(mDDelta, [2, 3, 1, 0]), one(sDD_layout), (C, Vc))
+        tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(mWork32, STAGES)
         self.stage_bytes = (3 * cute.size_in_bytes(dt, one(sK_layout))
                             + cute.size_in_bytes(dt, one(sDO_layout))
-                            + cute.size_in_bytes(dt, one(sM_layout)))
+                            + cute.size_in_bytes(dt, one(sM_layout)) + factor_bytes)
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         rmem = warpgroup.OperandSource.RMEM
         # (V rows) x 64 tokens: D K^T (D from registers) and dO^T M (both from shared memory)
@@ -116,13 +117,15 @@ class GdnStateGradSm90:
             sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
             sDD: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDD_layout)], 1024]
             sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDS_layout)], 1024]
+            sF: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sF_layout)], 128]
 
         self.storage = SharedStorage
         num_batches = mCuSeqlens.shape[0] - 1
-        loads = ((tma_q, mQ_t), (tma_k, mK_t), (tma_w, mW_w), (tma_m, mW_m), (tma_do, mDO_t))
+        loads = ((tma_q, mQ_t), (tma_k, mK_t), (tma_w, mW_w), (tma_m, mW_m), (tma_do, mDO_t),
+                 (tma_f, mF_t))
         stores = ((store_ds, mDS_t), (store_dd, mDD_t))
         self.kernel((mma_tok, mma_tok_ss, mma_state, mma_state_ss), loads, stores,
-                    (sK_layout, sDO_layout, sM_layout, sDD_layout, sDS_layout), mWork32,
+                    (sK_layout, sDO_layout, sM_layout, sDD_layout, sDS_layout, sF_layout),
                     mCuSeqlens, mDFinal, mDInit, num_batches).launch(
             grid=[self.heads, cutlass.max(num_batches, 1), self.v_splits],
             block=[self.num_threads, 1, 1], stream=stream)
@@ -130,9 +133,9 @@ class GdnStateGradSm90:
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, mmas: tuple, loads: tuple, stores: tuple, layouts: tuple,
-               mWork32: cute.Tensor, mCuSeqlens: cute.Tensor, mDFinal: cute.Tensor,
+               mCuSeqlens: cute.Tensor, mDFinal: cute.Tensor,
                mDInit: cute.Tensor, num_batches: Int32):
-        sK_layout, sDO_layout, sM_layout, sDD_layout, sDS_layout = layouts
+        sK_layout, sDO_layout, sM_layout, sDD_layout, sDS_layout, sF_layout = layouts
         tidx, _, _ = cute.arch.thread_idx()
         head, batch, split = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -144,7 +147,8 @@ class GdnStateGradSm90:
         cute.arch.sync_threads()
         tiles = tuple(s.get_tensor(layout.outer, swizzle=layout.inner) for s, layout in (
             (storage.sQ, sK_layout), (storage.sK, sK_layout), (storage.sW, sK_layout),
-            (storage.sM, sM_layout), (storage.sDO, sDO_layout)))
+            (storage.sM, sM_layout), (storage.sDO, sDO_layout))) + (
+                storage.sF.get_tensor(sF_layout),)
         sDD = storage.sDD.get_tensor(sDD_layout.outer, swizzle=sDD_layout.inner)
         sDS = storage.sDS.get_tensor(sDS_layout.outer, swizzle=sDS_layout.inner)
 
@@ -159,16 +163,18 @@ class GdnStateGradSm90:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume(mmas, tiles, (sDD, sDS), stores, pipe, mWork32, mDFinal, mDInit,
+            self.consume(mmas, tiles, (sDD, sDS), stores, pipe, mDFinal, mDInit,
                          batch, head, first_chunk, chunks, tidx - THREADS_PER_WG, split)
 
     @cute.jit
     def produce(self, loads, tiles, pipe, head: Int32, start: Int32, first_chunk: Int32,
                 chunks: Int32, split: Int32):
-        """The chunks' q, k (raw rows), W, M and this CTA's do columns, last chunk first."""
+        """The chunks' q, k (raw rows), W, M, factor row and this CTA's do columns, last
+        chunk first."""
         K, C, Vc = self.k_dim, CHUNK, self.v_rows
-        (tma_q, mQ), (tma_k, mK), (tma_w, mW_w), (tma_m, mW_m), (tma_do, mDO) = loads
-        sQ, sK, sW, sM, sDO = tiles
+        (tma_q, mQ), (tma_k, mK), (tma_w, mW_w), (tma_m, mW_m), (tma_do, mDO), \
+            (tma_f, mF) = loads
+        sQ, sK, sW, sM, sDO, sF = tiles
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         for i in cutlass.range(chunks, unroll=1):
             c = chunks - 1 - i
@@ -186,6 +192,7 @@ class GdnStateGradSm90:
                 block = m[None, None, head, first_chunk + c]  # (64, F)
                 g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
                 tma_load_tile(atom, g, s, state.index, bar)
+            load_factor_row(tma_f, mF, sF, head, first_chunk + c, state.index, bar)
             state = advanced(state)
 
     def consumer_sync(self):
@@ -193,11 +200,11 @@ class GdnStateGradSm90:
                           number_of_threads=self.nwg * THREADS_PER_WG)
 
     @cute.jit
-    def consume(self, mmas, tiles, staging, stores, pipe, mWork32, mDFinal, mDInit,
+    def consume(self, mmas, tiles, staging, stores, pipe, mDFinal, mDInit,
                 batch: Int32, head: Int32, first_chunk: Int32, chunks: Int32,
                 consumer_tidx: Int32, split: Int32):
         mma_tok, mma_tok_ss, mma_state, mma_state_ss = mmas
-        sQ, sK, sW, sM, sDO = tiles
+        sQ, sK, sW, sM, sDO, sF = tiles
         sDD, sDS = staging
         (store_ds, mDS_t), (store_dd, mDD_t) = stores
         K, C, rows = self.k_dim, CHUNK, self.v_rows
@@ -217,6 +224,7 @@ class GdnStateGradSm90:
         tSrQ = wg_state_ss.make_fragment_B(wg_state_ss.partition_B(transposed(sQ, C, K)))
         acc_state = cute.make_rmem_tensor(wg_state.partition_shape_C((rows, K)), Float32)
         acc_dd = cute.make_rmem_tensor(wg_tok.partition_shape_C((rows, C)), Float32)
+        acc_dm = cute.make_rmem_tensor(acc_dd.layout, Float32)  # dO^T M
         state16 = cute.make_rmem_tensor(acc_state.layout, self.dtype)
         neg_dd16 = cute.make_rmem_tensor(acc_dd.layout, self.dtype)
         tXrS = cute.make_tensor(state16.iterator, acc_as_operand_a(acc_state.layout))
@@ -236,8 +244,8 @@ class GdnStateGradSm90:
         for i in cutlass.range(chunks, unroll=1):
             c = chunks - 1 - i
             chunk = first_chunk + c
-            factors = mWork32[chunk, head, None]
             s = state.index
+            factors = sF[0, None, s]  # [q_f | k_f | G_L]
             pipe.consumer_wait(state)
             if issuer:  # the previous chunk's stores have read the staging tiles
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -248,30 +256,30 @@ class GdnStateGradSm90:
             cute.autovec_copy(state16, t_ds)
             cute.arch.fence_proxy("async.shared", space="cta")
             self.consumer_sync()
+            # Three products in flight together, only D K^T on the chain: D K^T and dO^T M
+            # into separate accumulators (dDelta^T = (D K^T) diag(k_f) + dO^T M), and
+            # D <- exp(G_L) D + dO^T (diag(q_f) Q).
+            decay = cute.math.exp(factors[G_LAST], fastmath=True)
+            for e in cutlass.range_constexpr(cute.size(acc_state)):
+                acc_state[e] = acc_state[e] * decay
+            wgmma(mma_tok, acc_dd, tXrS, tXrK[None, None, None, s], False)
+            wgmma(mma_tok_ss, acc_dm, tYrDO[None, None, None, s], tYrM[None, None, None, s],
+                  False)
+            wgmma(mma_state_ss, acc_state, tSrDO[None, None, None, s],
+                  tSrQ[None, None, None, s], True)
             if issuer:  # the whole warp: the TMA copy elects its lane itself
                 tma_store_tile(store_ds, sDS, cute.local_tile(
                     mDS_t[None, None, head, chunk], (rows, K), (split, 0)))
                 cute.arch.cp_async_bulk_commit_group()
-            # dDelta^T = (D K^T) diag(k_f) + dO^T M
-            wgmma(mma_tok, acc_dd, tXrS, tXrK[None, None, None, s], False)
-            warpgroup.wait_group(0)
+            warpgroup.wait_group(1)  # D K^T and dO^T M (the state's product may run on)
             t_kf = thr_tok.partition_C(cute.make_tensor(
                 cute.domain_offset((K_FACTORS,), factors).iterator, by_token))
             for e in cutlass.range_constexpr(cute.size(acc_dd)):
-                acc_dd[e] = acc_dd[e] * t_kf[e]
-            wgmma(mma_tok_ss, acc_dd, tYrDO[None, None, None, s], tYrM[None, None, None, s],
-                  True)
-            warpgroup.wait_group(0)
-            for e in cutlass.range_constexpr(cute.size(acc_dd)):
-                t_dd[e] = acc_dd[e].to(self.dtype)
-                neg_dd16[e] = (-acc_dd[e]).to(self.dtype)
-            # D <- exp(G_L) D - dDelta^T W + dO^T (diag(q_f) Q)
-            decay = cute.math.exp(factors[G_LAST], fastmath=True)
-            for e in cutlass.range_constexpr(cute.size(acc_state)):
-                acc_state[e] = acc_state[e] * decay
+                dd = acc_dd[e] * t_kf[e] + acc_dm[e]
+                t_dd[e] = dd.to(self.dtype)
+                neg_dd16[e] = (-dd).to(self.dtype)
+            # D -= dDelta^T W
             wgmma(mma_state, acc_state, tSrD, tSrW[None, None, None, s], True)
-            wgmma(mma_state_ss, acc_state, tSrDO[None, None, None, s],
-                  tSrQ[None, None, None, s], True)
             cute.arch.fence_proxy("async.shared", space="cta")
             self.consumer_sync()
             if issuer:

@@ -18,8 +18,9 @@ def workspace_shapes(total_tokens: int, num_seqs: int, heads: int, k_dim: int, v
     return (chunks, heads, CHUNK, k_dim + v_dim + CHUNK), (chunks, heads, FACTOR_COLS)
 
 
-def gradients_in_place(q_heads: int, k_heads: int, v_heads: int) -> bool:
-    """Whether the backward's chunk kernel writes the final dq, dk, dv itself (no head is
-    grouped: every gradient row has one writer); otherwise it writes fp32 gradients per
-    output head and a finishing kernel sums the groups."""
-    return q_heads == k_heads == v_heads
+def gradients_in_place(q_heads: int, k_heads: int, v_heads: int) -> tuple:
+    """Per gradient (dq, dk, dv): whether the backward's chunk kernel writes it final itself
+    (its input has a head per output head: every gradient row has one writer); otherwise it
+    writes fp32 gradients per output head and a finishing kernel sums each group."""
+    heads = max(q_heads, v_heads)
+    return tuple(h == heads for h in (q_heads, k_heads, v_heads))

@@ -33,7 +33,7 @@ from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
                              tma_pipeline, tma_store_tile, transposed, wgmma)
-from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
+from .gdn_layout import CHUNK, FACTOR_COLS, G_LAST, K_FACTORS, Q_FACTORS
 
 THREADS_PER_WG = 128
 
@@ -54,6 +54,32 @@ class StateParts(NamedTuple):
     thr_tok: object
     consumer_tidx: object
     split: object
+
+
+def factor_row_loads(mWork32: cute.Tensor, stages: int):
+    """TMA access to work32's factor rows [q_f | k_f | G_L] (one per (chunk, head)), for
+    recurrences that read them on their chain: returns (TMA atom, work32 as a (1, F, HO,
+    chunks) tensor of (1, F) tiles, the (1, F, stages) shared-memory layout, bytes per row).
+    Reading q_f, k_f and G_L from global memory put L2 latency on every chunk step."""
+    rows, heads, cols = mWork32.shape
+    view = cute.make_tensor(mWork32.iterator, cute.make_layout(
+        (1, cols, heads, rows), stride=(cols, 1, cols, heads * cols)))
+    # TMA writes shared memory at 128-byte aligned addresses: stages 160 floats apart
+    stage_stride = -(-FACTOR_COLS // 32) * 32
+    layout = cute.make_layout((1, FACTOR_COLS, stages), stride=(FACTOR_COLS, 1, stage_stride))
+    atom, tma_view = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), view, cute.slice_(layout, (None, None, 0)),
+        (1, FACTOR_COLS))
+    return atom, tma_view, layout, FACTOR_COLS * 4
+
+
+@cute.jit
+def load_factor_row(atom, m_view, s_rows, head: Int32, chunk: Int32, stage: Int32, bar):
+    """The factor row of (chunk, head) into stage ``stage`` of ``s_rows`` (whole warp)."""
+    tma_load_tile(atom, cute.local_tile(m_view[None, None, head, chunk], (1, FACTOR_COLS),
+                                        (0, 0)), s_rows, stage, bar)
+
+
 @cute.jit
 def packed_chunk_start(mCuSeqlens: cute.Tensor, batch: Int32):
     """The packed number (stage 1's numbering) of sequence ``batch``'s first chunk: the
@@ -154,6 +180,8 @@ class GdnChunkRecurrenceSm90:
                             + cute.size_in_bytes(dt, one(sU_layout))
                             + (0 if const_expr(self.states_only)
                                else cute.size_in_bytes(dt, one(sM_layout))))
+        tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(mWork32, STAGES)
+        self.stage_bytes += factor_bytes
         rmem = warpgroup.OperandSource.RMEM
         mma_tok = sm90_utils.make_trivial_tiled_mma(  # (V rows) x 64 tokens
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
@@ -171,6 +199,7 @@ class GdnChunkRecurrenceSm90:
             sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
             sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
+            sF: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sF_layout)], 128]
 
         self.storage = SharedStorage
         num_batches = mCuSeqlens.shape[0] - 1
@@ -179,7 +208,7 @@ class GdnChunkRecurrenceSm90:
                 else [self.heads, cutlass.max(num_batches, 1), self.v_splits])
         self.kernel(mma_tok, mma_state, mQ_t, mK_t, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k,
                     tma_u, tma_m, sK_layout, sU_layout, sM_layout, sO_layout, store_o, mO_t,
-                    mWork32, mCuSeqlens, mO, mState0, mStateIdx, mFinal, mCkpt, ckpt_every,
+                    (tma_f, mF_t, sF_layout), mCuSeqlens, mO, mState0, mStateIdx, mFinal, mCkpt, ckpt_every,
                     num_batches).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
@@ -191,7 +220,7 @@ class GdnChunkRecurrenceSm90:
                tma_u: cute.CopyAtom, tma_m: cute.CopyAtom, sK_layout: cute.ComposedLayout,
                sU_layout: cute.ComposedLayout, sM_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, store_o: cute.CopyAtom, mO_t: cute.Tensor,
-               mWork32: cute.Tensor, mCuSeqlens: cute.Tensor, mO: cute.Tensor,
+               factor_rows: tuple, mCuSeqlens: cute.Tensor, mO: cute.Tensor,
                mState0: cute.Tensor, mStateIdx: cute.Tensor, mFinal: cute.Tensor,
                mCkpt: cute.Tensor, ckpt_every: Int32, num_batches: Int32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -213,6 +242,8 @@ class GdnChunkRecurrenceSm90:
         sU = storage.sU.get_tensor(sU_layout.outer, swizzle=sU_layout.inner)
         sM = storage.sM.get_tensor(sM_layout.outer, swizzle=sM_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        tma_f, mF_t, sF_layout = factor_rows
+        sF = storage.sF.get_tensor(sF_layout)
 
         if const_expr(self.from_checkpoints):
             start, length, first_chunk, batch = self.find_segment(mCuSeqlens, num_batches,
@@ -227,13 +258,14 @@ class GdnChunkRecurrenceSm90:
         if warp == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ, sK,
-                         sW, sU, sM, pipe, head, start, first_chunk, updates, split)
+                         sW, sU, sM, (tma_f, mF_t, sF), pipe, head, start, first_chunk,
+                         updates, split)
         elif warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(mma_tok, mma_state, sQ, sK, sW, sU, sM, (sO, store_o, mO_t), pipe,
-                         mWork32, mO,
+                         sF, mO,
                          mState0, mStateIdx, mFinal, mCkpt, ckpt_every, mCuSeqlens, batch,
                          head, start, length, first_chunk, chunks, updates,
                          tidx - THREADS_PER_WG, split)
@@ -263,7 +295,7 @@ class GdnChunkRecurrenceSm90:
 
     @cute.jit
     def produce(self, mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ, sK,
-                sW, sU, sM, pipe, head: Int32, start: Int32, first_chunk: Int32,
+                sW, sU, sM, factor_rows, pipe, head: Int32, start: Int32, first_chunk: Int32,
                 chunks: Int32, split: Int32):
         K, V, C = self.k_dim, self.v_dim, CHUNK
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
@@ -284,10 +316,11 @@ class GdnChunkRecurrenceSm90:
                 block = m[None, None, head, first_chunk + c]  # (64, F)
                 g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
                 tma_load_tile(atom, g, s, state.index, bar)
+            load_factor_row(*factor_rows, head, first_chunk + c, state.index, bar)
             state = advanced(state)
 
     @cute.jit
-    def consume(self, mma_tok, mma_state, sQ, sK, sW, sU, sM, staged_o, pipe, mWork32, mO,
+    def consume(self, mma_tok, mma_state, sQ, sK, sW, sU, sM, staged_o, pipe, sF, mO,
                 mState0,
                 mStateIdx, mFinal, mCkpt, ckpt_every: Int32, mCuSeqlens, batch: Int32,
                 head: Int32, start: Int32, length: Int32, first_chunk: Int32, chunks: Int32,
@@ -308,7 +341,7 @@ class GdnChunkRecurrenceSm90:
                 self.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
             pipe.consumer_wait(state)
             self.chunk_update(parts, sU[None, None, state.index], state.index,
-                              mWork32[first_chunk + c, head, None])
+                              sF[0, None, state.index])
             cute.arch.sync_warp()
             pipe.consumer_release(state)
             state = advanced(state)

@@ -62,7 +62,7 @@ def kernel_modes(s: GdnShapes) -> Tuple[str, ...]:
     gdn_fwd.splits_recurrences), the chunk gradients, with grouped heads the finishing
     kernel and, with checkpoints, the states pass from them (regenerate)."""
     split = ("states_split", "state_grad_split") if s.V == 128 else ()
-    finish = () if gradients_in_place(s.HQ, s.HK, s.HV) else ("finish",)
+    finish = () if all(gradients_in_place(s.HQ, s.HK, s.HV)) else ("finish",)
     regenerate = (() if s.checkpoint_dtype is None
                   else ("regenerate",) + (("regenerate_split",) if s.V == 128 else ()))
     return ("prepare", "states", "state_grad", "chunk_grad") + split + finish + regenerate
@@ -86,7 +86,9 @@ WORKSPACE = {
     "dstates": ("chunks", "io"),  # gradient of the state leaving each chunk, (.., V, K)
     "ddelta": ("chunks", "io"),  # dDelta, (chunks, HO, 64, V)
     "states": ("chunks", "io"),  # states entering each chunk (not with reused checkpoints)
-    "dq32": ("tokens", "float32"),  # grouped heads: per output head, w.r.t. the normalized rows
+    # grouped heads' gradients (gdn_layout.gradients_in_place): per output head, w.r.t. the
+    # normalized rows
+    "dq32": ("tokens", "float32"),
     "dk32": ("tokens", "float32"),
     "dv32": ("tokens", "float32"),
     "dinit32": ("sequences", "float32"),  # only for an initial state in the io dtype
@@ -94,8 +96,9 @@ WORKSPACE = {
 RECOMPUTE_ONLY = ("states",)
 # Groups of the op's own workspace, made (and grown) together: same row count, always
 # needed together.
-OWN_GROUPS = (("work16", "work32", "inv", "dstates", "ddelta"), ("dq32", "dk32", "dv32"),
-              ("states",), ("dinit32",))
+GRADS32 = ("dq32", "dk32", "dv32")
+OWN_GROUPS = (("work16", "work32", "inv", "dstates", "ddelta"), GRADS32, ("states",),
+              ("dinit32",))
 
 
 def static_config_of(s: GdnShapes, final_state_grad: bool) -> Dict[str, object]:
@@ -272,8 +275,7 @@ class GdnBwdSm90(Op):
                     _fake_rows(s.dtype, chunks, (s.HO, CHUNK_SIZE, CHUNK_SIZE)),
                     _fake_state(s.dtype, s), _fake_state(s.dtype, s),
                     _fake_rows(s.dtype, chunks, (s.HO, CHUNK_SIZE, s.V)),
-                    *(_fake_grads(s, tokens) if gradients_in_place(s.HQ, s.HK, s.HV)
-                      else _fake_grads32(s, tokens)), _fake_gate(s.g_dtype, tokens, s.HO),
+                    *_fake_grads32(s, tokens, finals="io"), _fake_gate(s.g_dtype, tokens, s.HO),
                     _fake_gate(s.beta_dtype, tokens, s.HO), scalar(cutlass.Float32, 1.0),
                     fake_stream())
             return kernel, args
@@ -285,7 +287,8 @@ class GdnBwdSm90(Op):
             io, tokens = _cute_type(s.dtype), cute.sym_int()
             kernel = GdnGradFinishSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, s.use_qk_l2norm_in_kernel)
             args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
-                    *_fake_grads32(s, tokens), fake_tokens(io, tokens, s.HQ, s.K),
+                    *_fake_grads32(s, tokens, finals=None),
+                    fake_tokens(io, tokens, s.HQ, s.K),
                     fake_tokens(io, tokens, s.HK, s.K), fake_tokens(io, tokens, s.HV, s.V),
                     fake_stream())
             return kernel, args
@@ -303,7 +306,8 @@ class GdnBwdSm90(Op):
         """Shapes of the buffers ``execute(workspace=...)`` takes for T tokens in N sequences
         (a dict name -> tensor, all contiguous, dtypes as WORKSPACE says; make_workspace
         allocates one): the forward's work16, work32 and inv, dstates, ddelta, states with
-        T // 64 + N chunk rows, with grouped heads dq32, dk32, dv32 with T rows and, with an
+        T // 64 + N chunk rows, dq32, dk32, dv32 with T rows for those of q, k, v whose heads
+        are grouped (gdn_layout.gradients_in_place) and, with an
         initial state in the io dtype, dinit32 [N, HO, V, K]. "states" is not used when the
         call reuses checkpoints (n = 64, io dtype). Nothing needs zeroing."""
         from ..kernels.gdn_layout import workspace_shapes as forward_shapes
@@ -315,8 +319,10 @@ class GdnBwdSm90(Op):
         shapes = {"work16": work16, "work32": work32, "inv": (chunks, s.HO, C, C),
                   "dstates": (chunks, s.HO, s.V, s.K), "ddelta": (chunks, s.HO, C, s.V),
                   "states": (chunks, s.HO, s.V, s.K)}
-        if not gradients_in_place(s.HQ, s.HK, s.HV):
-            shapes.update(dq32=(T, s.HO, s.K), dk32=(T, s.HO, s.K), dv32=(T, s.HO, s.V))
+        finals = gradients_in_place(s.HQ, s.HK, s.HV)
+        for name, dim, final in zip(GRADS32, (s.K, s.K, s.V), finals):
+            if not final:
+                shapes[name] = (T, s.HO, dim)
         if self._converts_dinit:
             shapes["dinit32"] = (N,) + s.state_shape[1:]
         return shapes
@@ -375,7 +381,8 @@ class GdnBwdSm90(Op):
         rows = {"chunks": shapes["work16"][0], "tokens": s.T, "sequences": s.N}
         out = {}
         for group in OWN_GROUPS:
-            if not all(name in needed for name in group):
+            group = tuple(name for name in group if name in needed)
+            if not group:
                 continue
             count = rows[WORKSPACE[group[0]][0]]
             buffers = stream_buffers(
@@ -461,8 +468,8 @@ class GdnBwdSm90(Op):
             states_args = (initial_state, None, None, states, CHUNK_SIZE)
         dinit = ws.get("dinit32", dinitial_state)
         work = (ws["work16"], ws["work32"])
-        in_place = gradients_in_place(s.HQ, s.HK, s.HV)
-        grads = (dq, dk, dv) if in_place else (ws["dq32"], ws["dk32"], ws["dv32"])
+        # the chunk kernel's outputs: the final gradient, or its fp32 buffer for "finish"
+        grads = tuple(ws.get(name, final) for final, name in zip((dq, dk, dv), GRADS32))
         with device_guard(index):
             kernels["prepare"](q, k, v, g, beta, cu_seqlens, *work, ws["inv"], s.scale, handle)
             if not reuse:
@@ -472,25 +479,26 @@ class GdnBwdSm90(Op):
             kernels["chunk_grad"](q, k, v, g, beta, cu_seqlens, do, *work, ws["inv"], states,
                                   ws["dstates"], ws["ddelta"], *grads, dg, dbeta, s.scale,
                                   handle)
-            if not in_place:
-                kernels["finish"](q, k, *grads, dq, dk, dv, handle)
+            if "finish" in kernels:
+                kernels["finish"](q, k, *(ws.get(name) for name in GRADS32), dq, dk, dv,
+                                  handle)
         if dinit is not dinitial_state:
             with torch.cuda.stream(torch_stream(handle, index)):
                 dinitial_state.copy_(dinit)
 
 
-def _fake_grads(s: GdnShapes, tokens) -> tuple:
-    """dq (T, HQ, K), dk (T, HK, K), dv (T, HV, V) in the io dtype, strided like the inputs
-    (the chunk kernel writes them itself without grouped heads)."""
+def _fake_grads32(s: GdnShapes, tokens, finals) -> tuple:
+    """dq32, dk32 (T, HO, K) and dv32 (T, HO, V): float32, compact but for a 64-bit token
+    stride; in place of a gradient the chunk kernel writes final
+    (gdn_layout.gradients_in_place), with ``finals`` "io" that gradient (strided like its
+    input), with None None."""
     from ..kernels.fake import fake_tokens
     io = _cute_type(s.dtype)
-    return (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
-            fake_tokens(io, tokens, s.HV, s.V))
-
-
-def _fake_grads32(s: GdnShapes, tokens) -> tuple:
-    """dq32, dk32 (T, HO, K) and dv32 (T, HO, V): float32, compact but for a 64-bit token
-    stride."""
-    return (_fake_rows(torch.float32, tokens, (s.HO, s.K)),
-            _fake_rows(torch.float32, tokens, (s.HO, s.K)),
-            _fake_rows(torch.float32, tokens, (s.HO, s.V)))
+    out = []
+    for final, heads, dim in zip(gradients_in_place(s.HQ, s.HK, s.HV), (s.HQ, s.HK, s.HV),
+                                 (s.K, s.K, s.V)):
+        if not final:
+            out.append(_fake_rows(torch.float32, tokens, (s.HO, dim)))
+        else:
+            out.append(fake_tokens(io, tokens, heads, dim) if finals == "io" else None)
+    return tuple(out)
