@@ -5,14 +5,16 @@ the kernel; g float32, beta bfloat16; the loss on o only, so no final-state grad
 - 64 sequences of 512 tokens, 64 heads.
 
     python bench/bench_gdn_bwd.py [--case NAME ...] [--no-peer] [--stages]
-                                  [--checkpoints N]
+                                  [--checkpoints N] [--no-keep]
 
 Times with triton.testing.do_bench (median), per case: the forward (``gated_delta_net``),
 the backward (``gated_delta_net_backward``, which recomputes the forward's chunk states),
 their ratio, and forward + backward tokens per second; with ``--checkpoints N`` (default
 1024, 0: off) also the training pair that keeps fp32 checkpoints every N tokens (the
 forward writes them, the backward's states pass starts from them, one CTA per checkpoint
-row and head); ``--stages`` also times each of the
+row and head); the training pair that keeps the forward's workspace (keep_workspace=True:
+the forward also stores T, the backward skips its prepare kernel; ``--no-keep`` skips it);
+``--stages`` also times each of the
 backward's kernels alone (GdnBwdSm90.execute with a caller-owned workspace, kernels
 launched one by one from the op's loaded modes). flash-linear-attention's backward is
 attempted for reference (its Triton kernels may refuse this Triton version on Hopper; the
@@ -90,7 +92,7 @@ def peer_backward(q, k, v, g, beta, cu, do):
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
 
 
-def run_case(name: str, peer: bool, stages: bool, every: int) -> dict:
+def run_case(name: str, peer: bool, stages: bool, every: int, keep: bool) -> dict:
     batch, seqlen, qk_heads, v_heads = CASES[name]
     q, k, v, g, beta, cu, do = make_inputs(batch, seqlen, qk_heads, v_heads)
     fwd = lambda: gated_delta_net(q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True,  # noqa
@@ -132,6 +134,24 @@ def run_case(name: str, peer: bool, stages: bool, every: int) -> dict:
             row["stages_ckpt_us"] = stage_times(q, k, v, g, beta, cu, do, ckpt, every)
             print(f"{'':>13}  " + "  ".join(
                 f"{m} {t:.1f}" for m, t in row["stages_ckpt_us"].items()), flush=True)
+    if keep:
+        fwd_keep = lambda: gated_delta_net(  # noqa: E731
+            q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True, output_final_state=True,
+            keep_workspace=True)
+        kept = fwd_keep().workspace
+        bwd_keep = lambda: gated_delta_net_backward(  # noqa: E731
+            q, k, v, g, beta, cu, do, use_qk_l2norm_in_kernel=True, forward_workspace=kept)
+        bwd_keep()
+        torch.cuda.synchronize()
+        f_us, b_us = do_bench(fwd_keep) * 1e3, do_bench(bwd_keep) * 1e3
+        kept_bytes = sum(t.numel() * t.element_size() for t in kept)
+        row.update(fwd_keep_us=f_us, bwd_keep_us=b_us, kept_bytes=kept_bytes,
+                   train_keep_tokens_per_s=tokens / ((f_us + b_us) * 1e-6))
+        print(f"{'':>13}  workspace kept ({kept_bytes / 1e9:.2f} GB): forward {f_us:8.1f} us  "
+              f"backward {b_us:8.1f} us ({b_us / f_us:.2f}x its forward, {b_us / fwd_us:.2f}x "
+              f"the plain forward)  forward+backward "
+              f"{row['train_keep_tokens_per_s'] / 1e6:6.2f} M tokens/s", flush=True)
+        del kept
     if peer:
         peer_us, error = peer_backward(q, k, v, g, beta, cu, do)
         row.update(peer_bwd_us=peer_us, peer_error=error)
@@ -147,11 +167,13 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", action="store_true")
     ap.add_argument("--checkpoints", type=int, default=1024, metavar="N",
                     help="also time the pair with fp32 checkpoints every N tokens (0: off)")
+    ap.add_argument("--no-keep", action="store_true",
+                    help="skip the pair that keeps the forward's workspace")
     args = ap.parse_args(argv)
     env = environment()
     print(f"{env['gpu']} {env['date']}: Gated DeltaNet backward, K = V = {DIM}, bf16, l2norm, "
           "loss on o", flush=True)
-    rows = [run_case(name, not args.no_peer, args.stages, args.checkpoints)
+    rows = [run_case(name, not args.no_peer, args.stages, args.checkpoints, not args.no_keep)
             for name in (args.case or list(CASES))]
     write_json("bench_gdn_bwd.json", {"env": env, "results": rows})
     return 0

@@ -11,7 +11,8 @@ Custom ops (each with a fake implementation: they trace under torch.compile):
   (the backward op): ``o, s = gated_delta_net(...); loss.backward()`` trains. The final
   state's gradient is the backward's dfinal; checkpoints are not differentiable, and the
   backward starts its states pass from them (at n = 64 in the io dtype they are its chunk
-  states; see GdnBwdSm90).
+  states; see GdnBwdSm90). With keep_workspace it also returns the forward's chunk factors
+  (work16, work32, inv; placeholders otherwise), which the backward then reuses.
 * ``torch.ops.precast.gated_delta_net_backward``: dq, dk, dv, dg, dbeta, dinitial_state.
 * ``torch.ops.precast.gated_delta_net_pool``: the forward with a state pool updated in
   place (inference only: the pool has no gradient).
@@ -26,6 +27,7 @@ from .lifecycle.gdn_bwd import GdnBwdSm90, check_forward_inputs, refuse_state_po
 from .lifecycle.gdn_bwd import static_config_of as backward_config
 from .lifecycle.gdn_fwd import GdnFwdSm90, readable_in_place, static_config_of
 from .lifecycle.gdn_rules import check_gdn_inputs, max_checkpoint_rows
+from .kernels.gdn_layout import workspace_shapes
 from .lifecycle.launch import in_stream_order
 from .lifecycle.results import Results
 from .op_cache import compiled_op
@@ -33,13 +35,16 @@ from .op_cache import compiled_op
 
 class GatedDeltaNetResults(Results):
     """Unpacks like ``(o, final_state)`` (final_state None unless output_final_state);
-    ``.checkpoints`` is the checkpoint series or None."""
+    ``.checkpoints`` is the checkpoint series or None; ``.workspace`` the forward's chunk
+    factors (work16, work32, inv) with keep_workspace outside autograd (for
+    gated_delta_net_backward(forward_workspace=...)), else None."""
 
     _fields = ("o", "final_state")
 
-    def __new__(cls, o, final_state, checkpoints=None):
+    def __new__(cls, o, final_state, checkpoints=None, workspace=None):
         self = super().__new__(cls, o, final_state)
         self.checkpoints = checkpoints
+        self.workspace = workspace
         return self
 
 
@@ -58,7 +63,7 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     checkpoint_every_n_tokens: Optional[int] = None,
                     checkpoint_dtype: Optional[torch.dtype] = None,
                     state_indices: Optional[torch.Tensor] = None, batch_invariant: bool = False,
-                    stream=None) -> GatedDeltaNetResults:
+                    keep_workspace: bool = False, stream=None) -> GatedDeltaNetResults:
     """Gated DeltaNet forward over packed sequences.
 
     q [T, HQ, K], k [T, HK, K], v [T, HV, V] (bf16 or fp16), g and beta [T, HO]
@@ -82,7 +87,12 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     which starts its states pass from them instead of walking each sequence from its start:
     for training on few long sequences (fewer (sequence, head) pairs than SMs), float32
     checkpoints every ~1024 tokens make the backward faster and give the same bits; with
-    many pairs they cost more than they save (bench/RESULTS.md, session 13). The state pool
+    many pairs they cost more than they save (bench/RESULTS.md, session 13).
+    ``keep_workspace=True`` keeps the forward's chunk factors (W, U, M, the factor rows and
+    T = (I + A)^-1: about (K + V + 128) x 2 bytes per token and output head, as much again
+    as q, k and v at K = V = 128) until the backward, which then skips recomputing them
+    (its "prepare" kernel: ~23 % of the backward at 4 x 8192 tokens, 64 heads); the forward
+    writes T as well (~3 % more). The state pool
     is forward only: with an input requiring grad it raises (use torch.no_grad(), or gather
     the pool rows into an initial_state).
     """
@@ -93,7 +103,8 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                    output_final_state=output_final_state,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                    checkpoint_every_n_tokens=checkpoint_every_n_tokens,
-                   checkpoint_dtype=checkpoint_dtype, batch_invariant=batch_invariant)
+                   checkpoint_dtype=checkpoint_dtype, batch_invariant=batch_invariant,
+                   keep_workspace=keep_workspace)
     if not (differentiable and torch.is_grad_enabled()):
         return _forward(q, k, v, g, beta, cu_seqlens, state_indices=state_indices,
                         stream=stream, **options)
@@ -104,17 +115,17 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             "no gradient. Call it under torch.no_grad() for inference, or pass the gathered "
             "rows as an [N, HO, V, K] initial_state to train")
     with in_stream_order(stream, q.device):
-        o, final_state, checkpoints = torch.ops.precast.gated_delta_net(
+        o, final_state, checkpoints, *_ = torch.ops.precast.gated_delta_net(
             q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
             use_qk_l2norm_in_kernel, checkpoint_every_n_tokens, checkpoint_dtype, None,
-            batch_invariant)
+            batch_invariant, keep_workspace)
     return GatedDeltaNetResults(o, final_state if output_final_state else None,
                                 None if checkpoint_every_n_tokens is None else checkpoints)
 
 
 def _forward(q, k, v, g, beta, cu_seqlens, *, scale, initial_state, output_final_state,
              use_qk_l2norm_in_kernel, checkpoint_every_n_tokens, checkpoint_dtype,
-             state_indices, batch_invariant, stream) -> GatedDeltaNetResults:
+             state_indices, batch_invariant, keep_workspace, stream) -> GatedDeltaNetResults:
     """gated_delta_net outside autograd (the custom ops' implementation)."""
     with in_stream_order(stream, q.device):
         q, k, v = (_in_place_or_copy("tokens", t) for t in (q, k, v))
@@ -129,10 +140,11 @@ def _forward(q, k, v, g, beta, cu_seqlens, *, scale, initial_state, output_final
                        checkpoint_dtype=checkpoint_dtype, batch_invariant=batch_invariant)
         s = check_gdn_inputs(q, k, v, g, beta, cu_seqlens, initial_state=initial_state,
                              state_indices=state_indices, **options)
-        key = ("gated_delta_net",) + tuple(sorted(static_config_of(s).items()))
+        key = ("gated_delta_net",) + tuple(sorted(
+            {**static_config_of(s), "store_inverse": keep_workspace}.items()))
         op = compiled_op(key, lambda: GdnFwdSm90(
             q, k, v, g, beta, cu_seqlens, sample_initial_state=initial_state,
-            sample_state_indices=state_indices, **options))
+            sample_state_indices=state_indices, store_inverse=keep_workspace, **options))
         o = q.new_empty((s.T, s.HO, s.V))
         final_state = (q.new_empty(s.state_shape, dtype=torch.float32) if output_final_state
                        else None)
@@ -140,13 +152,15 @@ def _forward(q, k, v, g, beta, cu_seqlens, *, scale, initial_state, output_final
         if s.checkpoint_rows is not None:
             checkpoints = q.new_empty((s.checkpoint_rows,) + s.state_shape[1:],
                                       dtype=s.checkpoint_dtype)
+        # kept factors are the caller's: the op's own workspace is reused by its next call
+        workspace = op.make_workspace(s.T, s.N, q.device) if keep_workspace else None
         op.execute(q, k, v, g, beta, cu_seqlens, o, initial_state=initial_state,
                    state_indices=state_indices, final_state=final_state,
-                   checkpoints=checkpoints, stream=stream, scale=s.scale,
+                   checkpoints=checkpoints, workspace=workspace, stream=stream, scale=s.scale,
                    checkpoint_every_n_tokens=s.checkpoint_every_n_tokens)
         if pool is not None and pool is not initial_state:  # the kernel updated a copy
             pool.copy_(initial_state)
-    return GatedDeltaNetResults(o, final_state, checkpoints)
+    return GatedDeltaNetResults(o, final_state, checkpoints, workspace)
 
 
 # --- the backward ------------------------------------------------------------------------------
@@ -167,14 +181,15 @@ def gated_delta_net_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              checkpoint_every_n_tokens: Optional[int] = None,
                              use_qk_l2norm_in_kernel: bool = False,
                              state_indices: Optional[torch.Tensor] = None,
-                             stream=None) -> GatedDeltaNetGradients:
+                             forward_workspace=None, stream=None) -> GatedDeltaNetGradients:
     """Gradients of gated_delta_net's o (and final state) given ``do`` [T, HO, V] (q's
     dtype) and ``dfinal`` [N, HO, V, K] float32 (None: the final state is not
     differentiated). The forward's inputs and options as they were (``checkpoints``: the
     forward's, written every ``checkpoint_every_n_tokens`` tokens: the chunk states at
     n = 64 in the io dtype, else where the states pass starts from). Returns dq, dk, dv,
     dg, dbeta in each input's dtype and shape and dinitial_state (initial_state's dtype;
-    None without one). Inputs
+    None without one). ``forward_workspace``: the forward's ``.workspace`` (gated_delta_net
+    with keep_workspace=True on these inputs): the backward skips recomputing it. Inputs
     whose layout the kernels cannot read in place (e.g. an expanded do) are copied. The
     compiled op is made once per static configuration (GdnBwdSm90.static_config)."""
     refuse_state_pool(state_indices)
@@ -199,7 +214,7 @@ def gated_delta_net_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             None if initial_state is None else initial_state.new_empty(initial_state.shape))
         op.execute(q, k, v, g, beta, cu_seqlens, do, *grads[:5], initial_state=initial_state,
                    dinitial_state=grads.dinitial_state, dfinal=dfinal, checkpoints=checkpoints,
-                   stream=stream, scale=s.scale,
+                   forward_workspace=forward_workspace, stream=stream, scale=s.scale,
                    checkpoint_every_n_tokens=s.checkpoint_every_n_tokens)
     return grads
 
@@ -212,19 +227,24 @@ def _gated_delta_net_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         initial_state: Optional[torch.Tensor], output_final_state: bool,
                         use_qk_l2norm_in_kernel: bool, checkpoint_every_n_tokens: Optional[int],
                         checkpoint_dtype: Optional[torch.dtype],
-                        state_indices: Optional[torch.Tensor], batch_invariant: bool
-                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(o, final_state, checkpoints); custom ops return tensors only, so an output not
-    asked for is an empty [0, HO, V, K] tensor. Functional (it has an autograd formula):
-    state_indices must be None; a state pool goes through gated_delta_net_pool."""
+                        state_indices: Optional[torch.Tensor], batch_invariant: bool,
+                        keep_workspace: bool = False
+                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                   torch.Tensor, torch.Tensor]:
+    """(o, final_state, checkpoints, work16, work32, inv); custom ops return tensors only,
+    so an output not asked for is an empty [0, HO, V, K] tensor (the last three but with
+    keep_workspace). Functional (it has an autograd formula): state_indices must be None;
+    a state pool goes through gated_delta_net_pool."""
     _refuse_pool_in_functional_op(state_indices)
     o, final_state = r = _forward(
         q, k, v, g, beta, cu_seqlens, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         checkpoint_every_n_tokens=checkpoint_every_n_tokens, checkpoint_dtype=checkpoint_dtype,
-        state_indices=None, batch_invariant=batch_invariant, stream=None)
+        state_indices=None, batch_invariant=batch_invariant, keep_workspace=keep_workspace,
+        stream=None)
+    workspace = r.workspace or tuple(_absent_output(q, v) for _ in range(3))
     return (o, _absent_output(q, v) if final_state is None else final_state,
-            _absent_output(q, v) if r.checkpoints is None else r.checkpoints)
+            _absent_output(q, v) if r.checkpoints is None else r.checkpoints, *workspace)
 
 
 def _refuse_pool_in_functional_op(state_indices) -> None:
@@ -244,7 +264,7 @@ def _absent_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 @_gated_delta_net_op.register_fake
 def _(q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
       use_qk_l2norm_in_kernel, checkpoint_every_n_tokens, checkpoint_dtype, state_indices,
-      batch_invariant):
+      batch_invariant, keep_workspace=False):
     _refuse_pool_in_functional_op(state_indices)
     T, K = q.shape[0], q.shape[2]
     N, HO, V = cu_seqlens.shape[0] - 1, max(q.shape[1], v.shape[1]), v.shape[2]
@@ -258,7 +278,12 @@ def _(q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
         rows = (max_checkpoint_rows(T, N, n) if isinstance(T, int) and isinstance(N, int)
                 else T // n + N)
         checkpoints = q.new_empty((rows, HO, V, K), dtype=checkpoint_dtype or q.dtype)
-    return o, final_state, checkpoints
+    workspace = tuple(_absent_output(q, v) for _ in range(3))
+    if keep_workspace:
+        shape16, shape32 = workspace_shapes(T, N, HO, K, V)  # T and N may be symbolic
+        workspace = (q.new_empty(shape16), q.new_empty(shape32, dtype=torch.float32),
+                     q.new_empty(shape16[:3] + (shape16[2],)))
+    return (o, final_state, checkpoints) + workspace
 
 
 @torch.library.custom_op("precast::gated_delta_net_backward", mutates_args=(),
@@ -268,21 +293,25 @@ def _gated_delta_net_backward_op(
         cu_seqlens: torch.Tensor, do: torch.Tensor, scale: Optional[float],
         initial_state: Optional[torch.Tensor], dfinal: Optional[torch.Tensor],
         checkpoints: Optional[torch.Tensor], checkpoint_every_n_tokens: Optional[int],
-        use_qk_l2norm_in_kernel: bool
+        use_qk_l2norm_in_kernel: bool, work16: Optional[torch.Tensor] = None,
+        work32: Optional[torch.Tensor] = None, inv: Optional[torch.Tensor] = None
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dg, dbeta, dinitial_state) of gated_delta_net_backward; without an
-    initial state dinitial_state is an empty [0, HO, V, K] tensor."""
+    initial state dinitial_state is an empty [0, HO, V, K] tensor. work16, work32, inv: the
+    forward's kept workspace (all three or none)."""
+    kept = (work16, work32, inv)
     *grads, dinitial_state = gated_delta_net_backward(
         q, k, v, g, beta, cu_seqlens, do, scale=scale, initial_state=initial_state,
         dfinal=dfinal, checkpoints=checkpoints,
         checkpoint_every_n_tokens=checkpoint_every_n_tokens,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        forward_workspace=None if all(t is None for t in kept) else kept)
     return (*grads, _absent_output(q, v) if dinitial_state is None else dinitial_state)
 
 
 @_gated_delta_net_backward_op.register_fake
 def _(q, k, v, g, beta, cu_seqlens, do, scale, initial_state, dfinal, checkpoints,
-      checkpoint_every_n_tokens, use_qk_l2norm_in_kernel):
+      checkpoint_every_n_tokens, use_qk_l2norm_in_kernel, work16=None, work32=None, inv=None):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             g.new_empty(g.shape), beta.new_empty(beta.shape),
             _absent_output(q, v) if initial_state is None
@@ -291,28 +320,29 @@ def _(q, k, v, g, beta, cu_seqlens, do, scale, initial_state, dfinal, checkpoint
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
-     use_qk_l2norm_in_kernel, checkpoint_every_n_tokens, _, _, _) = inputs
-    _, final_state, checkpoints = output
-    ctx.mark_non_differentiable(checkpoints)
+     use_qk_l2norm_in_kernel, checkpoint_every_n_tokens, _, _, _, *keep) = inputs
+    _, final_state, checkpoints, *workspace = output
+    ctx.mark_non_differentiable(checkpoints, *workspace)
     if not output_final_state:  # the empty placeholder
         ctx.mark_non_differentiable(final_state)
     ctx.set_materialize_grads(False)  # an unused final state costs no dfinal
+    kept = workspace if keep and keep[0] else [None] * 3
     ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state,
-                          checkpoints if checkpoint_every_n_tokens is not None else None)
+                          checkpoints if checkpoint_every_n_tokens is not None else None, *kept)
     ctx.scale, ctx.n, ctx.l2norm = scale, checkpoint_every_n_tokens, use_qk_l2norm_in_kernel
     ctx.final = output_final_state
 
 
-def _backward(ctx, do, dfinal, _dcheckpoints):
-    q, k, v, g, beta, cu_seqlens, initial_state, checkpoints = ctx.saved_tensors
+def _backward(ctx, do, dfinal, _dcheckpoints, *_dworkspace):
+    q, k, v, g, beta, cu_seqlens, initial_state, checkpoints, *kept = ctx.saved_tensors
     if do is None:  # only the final state reaches the loss
         do = q.new_zeros((q.shape[0], max(q.shape[1], v.shape[1]), v.shape[2]))
     dq, dk, dv, dg, dbeta, dinitial_state = torch.ops.precast.gated_delta_net_backward(
         q, k, v, g, beta, cu_seqlens, do, ctx.scale, initial_state,
         dfinal if ctx.final else None, checkpoints,
-        None if checkpoints is None else ctx.n, ctx.l2norm)
+        None if checkpoints is None else ctx.n, ctx.l2norm, *kept)
     return (dq, dk, dv, dg, dbeta, None, None,
-            None if initial_state is None else dinitial_state) + (None,) * 6
+            None if initial_state is None else dinitial_state) + (None,) * 7
 
 
 _gated_delta_net_op.register_autograd(_backward, setup_context=_setup_context)
@@ -333,7 +363,7 @@ def _gated_delta_net_pool_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v, g, beta, cu_seqlens, scale=scale, initial_state=pool,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         checkpoint_every_n_tokens=None, checkpoint_dtype=None, state_indices=state_indices,
-        batch_invariant=batch_invariant, stream=None)
+        batch_invariant=batch_invariant, keep_workspace=False, stream=None)
     return o, _absent_output(q, v) if final_state is None else final_state
 
 

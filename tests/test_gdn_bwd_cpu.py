@@ -246,7 +246,7 @@ def launches(monkeypatch):
     in the forward's (stream_buffers, offsets_as_int32)."""
     monkeypatch.setattr(fwd_module, "sm_count", lambda index: 16)  # splits_recurrences
     return record_launches(monkeypatch, (bwd_module, fwd_module),
-                           lambda op: kernel_modes(op.shapes), "empty")
+                           lambda op: tuple(op._kernel_builders()), "empty")
 
 
 def kinds(rec):
@@ -500,6 +500,55 @@ def test_execute_with_a_workspace_allocates_nothing(launches):
                    checkpoint_every_n_tokens=128, stream=3)
 
 
+def test_forward_workspace_skips_prepare(launches):
+    """The factors a forward compiled with store_inverse wrote (work16, work32, inv: the
+    same shapes as the backward's) replace the prepare kernel."""
+    op = bwd().check_support()
+    forward = GdnFwdSm90(**{n: t for n, t in samples().items() if n != "sample_do"},
+                         store_inverse=True).check_support()
+    shapes = op.workspace_shapes(T, N)
+    names = ("work16", "work32", "inv")
+    assert forward.workspace_shapes(T, N) == tuple(shapes[n] for n in names)
+    factors = tuple(meta(*shape, dtype=dtype) for shape, dtype in zip(
+        forward.workspace_shapes(T, N), forward.workspace_dtypes()))
+    a = call()
+    op.execute(**a, forward_workspace=factors, stream=3)
+    assert [mode for mode, _ in launches.calls] == LAUNCHED[1:]
+    (_, states), (_, sgrad), (_, cgrad), _ = launches.calls
+    assert same(states[2:4], factors[:2]) and same(sgrad[3:5], factors[:2])
+    assert same(cgrad[7:10], factors)
+    assert not any(n in key for key in op._workspaces for n in names)
+    # a workspace without them is complete
+    ws = {n: t for n, t in workspace(op).items() if n not in names}
+    op.execute(**a, workspace=ws, forward_workspace=list(factors), stream=3)
+    assert launches.calls[-2][0] == "chunk_grad" and same(launches.calls[-2][1][7:10], factors)
+
+
+FORWARD_WORKSPACE_RULES = [
+    ("pair", lambda f, a: f[:2], TypeError,
+     r"forward_workspace: expected the triple \(work16, work32, inv\) of a GdnFwdSm90 "
+     r"compiled with store_inverse=True"),
+    ("inv-fp32", lambda f, a: (*f[:2], meta(*f[2].shape, dtype=F32)), TypeError,
+     r"forward_workspace \(inv\): dtype float32 is not supported; expected bfloat16"),
+    ("fewer-chunks", lambda f, a: (meta(CHUNKS - 1, *f[0].shape[1:]), *f[1:]), ValueError,
+     r"forward_workspace \(work16\): extent 5 on axis 0"),
+]
+
+
+@pytest.mark.parametrize("make,exc,match", [r[1:] for r in FORWARD_WORKSPACE_RULES],
+                         ids=[r[0] for r in FORWARD_WORKSPACE_RULES])
+def test_execute_refuses_bad_forward_workspaces(launches, make, exc, match):
+    op = bwd().check_support()
+    forward = GdnFwdSm90(**{n: t for n, t in samples().items() if n != "sample_do"},
+                         store_inverse=True)
+    a = call()
+    factors = tuple(meta(*shape, dtype=dtype) for shape, dtype in zip(
+        forward.workspace_shapes(T, N), forward.workspace_dtypes()))
+    with pytest.raises(exc, match=match):
+        op.execute(**a, forward_workspace=make(factors, a), stream=1)
+    assert launches.events == []
+
+
 WORKSPACE_RULES = [
     ("not-a-dict", lambda ws: tuple(ws.values()), TypeError,
      "workspace: expected a dict name -> tensor"),
@@ -611,6 +660,12 @@ def test_gradients_may_not_alias(on_cpu):
     inside = ws["ddelta"].reshape(-1)[:T * HO * V].view(T, HO, V)
     with pytest.raises(ValueError, match=r"workspace\['ddelta'\] overlaps do in memory"):
         op.execute(**{**a, "do": inside}, workspace=ws, stream=1)
+    forward = GdnFwdSm90(**{n: t for n, t in samples().items() if n != "sample_do"},
+                         store_inverse=True)
+    factors = forward.make_workspace(T, N, device="cpu")
+    inside = factors[2].reshape(-1)[:T * HV * V].view(T, HV, V)
+    with pytest.raises(ValueError, match=r"dv overlaps forward_workspace \(inv\) in memory"):
+        op.execute(**{**a, "dv": inside}, forward_workspace=factors, stream=1)
     # dg and dbeta as column slices of one gradient buffer: fine
     gates = torch.zeros(T, 2 * HO)
     op.execute(**{**a, "dg": gates[:, :HO], "dbeta": gates[:, HO:]}, stream=1)
@@ -661,6 +716,27 @@ def test_allocating_function(no_compile):
     assert len(COMPILED_OPS._ops) == 2 and no_compile.calls[-4][0] == "prepare"
 
 
+def test_allocating_functions_keep_and_reuse_the_forward_workspace(no_compile):
+    """gated_delta_net(keep_workspace=True) writes the chunk factors and T into buffers it
+    returns (not the op's own, which its next call reuses); gated_delta_net_backward with
+    them skips prepare."""
+    a = forward_inputs()
+    do = a.pop("do")
+    r = precast.gated_delta_net(**a, use_qk_l2norm_in_kernel=True, keep_workspace=True,
+                                stream=0)
+    (_, prep), _ = no_compile.calls
+    work16, work32, inv = r.workspace
+    assert same(prep[6:9], r.workspace) and inv.shape == (CHUNKS, HO, 64, 64)
+    fwd_op = [op for op in COMPILED_OPS._ops.values() if isinstance(op, GdnFwdSm90)]
+    assert [op.store_inverse for op in fwd_op] == [True] and fwd_op[0]._workspaces == {}
+    assert precast.gated_delta_net(**a, use_qk_l2norm_in_kernel=True, stream=0).workspace is None
+    no_compile.calls.clear()
+    gated_delta_net_backward(**a, do=do, use_qk_l2norm_in_kernel=True,
+                             forward_workspace=r.workspace, stream=0)
+    assert [m for m, _ in no_compile.calls] == LAUNCHED[1:]
+    assert same(no_compile.calls[2][1][7:10], r.workspace)
+
+
 def test_allocating_function_copies_what_it_cannot_read(no_compile):
     """An expanded do (what o.sum().backward() gives) is copied; gradients are compact with
     their inputs' shapes even for strided inputs."""
@@ -688,17 +764,19 @@ def test_custom_op_fake():
     assert grads[-1].shape == s0.shape and grads[-1].dtype == BF
 
 
-def test_autograd_and_torch_compile_trace_through_the_fakes():
+@pytest.mark.parametrize("keep_workspace", [False, True])
+def test_autograd_and_torch_compile_trace_through_the_fakes(keep_workspace):
     """On meta tensors the forward and backward custom ops run their fakes: loss.backward()
     through gated_delta_net gives every input a gradient of its shape and dtype, eagerly
-    and under torch.compile(fullgraph=True)."""
+    and under torch.compile(fullgraph=True), also with the forward's workspace kept."""
     a = forward_inputs()
     do, dfinal = a.pop("do"), meta(N, HO, V, K, dtype=F32)
     cu = a.pop("cu_seqlens")
 
     def loss(q, k, v, g, beta, initial_state):
         o, s = precast.gated_delta_net(q, k, v, g, beta, cu, initial_state=initial_state,
-                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+                                       output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                       keep_workspace=keep_workspace)
         return (o.float() * do.float()).sum() + (s * dfinal).sum()
     for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
         x = [t.clone().requires_grad_() for t in (*a.values(), meta(N, HO, V, K))]

@@ -61,6 +61,9 @@ WITHOUT_CHECKPOINTS = sorted(n for n, c in CONFIGS.items() if c["checkpoint_dtyp
 FORWARD_CONFIGS = {
     "bf16-state-io-checkpoints": {**FORWARD_BASE, "state_dtype": "float32",
                                   "checkpoint_dtype": "io"},
+    # the workspace kept for the backward (test_forward_workspace_reused)
+    "bf16-state-store-inverse": {**FORWARD_BASE, "state_dtype": "float32",
+                                 "store_inverse": True},
 }
 _OPS = {}
 
@@ -117,14 +120,16 @@ def poisoned(b: Batch) -> Grads:
 
 
 def launch(name: str, b: Batch, ct: Cotangents, *, checkpoints=None, n=None, scale=None,
-           out: Optional[Grads] = None, stream=None, workspace=None, sync=True) -> Grads:
+           out: Optional[Grads] = None, stream=None, workspace=None, forward_workspace=None,
+           sync=True) -> Grads:
     """get_op(name).execute into NaN-poisoned gradients (unless given)."""
     out = poisoned(b) if out is None else out
     get_op(name).execute(b.q, b.k, b.v, b.g, b.beta, b.cu_seqlens, ct.do, out.dq, out.dk,
                          out.dv, out.dg, out.dbeta, initial_state=b.initial_state,
                          dinitial_state=out.dinitial_state, dfinal=ct.dfinal,
                          checkpoints=checkpoints, checkpoint_every_n_tokens=n, scale=scale,
-                         workspace=workspace, stream=stream)
+                         workspace=workspace, forward_workspace=forward_workspace,
+                         stream=stream)
     if sync:
         torch.cuda.synchronize()
     return out
@@ -215,6 +220,46 @@ def test_checkpoints_reused_or_regenerated(lengths):
         got = launch("bf16-state-ckpt-io", b, ct, checkpoints=forward_checkpoints(io, b, n),
                      n=n)
         assert_grads_close(got, want, BF, f"io checkpoints every {n}")
+
+
+@pytest.mark.parametrize("lengths", sorted(LENGTHS))
+def test_forward_workspace_reused(lengths, monkeypatch):
+    """The chunk factors and T a forward compiled with store_inverse wrote replace the
+    backward's prepare kernel: bitwise the gradients of recomputation (the same kernel
+    wrote them). Through autograd, gated_delta_net(keep_workspace=True) hands them to the
+    backward."""
+    name = "bf16-state"
+    b = make_batch(CONFIGS[name], LENGTHS[lengths], seed=12)
+    ct = cotangents(name, b, seed=12)
+    expect = launch(name, b, ct)
+    config = FORWARD_CONFIGS["bf16-state-store-inverse"]
+    fwd = forward_op(config)
+    kept = tuple(torch.full(shape, math.nan, dtype=dtype, device=DEV) for shape, dtype in
+                 zip(fwd.workspace_shapes(b.T, b.N), fwd.workspace_dtypes()))
+    o = torch.full((b.T, b.HO, b.V), math.nan, dtype=BF, device=DEV)
+    final = torch.full((b.N, b.HO, b.V, b.K), math.nan, device=DEV)
+    fwd.execute(b.q, b.k, b.v, b.g, b.beta, b.cu_seqlens, o, initial_state=b.initial_state,
+                final_state=final, workspace=kept)
+    assert launch(name, b, ct, forward_workspace=kept).equal(expect)
+    # autograd
+    import precast.linear_attention as functional
+    handed = []
+
+    def recording(*args, forward_workspace=None, **kwargs):
+        handed.append(forward_workspace)
+        return real(*args, forward_workspace=forward_workspace, **kwargs)
+    real = functional.gated_delta_net_backward
+    monkeypatch.setattr(functional, "gated_delta_net_backward", recording)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    x = leaves(b, *names)
+    o2, s2 = gated_delta_net(x["q"], x["k"], x["v"], x["g"], x["beta"], b.cu_seqlens,
+                             initial_state=x["initial_state"], output_final_state=True,
+                             use_qk_l2norm_in_kernel=True, keep_workspace=True)
+    assert torch.equal(o2, o) and torch.equal(s2, final)
+    ((o2.float() * ct.do.float()).sum() + (s2 * ct.dfinal).sum()).backward()
+    assert len(handed) == 1 and [tuple(t.shape) for t in handed[0]] == [
+        tuple(t.shape) for t in kept]
+    assert Grads(*(x[n].grad for n in names)).equal(expect)
 
 
 # --- layouts, offsets, empty batches, streams ----------------------------------------------------

@@ -90,11 +90,12 @@ def test_exported_and_registered():
 # --- static configuration and cache key ---------------------------------------------------------
 STATIC_KEYS = {"dtype", "k_dim", "v_dim", "q_heads", "k_heads", "v_heads", "g_dtype",
                "beta_dtype", "state_dtype", "state_pool", "output_final_state",
-               "use_qk_l2norm_in_kernel", "checkpoint_dtype"}
+               "use_qk_l2norm_in_kernel", "checkpoint_dtype", "store_inverse"}
 BASE_CONFIG = {"dtype": "bfloat16", "k_dim": K, "v_dim": V, "q_heads": HQ, "k_heads": HK,
                "v_heads": HV, "g_dtype": "float32", "beta_dtype": "float32",
                "state_dtype": "none", "state_pool": False, "output_final_state": False,
-               "use_qk_l2norm_in_kernel": False, "checkpoint_dtype": "none"}
+               "use_qk_l2norm_in_kernel": False, "checkpoint_dtype": "none",
+               "store_inverse": False}
 
 
 def test_static_config_reads_the_samples():
@@ -175,6 +176,7 @@ CONFIGS = [
     dict(state_dtype="float32", state_pool=True, output_final_state=True),
     dict(checkpoint_dtype="io"), dict(checkpoint_dtype="float32", state_dtype="io"),
     dict(dtype="float16", k_dim=128, v_dim=64, q_heads=64),
+    dict(store_inverse=True, output_final_state=True, checkpoint_dtype="float32"),
 ]
 
 
@@ -520,23 +522,52 @@ def test_execute_with_a_workspace_allocates_nothing(launches):
     assert launches.capture_queries == []
 
 
+def test_store_inverse_makes_the_workspace_a_triple(launches):
+    """store_inverse (for a backward that reuses the forward's factors): prepare also
+    writes T = (I + A)^-1 into the workspace's third tensor."""
+    op = gdn(store_inverse=True).check_support()
+    assert op.static_config() == {**BASE_CONFIG, "store_inverse": True}
+    shapes = op.workspace_shapes(T, N)
+    assert shapes == ((CHUNKS, HO, 64, F), (CHUNKS, HO, 136), (CHUNKS, HO, 64, 64))
+    assert op.workspace_dtypes() == (BF, F32, BF)
+    ws = op.make_workspace(T, N, device="meta")
+    assert [(tuple(t.shape), t.dtype) for t in ws] == list(zip(shapes, (BF, F32, BF)))
+    op.execute(**call(), stream=3, workspace=ws)
+    (_, prep), (_, rec) = launches.calls
+    assert same(prep[6:9], ws) and op._workspaces == {}
+    with pytest.raises(TypeError, match=r"workspace: expected a 3-tuple \(work16, work32, "
+                       r"inv\) .* got tuple of 2"):
+        op.execute(**call(), stream=3, workspace=ws[:2])
+    with pytest.raises(ValueError, match=r"workspace\[2\] \(inv\): extent 63 on axis 3"):
+        op.execute(**call(), stream=3, workspace=ws[:2] + (meta(CHUNKS, HO, 64, 63),))
+    # its own workspace (per stream) has the inverse too
+    op.execute(**call(), stream=7)
+    assert [tuple(t.shape) for t in op._workspaces[(None, 7)]] == list(shapes)
+    assert launches.calls[-2][1][8]._base is op._workspaces[(None, 7)][2]
+    # a different static configuration: another cache entry
+    assert key_of(op) != key_of(gdn())
+    with pytest.raises(TypeError, match="store_inverse must be a bool"):
+        gdn(store_inverse=1).check_support()
+
+
 WORKSPACE_RULES = [
     ("not-a-pair", lambda s16, s32: meta(*s16), TypeError,
-     r"workspace: expected a pair \(work16, work32\)"),
+     r"workspace: expected a 2-tuple \(work16, work32\) shaped workspace_shapes\(T, N\), "
+     r"got Tensor$"),
     ("three", lambda s16, s32: (meta(*s16), meta(*s32, dtype=F32), None), TypeError,
-     "workspace: expected a pair"),
+     "workspace: expected a 2-tuple .* got tuple of 3"),
     ("work16-fp32", lambda s16, s32: (meta(*s16, dtype=F32), meta(*s32, dtype=F32)), TypeError,
-     "workspace\\[0\\]: dtype float32 is not supported; expected bfloat16"),
+     r"workspace\[0\] \(work16\): dtype float32 is not supported; expected bfloat16"),
     ("work32-bf16", lambda s16, s32: (meta(*s16), meta(*s32)), TypeError,
-     "workspace\\[1\\]: dtype bfloat16 is not supported; expected float32"),
+     r"workspace\[1\] \(work32\): dtype bfloat16 is not supported; expected float32"),
     ("fewer-chunks", lambda s16, s32: (meta(s16[0] - 1, *s16[1:]), meta(*s32, dtype=F32)),
-     ValueError, "workspace\\[0\\]: extent 5 on axis 0 does not match"),
+     ValueError, r"workspace\[0\] \(work16\): extent 5 on axis 0 does not match"),
     ("more-chunks", lambda s16, s32: (meta(*s16), meta(s32[0] + 1, *s32[1:], dtype=F32)),
-     ValueError, "workspace\\[1\\]: extent 7 on axis 0"),
+     ValueError, r"workspace\[1\] \(work32\): extent 7 on axis 0"),
     ("padded", lambda s16, s32: (meta(*s16[:3], F + 8)[..., :F], meta(*s32, dtype=F32)),
-     ValueError, "workspace\\[0\\]: must be contiguous"),
+     ValueError, r"workspace\[0\] \(work16\): must be contiguous"),
     ("cpu", lambda s16, s32: (torch.empty(s16, dtype=BF), meta(*s32, dtype=F32)), ValueError,
-     "workspace\\[0\\]: tensor is on cpu"),
+     r"workspace\[0\] \(work16\): tensor is on cpu"),
 ]
 
 
@@ -585,7 +616,7 @@ def test_own_workspace_refused_while_capturing(launches):
     launches.capturing = True
     with pytest.raises(RuntimeError, match=r"^GdnFwdSm90\.execute: the stream is capturing a "
                        r"CUDA graph and this op has no workspace of 6 chunk rows for it; pass "
-                       r"workspace= \(a pair shaped workspace_shapes\(128, 4\)\)"):
+                       r"workspace= \(make_workspace\(128, 4\)\)"):
         op.execute(**call(), stream=7)
     assert launches.calls == [] and op._workspaces == {} and "empty" not in kinds(launches)
     launches.capturing = False
@@ -813,18 +844,24 @@ def custom_op_args(t=T, n=N, **kw):
 
 
 def test_custom_op_fake_on_meta_tensors():
-    o, final, ckpt = torch.ops.precast.gated_delta_net(*custom_op_args().values())
+    o, final, ckpt, *kept = torch.ops.precast.gated_delta_net(*custom_op_args().values())
     assert tuple(o.shape) == (T, HO, V) and o.dtype == BF and o.device.type == "meta"
     assert tuple(final.shape) == (0, HO, V, K) and tuple(ckpt.shape) == (0, HO, V, K)
-    o, final, ckpt = torch.ops.precast.gated_delta_net(*custom_op_args(
+    assert [tuple(t.shape) for t in kept] == [(0, HO, V, K)] * 3  # no workspace kept
+    o, final, ckpt, *_ = torch.ops.precast.gated_delta_net(*custom_op_args(
         t=3 * T, n=5, output_final_state=True, checkpoint_every_n_tokens=128,
         initial_state=meta(5, HO, V, K, dtype=F32)).values())
     assert tuple(o.shape) == (3 * T, HO, V)
     assert tuple(final.shape) == (5, HO, V, K) and final.dtype == F32
     assert tuple(ckpt.shape) == (3 * T // 128 + 5, HO, V, K) and ckpt.dtype == BF
-    _, _, ckpt = torch.ops.precast.gated_delta_net(*custom_op_args(
+    _, _, ckpt, *_ = torch.ops.precast.gated_delta_net(*custom_op_args(
         checkpoint_every_n_tokens=64, checkpoint_dtype=F32).values())
     assert tuple(ckpt.shape) == (CHUNKS, HO, V, K) and ckpt.dtype == F32
+    # the kept workspace: work16, work32 and the inverse, as GdnFwdSm90(store_inverse=True)
+    *_, work16, work32, inv = torch.ops.precast.gated_delta_net(*custom_op_args(
+        keep_workspace=True).values())
+    assert [(tuple(t.shape), t.dtype) for t in (work16, work32, inv)] == list(zip(
+        gdn(store_inverse=True).workspace_shapes(T, N), (BF, F32, BF)))
 
 
 def test_custom_op_fake_under_fake_tensor_mode():
@@ -834,18 +871,21 @@ def test_custom_op_fake_under_fake_tensor_mode():
         v = torch.empty(T, 4, 128, dtype=FP)
         g, beta = torch.empty(T, 16), torch.empty(T, 16, dtype=FP)
         cu = torch.empty(N + 1, dtype=I32)
-        o, final, ckpt = torch.ops.precast.gated_delta_net(
-            q, k, v, g, beta, cu, 0.1, None, True, True, 64, None, None, True)
+        o, final, ckpt, *kept = torch.ops.precast.gated_delta_net(
+            q, k, v, g, beta, cu, 0.1, None, True, True, 64, None, None, True, True)
     assert tuple(o.shape) == (T, 16, 128) and o.dtype == FP
     assert tuple(final.shape) == (N, 16, 128, 64) and final.dtype == F32
     assert tuple(ckpt.shape) == (T // 64 + N, 16, 128, 64) and ckpt.dtype == FP
+    assert [tuple(t.shape) for t in kept] == [(T // 64 + N, 16, 64, 64 + 128 + 64),
+                                              (T // 64 + N, 16, 136), (T // 64 + N, 16, 64, 64)]
 
 
 def test_custom_op_schemas():
     """gated_delta_net is functional (an autograd formula needs it); the pool op declares
     the pool mutated."""
     schema = str(torch.ops.precast.gated_delta_net.default._schema)
-    assert "!" not in schema and schema.endswith("-> (Tensor, Tensor, Tensor)")
+    assert "!" not in schema and schema.endswith(
+        "bool keep_workspace=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
     schema = str(torch.ops.precast.gated_delta_net_pool.default._schema)
     assert "Tensor(a7!) pool" in schema and schema.endswith("-> (Tensor, Tensor)")
     with pytest.raises(NotImplementedError, match="use torch.ops.precast.gated_delta_net_pool"):
@@ -984,7 +1024,8 @@ def test_default_plan_has_the_issue_shapes():
     # training: fp32 checkpoints for the backward at the 64-head and the 32k-token shapes
     for shape in (issue, backward_shape):
         assert {**shape, "checkpoint_dtype": "float32"} in planned
-    assert len(planned) == 6
+        assert {**shape, "store_inverse": True} in planned  # keep_workspace=True
+    assert len(planned) == 9
 
 
 def test_reference_measures():

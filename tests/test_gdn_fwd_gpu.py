@@ -35,7 +35,8 @@ LENGTHS = {"ragged": RAGGED, "short": SHORT}
 # The static configurations of tests/gpu_plan.toml.
 BASE = dict(dtype="bfloat16", k_dim=128, v_dim=128, q_heads=4, k_heads=4, v_heads=4,
             g_dtype="float32", beta_dtype="float32", state_dtype="none", state_pool=False,
-            output_final_state=True, use_qk_l2norm_in_kernel=True, checkpoint_dtype="none")
+            output_final_state=True, use_qk_l2norm_in_kernel=True, checkpoint_dtype="none",
+            store_inverse=False)
 
 
 def _config(**changes):

@@ -6,7 +6,10 @@ forward inputs is gdn_rules.check_gdn_inputs', of do, dfinal and the gradients
 gdn_rules.check_gdn_gradients'. Five kernels run in order on one stream:
 
 * "prepare": the forward's stage 1 (precast/kernels/gdn_chunk_sm90.py) with
-  store_inverse: the WY factors of every (64-token chunk, output head) and T = (I + A)^-1;
+  store_inverse: the WY factors of every (64-token chunk, output head) and T = (I + A)^-1.
+  Skipped when the caller passes ``forward_workspace``: the (work16, work32, inv) a
+  GdnFwdSm90 compiled with store_inverse=True wrote for these same inputs (training that
+  keeps them trades ~(K + V + 128) x 2 bytes per token and head for this kernel's time);
 * "states": the forward's stage 2 (gdn_recurrence_sm90.py) in its states_only mode, writing
   the state entering every chunk (io dtype) into a workspace. Skipped when the caller passes
   the forward's checkpoints at n = 64 in the io dtype: those rows are exactly these states,
@@ -94,6 +97,7 @@ WORKSPACE = {
     "dinit32": ("sequences", "float32"),  # only for an initial state in the io dtype
 }
 RECOMPUTE_ONLY = ("states",)
+FORWARD_WORKSPACE = ("work16", "work32", "inv")  # what forward_workspace= replaces
 # Groups of the op's own workspace, made (and grown) together: same row count, always
 # needed together.
 GRADS32 = ("dq32", "dk32", "dv32")
@@ -349,11 +353,27 @@ class GdnBwdSm90(Op):
         return (checkpoints is not None and s.checkpoint_every_n_tokens == CHUNK_SIZE
                 and s.checkpoint_dtype == s.dtype)
 
-    def _needed(self, reuse: bool) -> Tuple[str, ...]:
+    def _needed(self, reuse: bool, prepared: bool = False) -> Tuple[str, ...]:
         return tuple(name for name in self.workspace_shapes(0, 0)
-                     if not (reuse and name in RECOMPUTE_ONLY))
+                     if not (reuse and name in RECOMPUTE_ONLY)
+                     and not (prepared and name in FORWARD_WORKSPACE))
 
-    def _check_workspace(self, workspace, s: GdnShapes, reuse: bool) -> Dict[str, torch.Tensor]:
+    def _check_forward_workspace(self, forward_workspace, s: GdnShapes
+                                 ) -> Dict[str, torch.Tensor]:
+        shapes = self.workspace_shapes(s.T, s.N)
+        check_value(isinstance(forward_workspace, (tuple, list))
+                    and len(forward_workspace) == len(FORWARD_WORKSPACE), TypeError,
+                    "forward_workspace: expected the triple (work16, work32, inv) of a "
+                    "GdnFwdSm90 compiled with store_inverse=True (its workspace_shapes(T, N)), "
+                    f"got {type(forward_workspace).__name__}")
+        for name, t in zip(FORWARD_WORKSPACE, forward_workspace):
+            check_tensor(f"forward_workspace ({name})", t, dtypes=(self.workspace_dtype(name),),
+                         shape=shapes[name], align=DATA_ALIGN, contiguous=True,
+                         max_span=MAX_SPAN)
+        return dict(zip(FORWARD_WORKSPACE, forward_workspace))
+
+    def _check_workspace(self, workspace, s: GdnShapes, reuse: bool,
+                         prepared: bool) -> Dict[str, torch.Tensor]:
         check_value(isinstance(workspace, Mapping), TypeError,
                     "workspace: expected a dict name -> tensor (see workspace_shapes(T, N), "
                     f"make_workspace(T, N)), got {type(workspace).__name__}")
@@ -361,7 +381,7 @@ class GdnBwdSm90(Op):
         unknown = sorted(set(workspace) - set(shapes))
         check_value(not unknown, ValueError,
                     f"workspace: unknown entries {unknown}; expected {sorted(shapes)}")
-        needed = self._needed(reuse)
+        needed = self._needed(reuse, prepared)
         missing = [name for name in needed if workspace.get(name) is None]
         check_value(not missing, ValueError,
                     f"workspace: lacks {missing} (see workspace_shapes({s.T}, {s.N}))")
@@ -372,12 +392,12 @@ class GdnBwdSm90(Op):
         return {name: workspace[name] for name in needed}
 
     def _own_workspace(self, index: Optional[int], handle: int, s: GdnShapes,
-                       reuse: bool) -> Dict[str, torch.Tensor]:
+                       reuse: bool, prepared: bool) -> Dict[str, torch.Tensor]:
         """This op's buffers for (device, stream), group by group (OWN_GROUPS, each made
         and grown by gdn_fwd.stream_buffers); the states only when they are not the reused
         checkpoints."""
         shapes = self.workspace_shapes(s.T, s.N)
-        needed = self._needed(reuse)
+        needed = self._needed(reuse, prepared)
         rows = {"chunks": shapes["work16"][0], "tokens": s.T, "sequences": s.N}
         out = {}
         for group in OWN_GROUPS:
@@ -397,15 +417,19 @@ class GdnBwdSm90(Op):
     # --- run ----------------------------------------------------------------------------------
     def execute(self, q, k, v, g, beta, cu_seqlens, do, dq, dk, dv, dg, dbeta, *,
                 initial_state=None, dinitial_state=None, dfinal=None, checkpoints=None,
-                workspace=None, stream=None, scale: Optional[float] = None,
-                checkpoint_every_n_tokens: Optional[int] = None, state_indices=None) -> None:
+                workspace=None, forward_workspace=None, stream=None,
+                scale: Optional[float] = None, checkpoint_every_n_tokens: Optional[int] = None,
+                state_indices=None) -> None:
         """Writes dq [T, HQ, K], dk [T, HK, K], dv [T, HV, V], dg, dbeta [T, HO] (each in its
         input's dtype and shape, any layout the forward reads) and, with an initial state,
         dinitial_state [N, HO, V, K] (initial_state's dtype), given do [T, HO, V] and, when
         compiled with final_state_grad, dfinal [N, HO, V, K] float32. ``checkpoints``: the
         forward's, every ``checkpoint_every_n_tokens`` (default the constructor's) tokens:
         the states entering every chunk at n = 64 in the io dtype, else the starts of the
-        states pass (see the module docstring). Never reads device memory;
+        states pass (see the module docstring). ``forward_workspace``: the (work16, work32,
+        inv) a GdnFwdSm90 compiled with store_inverse=True wrote for these same inputs
+        (trusted, like cu_seqlens' values): the prepare kernel is skipped and ``workspace``
+        needs no work16, work32, inv. Never reads device memory;
         allocates nothing when ``workspace`` is given (see workspace_shapes; else the op
         keeps one per device and stream) but the int32 copy of int64 cu_seqlens (kept per
         device and stream like the workspace). scale defaults to the constructor's.
@@ -432,12 +456,18 @@ class GdnBwdSm90(Op):
         check_gdn_gradients(s, inputs, do=do, dfinal=dfinal, gradients=gradients)
         check_kernel_limits(s, dict(q=q, k=k, v=v, do=do, dq=dq, dk=dk, dv=dv))
         reuse = self._reuses(s, checkpoints)
+        prepared = forward_workspace is not None
+        factors = {} if not prepared else self._check_forward_workspace(forward_workspace, s)
+        factors_read = [(f"forward_workspace ({name})", t) for name, t in factors.items()]
         if workspace is not None:
-            workspace = self._check_workspace(workspace, s, reuse)
+            workspace = self._check_workspace(workspace, s, reuse, prepared)
             written = [(f"workspace[{name!r}]", t) for name, t in workspace.items()]
             read = list({**inputs, "do": do, "dfinal": dfinal, **gradients}.items())
-            check_same_device(written + read)
-            check_no_overlap(written, read)
+            check_same_device(written + read + factors_read)
+            check_no_overlap(written, read + factors_read)
+        if prepared:
+            check_same_device(factors_read + list(inputs.items()))
+            check_no_overlap(list(gradients.items()), factors_read)
         index = q.device.index
         kernels = self._ready(index)
         if s.N == 0:
@@ -451,7 +481,8 @@ class GdnBwdSm90(Op):
                     else:
                         dinitial_state.copy_(dfinal)
             return
-        ws = self._own_workspace(index, handle, s, reuse) if workspace is None else workspace
+        ws = {**(self._own_workspace(index, handle, s, reuse, prepared) if workspace is None
+                 else workspace), **factors}
         if s.cu_seqlens_dtype == torch.int64:
             cu_seqlens = offsets_as_int32(type(self).__name__, self._offset_buffers,
                                           self._outgrown, index, handle, cu_seqlens, s.N)
@@ -471,7 +502,9 @@ class GdnBwdSm90(Op):
         # the chunk kernel's outputs: the final gradient, or its fp32 buffer for "finish"
         grads = tuple(ws.get(name, final) for final, name in zip((dq, dk, dv), GRADS32))
         with device_guard(index):
-            kernels["prepare"](q, k, v, g, beta, cu_seqlens, *work, ws["inv"], s.scale, handle)
+            if not prepared:
+                kernels["prepare"](q, k, v, g, beta, cu_seqlens, *work, ws["inv"], s.scale,
+                                   handle)
             if not reuse:
                 kernels[states_pass](q, k, *work, cu_seqlens, None, *states_args, handle)
             kernels["state_grad" + split](q, k, do, *work, cu_seqlens, dfinal, ws["dstates"],

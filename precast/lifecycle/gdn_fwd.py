@@ -20,6 +20,11 @@ and stream (the kernels read int32; the values stay on the device).
 Shared with the backward (gdn_bwd.GdnBwdSm90): the kernels' fake arguments
 (prepare_kernel, recurrence_kernel), stream_buffers, offsets_as_int32, check_same_config.
 
+store_inverse=True (for training: gated_delta_net(..., keep_workspace=True)) makes the
+prepare kernel also write T = (I + A)^-1 of every (chunk, head), the backward's third
+factor: the workspace becomes a triple (work16, work32, inv), and a caller who keeps it
+hands it to GdnBwdSm90.execute(forward_workspace=...), which then skips its own prepare.
+
 What the kernels cannot do yet (NotImplementedError from check_support() and execute()):
 more than 65535 sequences (one recurrence grid row each); q, k, v or o head offsets beyond
 2^31 - 1 elements (the kernels index heads with 32-bit strides).
@@ -80,6 +85,7 @@ CONFIG_SOURCES = {
     "use_qk_l2norm_in_kernel": "use_qk_l2norm_in_kernel",
     "checkpoint_dtype": "checkpoint dtype ('none': no checkpoint_every_n_tokens)",
 }
+WORKSPACE_NAMES = ("work16", "work32", "inv")  # inv only with store_inverse
 
 
 def _dtype_option(dtype: Optional[torch.dtype], io: torch.dtype) -> str:
@@ -330,7 +336,7 @@ class GdnFwdSm90(Op):
                  output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
                  checkpoint_every_n_tokens: Optional[int] = None,
                  checkpoint_dtype: Optional[torch.dtype] = None, sample_state_indices=None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, store_inverse: bool = False):
         super().__init__()
         self._samples = {name: TensorDesc.optional(t) for name, t in (
             ("q", sample_q), ("k", sample_k), ("v", sample_v), ("g", sample_g),
@@ -342,6 +348,7 @@ class GdnFwdSm90(Op):
         self.checkpoint_every_n_tokens = checkpoint_every_n_tokens
         self.checkpoint_dtype = checkpoint_dtype
         self.batch_invariant = batch_invariant
+        self.store_inverse = store_inverse
         self._shapes: Optional[GdnShapes] = None
         # Workspaces this op made, per (device, stream): see _own_workspace. Outgrown ones
         # stay alive: a graph captured earlier may still use them.
@@ -374,13 +381,13 @@ class GdnFwdSm90(Op):
         return self._shapes
 
     def static_config(self) -> Dict[str, object]:
-        return static_config_of(self.shapes)
+        return {**static_config_of(self.shapes), "store_inverse": self.store_inverse}
 
     @classmethod
     def from_config(cls, dtype="bfloat16", k_dim=128, v_dim=128, q_heads=4, k_heads=None,
                     v_heads=None, g_dtype="float32", beta_dtype="float32", state_dtype="none",
                     state_pool=False, output_final_state=False, use_qk_l2norm_in_kernel=False,
-                    checkpoint_dtype="none") -> "GdnFwdSm90":
+                    checkpoint_dtype="none", store_inverse=False) -> "GdnFwdSm90":
         """Descriptors of a small batch (2 sequences of 64 tokens) with this static
         configuration (for precompile). k_heads and v_heads default to q_heads."""
         io = parse_dtype(dtype)
@@ -406,17 +413,19 @@ class GdnFwdSm90(Op):
                    use_qk_l2norm_in_kernel=check_bool("use_qk_l2norm_in_kernel",
                                                       use_qk_l2norm_in_kernel),
                    checkpoint_every_n_tokens=None if ckpt is None else CHUNK_SIZE,
-                   checkpoint_dtype=ckpt)
+                   checkpoint_dtype=ckpt,
+                   store_inverse=check_bool("store_inverse", store_inverse))
 
     # --- rules --------------------------------------------------------------------------------
     def _check(self) -> None:
+        check_bool("store_inverse", self.store_inverse)
         s = self.shapes
         check_kernel_limits(s, {name: self._samples[name] for name in ("q", "k", "v")})
 
     def _same_config(self, s: GdnShapes) -> None:
         """A call's static fields against this op's (one message per differing field)."""
-        check_same_config(type(self).__name__, self.static_config(), static_config_of(s),
-                          CONFIG_SOURCES, "gated_delta_net")
+        check_same_config(type(self).__name__, static_config_of(self.shapes),
+                          static_config_of(s), CONFIG_SOURCES, "gated_delta_net")
 
     # --- compile ------------------------------------------------------------------------------
     def _kernel_builders(self) -> Mapping[str, KernelBuilder]:
@@ -427,44 +436,62 @@ class GdnFwdSm90(Op):
                                      final_state=s.output_final_state,
                                      checkpoint_dtype=s.checkpoint_dtype, v_splits=v_splits)
 
-        builders = {"prepare": lambda: prepare_kernel(s), "recurrence": recurrence,
+        builders = {"prepare": lambda: prepare_kernel(s, store_inverse=self.store_inverse),
+                    "recurrence": recurrence,
                     "recurrence_split": lambda: recurrence(v_splits=2)}
         return {mode: builders[mode] for mode in kernel_modes(s.V)}
 
     # --- run ----------------------------------------------------------------------------------
-    def workspace_shapes(self, total_tokens: int, num_seqs: int
-                         ) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-        """Shapes of the workspace pair ``execute(workspace=(work16, work32))`` takes for T
-        tokens in N sequences: work16 (T // 64 + N, HO, 64, K + V + 64) in the io dtype and
-        work32 (T // 64 + N, HO, 136) float32, both contiguous. No zeroing needed: the prepare
-        kernel writes every row the recurrence reads."""
+    def workspace_shapes(self, total_tokens: int, num_seqs: int) -> Tuple[Tuple[int, ...], ...]:
+        """Shapes of the workspace ``execute(workspace=...)`` takes for T tokens in N
+        sequences: the pair (work16, work32), work16 (T // 64 + N, HO, 64, K + V + 64) in the
+        io dtype and work32 (T // 64 + N, HO, 136) float32; with store_inverse the triple
+        (work16, work32, inv), inv (T // 64 + N, HO, 64, 64) in the io dtype. All contiguous.
+        No zeroing needed: the prepare kernel writes every row the recurrence (and the
+        backward) reads."""
         from ..kernels.gdn_layout import workspace_shapes
         s = self.shapes
-        return workspace_shapes(check_int("total_tokens", total_tokens, lo=0),
-                                check_int("num_seqs", num_seqs, lo=0), s.HO, s.K, s.V)
+        shape16, shape32 = workspace_shapes(check_int("total_tokens", total_tokens, lo=0),
+                                            check_int("num_seqs", num_seqs, lo=0), s.HO, s.K,
+                                            s.V)
+        inv = ((shape16[0], s.HO, CHUNK_SIZE, CHUNK_SIZE),) if self.store_inverse else ()
+        return (shape16, shape32) + inv
 
-    def _check_workspace(self, workspace, s: GdnShapes) -> Tuple[object, object]:
-        check_value(isinstance(workspace, (tuple, list)) and len(workspace) == 2, TypeError,
-                    "workspace: expected a pair (work16, work32) shaped workspace_shapes(T, N), "
-                    f"got {type(workspace).__name__}")
-        for i, (t, dtype, shape) in enumerate(zip(workspace, (s.dtype, torch.float32),
-                                                  self.workspace_shapes(s.T, s.N))):
-            check_tensor(f"workspace[{i}]", t, dtypes=(dtype,), shape=shape, align=DATA_ALIGN,
-                         contiguous=True, max_span=MAX_SPAN)
+    def workspace_dtypes(self) -> Tuple[torch.dtype, ...]:
+        """The dtypes of the workspace's tensors, in workspace_shapes' order."""
+        io = self.shapes.dtype
+        return (io, torch.float32) + ((io,) if self.store_inverse else ())
+
+    def make_workspace(self, total_tokens: int, num_seqs: int, device=None
+                       ) -> Tuple[torch.Tensor, ...]:
+        """An uninitialized workspace for execute(workspace=...)."""
+        return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in zip(
+            self.workspace_shapes(total_tokens, num_seqs), self.workspace_dtypes()))
+
+    def _check_workspace(self, workspace, s: GdnShapes) -> Tuple[object, ...]:
+        shapes = self.workspace_shapes(s.T, s.N)
+        names = WORKSPACE_NAMES[:len(shapes)]
+        check_value(isinstance(workspace, (tuple, list)) and len(workspace) == len(shapes),
+                    TypeError, f"workspace: expected a {len(shapes)}-tuple ({', '.join(names)}) "
+                    f"shaped workspace_shapes(T, N), got {type(workspace).__name__}"
+                    + (f" of {len(workspace)}" if isinstance(workspace, (tuple, list)) else ""))
+        for i, (t, dtype, shape) in enumerate(zip(workspace, self.workspace_dtypes(), shapes)):
+            check_tensor(f"workspace[{i}] ({names[i]})", t, dtypes=(dtype,), shape=shape,
+                         align=DATA_ALIGN, contiguous=True, max_span=MAX_SPAN)
         return tuple(workspace)
 
     def _own_workspace(self, index: Optional[int], handle: int, total_tokens: int,
-                       num_seqs: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """This op's workspace pair for (device, stream) (stream_buffers); views of its
-        first T // 64 + N chunk rows."""
-        shape16, shape32 = self.workspace_shapes(total_tokens, num_seqs)
+                       num_seqs: int) -> Tuple[torch.Tensor, ...]:
+        """This op's workspace for (device, stream) (stream_buffers); views of its first
+        T // 64 + N chunk rows."""
+        shapes = self.workspace_shapes(total_tokens, num_seqs)
         return stream_buffers(
             type(self).__name__, self._workspaces, self._outgrown, (index, handle),
-            shape16[0], ((shape16[1:], self.shapes.dtype), (shape32[1:], torch.float32)),
-            index, handle, f"workspace of {shape16[0]} chunk rows for it",
-            f"pass workspace= (a pair shaped workspace_shapes({total_tokens}, {num_seqs})) "
-            "or execute once on this stream with as many tokens and sequences before "
-            "capturing")
+            shapes[0][0], tuple((shape[1:], dtype) for shape, dtype in zip(
+                shapes, self.workspace_dtypes())),
+            index, handle, f"workspace of {shapes[0][0]} chunk rows for it",
+            f"pass workspace= (make_workspace({total_tokens}, {num_seqs})) or execute once "
+            "on this stream with as many tokens and sequences before capturing")
 
     def execute(self, q, k, v, g, beta, cu_seqlens, o, *, initial_state=None,
                 state_indices=None, final_state=None, checkpoints=None, workspace=None,
@@ -510,7 +537,7 @@ class GdnFwdSm90(Op):
             named = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens,
                          initial_state=initial_state, state_indices=state_indices, o=o,
                          final_state=final_state, checkpoints=checkpoints)
-            written = [("workspace[0]", workspace[0]), ("workspace[1]", workspace[1])]
+            written = [(f"workspace[{i}]", t) for i, t in enumerate(workspace)]
             check_same_device(written + list(named.items()))
             check_no_overlap(written, list(named.items()))
         index = q.device.index
@@ -530,12 +557,12 @@ class GdnFwdSm90(Op):
             return
         if workspace is None:
             workspace = self._own_workspace(index, handle, s.T, s.N)
-        work16, work32 = workspace
+        work16, work32, inv = (tuple(workspace) + (None,))[:3]
         if s.cu_seqlens_dtype == torch.int64:
             cu_seqlens = offsets_as_int32(type(self).__name__, self._offset_buffers,
                                           self._outgrown, index, handle, cu_seqlens, s.N)
         with device_guard(index):
-            kernels["prepare"](q, k, v, g, beta, cu_seqlens, work16, work32, None, s.scale,
+            kernels["prepare"](q, k, v, g, beta, cu_seqlens, work16, work32, inv, s.scale,
                                handle)
             # ckpt_every is unused (compiled out) without checkpoints.
             recurrence = "recurrence_split" if splits_recurrences(s, index) else "recurrence"
