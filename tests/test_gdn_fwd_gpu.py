@@ -316,14 +316,14 @@ def test_allocating_function_and_custom_op_equal_execute():
     rows = sum(-(-length // 128) for length in RAGGED)
     assert torch.equal(o, expect.o) and torch.equal(final, expect.final_state)
     assert torch.equal(r.checkpoints[:rows], expect.checkpoints[:rows])
-    o2, final2, ckpt2 = torch.ops.precast.gated_delta_net(
+    o2, final2, ckpt2, *_ = torch.ops.precast.gated_delta_net(
         b.q, b.k, b.v, b.g, b.beta, b.cu_seqlens, None, b.initial_state, True, True, 128, F32,
         None, False)
     assert torch.equal(o2, expect.o) and torch.equal(final2, expect.final_state)
     assert torch.equal(ckpt2[:rows], expect.checkpoints[:rows])
     # no checkpoints asked: an empty tensor from the custom op, None from the function
     b = make_batch("bf16", RAGGED, seed=42)
-    o3, final3, ckpt3 = torch.ops.precast.gated_delta_net(
+    o3, final3, ckpt3, *_ = torch.ops.precast.gated_delta_net(
         b.q, b.k, b.v, b.g, b.beta, b.cu_seqlens, None, None, True, True, None, None, None,
         True)
     assert ckpt3.shape[0] == 0 and final3.shape == (b.N, b.HO, b.V, b.K)
@@ -347,8 +347,8 @@ def test_torch_compile_traces_the_custom_op():
     b = make_batch("bf16", RAGGED, seed=61)
 
     def step(q, k, v, g, beta, cu):
-        o, final, _ = torch.ops.precast.gated_delta_net(q, k, v, g, beta, cu, None, None, True,
-                                                        True, None, None, None, False)
+        o, final, *_ = torch.ops.precast.gated_delta_net(q, k, v, g, beta, cu, None, None,
+                                                         True, True, None, None, None, False)
         return o * 2, final
     compiled = torch.compile(step, fullgraph=True)
     o, final = compiled(b.q, b.k, b.v, b.g, b.beta, b.cu_seqlens)

@@ -39,6 +39,10 @@ from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
 
 THREADS = 128
 PREPARE_BARRIER = 1
+# 3 CTAs per SM (64 KB of shared memory each at K = V = 128) need <= 170 registers per
+# thread: store_inverse's T took 176 unbounded, which left 2 CTAs per SM (+24 % time).
+CTAS_PER_SM = 3
+INVERT_BARRIER = 2  # the 64 solving threads, before T overwrites A (store_inverse)
 L2NORM_EPS = 1e-24
 # A's rows in shared memory (fp32), padded: the score epilogue's stores (eight rows per
 # warp store) fall in distinct banks; rows stay 16-byte aligned for the solver's loads.
@@ -93,7 +97,6 @@ class GdnChunkPrepareSm90:
         if const_expr(self.store_inverse):
             store_inv = cpasync.make_tiled_tma_atom(s2g, select_modes(mInv, [2, 3, 1, 0]),
                                                     one(sM_layout), (C, C))
-        inv_elems = cute.cosize(sM_layout) if const_expr(self.store_inverse) else 0
 
         @cute.struct
         class SharedStorage:
@@ -104,11 +107,12 @@ class GdnChunkPrepareSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
-            sA: cute.struct.Align[cute.struct.MemRange[Float32, C * A_ROW_STRIDE], 16]
+            # A; with store_inverse then T itself (16-bit, swizzled: 1024-byte aligned), so
+            # that the inverse costs no shared memory (a separate tile made it 2 CTAs/SM)
+            sA: cute.struct.Align[cute.struct.MemRange[Float32, C * A_ROW_STRIDE], 1024]
             # T diag(beta): where Q was when Q holds both scaled inverses (K = 128)
             sTu: cute.struct.Align[cute.struct.MemRange[dt, self.own_tu_elems(sT_layout)],
                                    1024]
-            sInv: cute.struct.Align[cute.struct.MemRange[dt, inv_elems], 1024]  # T itself
 
         self.storage = SharedStorage
         chunks = mWork32.shape[0]
@@ -117,7 +121,8 @@ class GdnChunkPrepareSm90:
                     sQK_layout, sV_layout, sT_layout, sM_layout, mG, mBeta, mCuSeqlens,
                     stores[0][1], stores[0][0], stores[1][0], stores[2][0], mWork32,
                     store_inv, num_batches, scale).launch(
-            grid=[chunks, self.heads, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[chunks, self.heads, 1], block=[THREADS, 1, 1], stream=stream,
+            min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=-1)
 
     def own_tu_elems(self, sT_layout) -> int:
         """Elements of stage 1's own T diag(beta) buffer: none when the Q tile (64 x K)
@@ -211,7 +216,9 @@ class GdnChunkPrepareSm90:
             sInv = None
             inv2 = None  # its (64, 64) view
             if const_expr(self.store_inverse):
-                sInv = storage.sInv.get_tensor(sM_layout.outer, swizzle=sM_layout.inner)
+                sInv = cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(),
+                                                        swizzle_=sM_layout.inner,
+                                                        dtype=self.dtype), sM_layout.outer)
                 inv2 = sInv[None, None, 0]
             self.prepare_chunk(mma_s, mma_wk, mma_wv, sQ, sK, sV, 0, sTw, sTu, sA, sGate,
                                sBeta, sRows, out, rows, scale, tidx, inv2)
@@ -427,7 +434,8 @@ class GdnChunkPrepareSm90:
         as column j of T diag(beta gamma r_k) and T diag(beta) (scales t_w, t_u) in 16
         bits: the A operands of W and U. Each row's sum runs in four independent partial
         sums over 16-byte loads of A's row (the same row for every thread: one broadcast
-        load per four terms)."""
+        load per four terms). ``sInv`` (T itself, 16-bit) overlays A: written once every
+        solving thread has read A."""
         C = CHUNK
         x = cute.make_rmem_tensor(cute.make_layout(C), Float32)
         a4 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
@@ -441,6 +449,8 @@ class GdnChunkPrepareSm90:
             for l in cutlass.range_constexpr(i // 4 * 4, i):
                 part[0] = part[0] - sA[i, l] * x[l]
             x[i] = (part[0] + part[1]) + (part[2] + part[3])
+        if const_expr(sInv is not None):
+            cute.arch.barrier(barrier_id=INVERT_BARRIER, number_of_threads=C)
         for i in cutlass.range_constexpr(C):
             sTw[i, j] = (x[i] * t_w).to(self.dtype)
             sTu[i, j] = (x[i] * t_u).to(self.dtype)
