@@ -92,7 +92,7 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     T = (I + A)^-1: about (K + V + 128) x 2 bytes per token and output head, as much again
     as q, k and v at K = V = 128) until the backward, which then skips recomputing them
     (its "prepare" kernel: ~23 % of the backward at 4 x 8192 tokens, 64 heads); the forward
-    writes T as well (~3 % more). The state pool
+    writes T as well (~9 % more time). The state pool
     is forward only: with an input requiring grad it raises (use torch.no_grad(), or gather
     the pool rows into an initial_state).
     """

@@ -44,7 +44,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import select_modes, tma_load_tile, transposed, wgmma
+from .attention_sm90 import select_modes, tma_load_tile, tma_store_tile, transposed, wgmma
 from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90
 from .gdn_layout import CHUNK, gradients_in_place
 
@@ -172,8 +172,16 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.storage = SharedStorage
         chunks = mWork32.shape[0]
         num_batches = mCuSeqlens.shape[0] - 1
+        # Whole chunks of a final (io dtype) gradient leave by TMA stores of a shared-memory
+        # tile (per-thread stores of accumulator pairs wrote half-filled sectors).
+        s2g = cpasync.CopyBulkTensorTileS2GOp()
+        out_stores = tuple(
+            cpasync.make_tiled_tma_atom(s2g, tok(m), one(lay), (C, cols)) if final else None
+            for m, lay, cols, final in ((mDQ, lay_k, K, self.final_outputs[0]),
+                                        (mDK, lay_k, K, self.final_outputs[1]),
+                                        (mDV, lay_v, V, self.final_outputs[2])))
         self.kernel(mmas, loads, (lay_k, lay_v, lay_c, lay_s), mG, mBeta, mCuSeqlens, mDQ,
-                    mDK, mDV, mDG, mDBeta, num_batches, scale).launch(
+                    mDK, mDV, mDG, mDBeta, out_stores, num_batches, scale).launch(
             grid=[chunks, self.heads, 1], block=[THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -181,7 +189,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     def kernel(self, mmas: tuple, loads: tuple, layouts: tuple, mG: cute.Tensor,
                mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mDQ: cute.Tensor,
                mDK: cute.Tensor, mDV: cute.Tensor, mDG: cute.Tensor, mDBeta: cute.Tensor,
-               num_batches: Int32, scale: Float32):
+               out_stores: tuple, num_batches: Int32, scale: Float32):
         C = CHUNK
         tidx, _, _ = cute.arch.thread_idx()
         packed, head, _ = cute.arch.block_idx()
@@ -213,8 +221,28 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 self.load_all(loads, tiles, bars, start, chunk, packed, head)
             self.load_gates(mG, mBeta, sRows[R_G, None], sRows[R_BETA, None], first, rows,
                             head, tidx)
+            staged = self.staged_outputs(out_stores, tiles, storage, lay_k)
             self.gradients(mmas, tiles, layouts, storage, sRows, bars, mDQ, mDK, mDV, mDG,
-                           mDBeta, first, rows, head, scale, tidx)
+                           mDBeta, staged, first, rows, head, scale, tidx)
+            if warp % 4 == 0:  # the issuers' output stores have read shared memory
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    def staged_outputs(self, out_stores, tiles, storage, lay_k):
+        """For dq, dk, dv: (TMA atom, its (T, D, H) view of the gradient, the shared-memory
+        tile a whole chunk leaves from) when the gradient is final, else None. dk and dv
+        overwrite K and V (each thread its own elements, after reading them; nothing reads
+        them later), dq the dO tile (free once dO S^T is done; too small when K > V)."""
+        sQ, sK, sV, sDO = tiles[:4]
+        sDQ = None
+        if const_expr(cute.cosize(lay_k) <= cute.cosize(sDO.layout)):
+            sDQ = cute.make_tensor(cute.recast_ptr(storage.sDO.data_ptr(),
+                                                   swizzle_=lay_k.inner, dtype=self.dtype),
+                                   lay_k.outer)
+        out = []
+        for store, tile in zip(out_stores, (sDQ, sK, sV)):
+            out.append(None if const_expr(store is None or tile is None)
+                       else (store[0], store[1], tile))
+        return tuple(out)
 
     @cute.jit
     def load_all(self, loads, tiles, bars, start: Int32, chunk: Int32, packed: Int32,
@@ -316,7 +344,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
     @cute.jit
     def gradients(self, mmas, tiles, layouts, storage, sRows, bars, mDQ, mDK, mDV, mDG,
-                  mDBeta, first: Int32, rows: Int32, head: Int32, scale: Float32,
+                  mDBeta, staged, first: Int32, rows: Int32, head: Int32, scale: Float32,
                   tidx: Int32):
         """Every product and reduction of the chunk (module docstring), the q side on
         warpgroup 0 and the WY side on warpgroup 1, then dg and dbeta from both."""
@@ -340,16 +368,16 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             mmas[2].get_slice(tidx % 128).partition_shape_C((C, self.k_dim)), Float32)
         if wg == 0:
             cute.arch.mbarrier_arrive(bars + W_FREE)
-            self.q_side(mmas, tiles, storage, sRows, sDG, bars, mDQ, acc_dk, first, rows,
-                        head, scale, tidx % 128)
+            self.q_side(mmas, tiles, storage, sRows, sDG, bars, mDQ, staged[0], acc_dk, first,
+                        rows, head, scale, tidx % 128)
         else:
-            self.wy_side(mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, acc_dk,
-                         first, rows, head, tidx % 128)
+            self.wy_side(mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, staged[2],
+                         acc_dk, first, rows, head, tidx % 128)
         # dG's partial sums are written (every thread meets this barrier at one instruction)
         cute.arch.sync_threads()
         if wg == 0:
-            self.finish_dk(mmas, tiles, storage, sRows, bars, mDK, acc_dk, first, rows, head,
-                           tidx % 128)
+            self.finish_dk(mmas, tiles, storage, sRows, bars, mDK, staged[1], acc_dk, first,
+                           rows, head, tidx % 128)
         if tidx < C:
             col_e = storage.col_e.get_tensor(cute.make_layout((WARPS, C), stride=(C, 1)))
             total = sDG[0, tidx] + sDG[1, tidx]
@@ -402,8 +430,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.store_16(acc, t_u)
 
     @cute.jit
-    def q_side(self, mmas, tiles, storage, sRows, sDG, bars, mDQ, acc_dk, first: Int32,
-               rows: Int32, head: Int32, scale: Float32, wtidx: Int32):
+    def q_side(self, mmas, tiles, storage, sRows, sDG, bars, mDQ, staged_dq, acc_dk,
+               first: Int32, rows: Int32, head: Int32, scale: Float32, wtidx: Int32):
         """Warpgroup 0: dM' = tril(dO Delta^T), dQK = scale dM' Gamma (over M), E's first
         term; dq_n = diag(scale gamma) dO S^T + dQK Kn; <S, dS'>; dk_n's diag(d) Delta dS'^T
         and dQK^T Qn terms into ``acc_dk`` (finish_dk adds warpgroup 1's); dG's q-side
@@ -453,7 +481,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.state_dot(sS, sDS, storage, wtidx)
         warpgroup.wait_group(0)
         self.store_grad(thr_k, mDQ, acc_k, t_q, R_Q, self.final_outputs[0], sRows, rows_of,
-                        first, rows, head)
+                        first, rows, head, staged_dq, 0)
         # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms, finish_dk)
         self.ss(mma_kmn_k, acc_dk, stage0(sDelta), stage0_t(sDS, V, K), False)
         warpgroup.wait_group(0)
@@ -474,8 +502,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         warpgroup.wait_group(0)
 
     @cute.jit
-    def finish_dk(self, mmas, tiles, storage, sRows, bars, mDK, acc_dk, first: Int32,
-                  rows: Int32, head: Int32, wtidx: Int32):
+    def finish_dk(self, mmas, tiles, storage, sRows, bars, mDK, staged_dk, acc_dk,
+                  first: Int32, rows: Int32, head: Int32, wtidx: Int32):
         """Warpgroup 0: warpgroup 1's dk terms (shared memory, DK_READY) added to its own,
         then dk stored. (The CTA barrier before already orders them; the mbarrier states the
         hand-off in the form compute-sanitizer racecheck follows: through a CTA or named
@@ -487,11 +515,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[e] = acc_dk[e] + dk_wy[e * 128 + wtidx]
         self.store_grad(thr_k, mDK, acc_dk, t_kk, R_K, self.final_outputs[1], sRows,
-                        self.row_context(sRows, wtidx)["rows_of"], first, rows, head)
+                        self.row_context(sRows, wtidx)["rows_of"], first, rows, head,
+                        staged_dk, 0)
 
     @cute.jit
-    def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, acc_dk,
-                first: Int32, rows: Int32, head: Int32, wtidx: Int32):
+    def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, staged_dv,
+                acc_dk, first: Int32, rows: Int32, head: Int32, wtidx: Int32):
         """Warpgroup 1: dW = -dDelta S^T (over W, once warpgroup 0 read W);
         dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma); dv = diag(beta) T^T dDelta;
         dBk = T^T dW; dA = strict_tril(-(T^T dT) T^T); dP = diag(beta) (dA Gamma), E's
@@ -543,7 +572,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.row_dots_then_scale(acc_v, t_vv, beta_r)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
-        self.store_rows(thr_v, mDV, acc_v, rows_of, first, rows, head)
+        self.store_out(thr_v, mDV, acc_v, rows_of, first, rows, head, staged_dv, 1)
         self.wg_sync(1, fence=True)  # dT written
         # ---- dBk = T^T dW: dk_n = diag(beta gamma) dBk ...; t = rowsum(dBk Kn)
         self.ss(mma_mnmn_k, acc_dk, stage0_t(sT, C, C), stage0_t(sdW, C, K), False)
@@ -720,7 +749,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
     @cute.jit
     def store_grad(self, thr, mOut, acc, t_xn, r_row: int, final: cutlass.Constexpr, sRows,
-                   rows_of, first: Int32, rows: Int32, head: Int32):
+                   rows_of, first: Int32, rows: Int32, head: Int32, staged, wg: int):
         """dq or dk: when ``final`` (written in place) with the L2 norm, the Jacobian
         dx = r (dx_n - (x_n . dx_n) x_n) (x_n from shared memory, t_xn; only the first
         term where the clamp is active) before the store. ``acc`` is reused."""
@@ -736,7 +765,31 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             for e in cutlass.range_constexpr(cute.size(acc)):
                 h = row_half(e)
                 acc[e] = r_of[h] * (acc[e] - coef[h] * xn[e].to(Float32))
-        self.store_rows(thr, mOut, acc, rows_of, first, rows, head)
+        self.store_out(thr, mOut, acc, rows_of, first, rows, head, staged, wg)
+
+    @cute.jit
+    def store_out(self, thr, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32,
+                  staged, wg: int):
+        """store_rows, but a whole chunk with ``staged`` (staged_outputs) goes through its
+        shared-memory tile: warpgroup ``wg``'s threads write their elements, its first warp
+        issues the TMA store (waited for before the CTA exits)."""
+        if const_expr(staged is None):
+            self.store_rows(thr, mOut, acc, rows_of, first, rows, head)
+        else:
+            if rows == CHUNK:
+                atom, m_t, s_tile = staged
+                out = cute.make_rmem_tensor(acc.layout, self.dtype)
+                out.store(acc.load().to(self.dtype))
+                cute.autovec_copy(out, thr.partition_C(stage0(s_tile)))
+                self.wg_sync(wg, fence=True)
+                if cute.arch.thread_idx()[0] % 128 < cute.arch.WARP_SIZE:
+                    cols = cute.size(s_tile, mode=[1])
+                    tma_store_tile(atom, s_tile, cute.local_tile(
+                        cute.domain_offset((first, 0), m_t[None, None, head]), (CHUNK, cols),
+                        (0, 0)))
+                    cute.arch.cp_async_bulk_commit_group()
+            else:
+                self.store_rows(thr, mOut, acc, rows_of, first, rows, head)
 
     @cute.jit
     def write_gate_grads(self, sDG, sDB, mDG, mDBeta, first: Int32, rows: Int32,

@@ -22,10 +22,12 @@ gdn_rules.check_gdn_gradients'. Five kernels run in order on one stream:
 * "state_grad" (gdn_bwd_recurrence_sm90.py): one CTA per (sequence, output head) walks the
   chunks last to first with dS: the gradient of the state leaving each chunk, dDelta, and
   the initial state's gradient;
-* "chunk_grad" (gdn_bwd_chunk_sm90.py): one CTA per (chunk, output head): dg and dbeta
-  (written in place) and fp32 dq, dk, dv per output head;
-* "finish" (gdn_bwd_finish_sm90.py): sums each input head's output heads in a fixed order
-  and applies the L2 norm's Jacobian to q and k, into dq, dk, dv.
+* "chunk_grad" (gdn_bwd_chunk_sm90.py): one CTA per (chunk, output head): dg and dbeta,
+  and each of dq, dk, dv final where that input has a head per output head
+  (gdn_layout.gradients_in_place), else in fp32 per output head;
+* "finish" (gdn_bwd_finish_sm90.py, only with grouped heads): sums each input head's output
+  heads of those fp32 gradients in a fixed order and applies the L2 norm's Jacobian to q
+  and k, into dq, dk, dv.
 
 Deterministic: no kernel accumulates with atomics (grouped heads are summed by "finish" in
 a fixed order), so the gradients are bitwise reproducible run to run.
@@ -98,8 +100,8 @@ WORKSPACE = {
 }
 RECOMPUTE_ONLY = ("states",)
 FORWARD_WORKSPACE = ("work16", "work32", "inv")  # what forward_workspace= replaces
-# Groups of the op's own workspace, made (and grown) together: same row count, always
-# needed together.
+# Groups of the op's own workspace, made (and grown) together: the same row count; each
+# call makes the members it needs (_needed).
 GRADS32 = ("dq32", "dk32", "dv32")
 OWN_GROUPS = (("work16", "work32", "inv", "dstates", "ddelta"), GRADS32, ("states",),
               ("dinit32",))
@@ -353,7 +355,9 @@ class GdnBwdSm90(Op):
         return (checkpoints is not None and s.checkpoint_every_n_tokens == CHUNK_SIZE
                 and s.checkpoint_dtype == s.dtype)
 
-    def _needed(self, reuse: bool, prepared: bool = False) -> Tuple[str, ...]:
+    def _needed(self, reuse: bool, prepared: bool) -> Tuple[str, ...]:
+        """The workspace entries a call uses: not the states when it reuses checkpoints as
+        them, not the forward's factors when it is given them."""
         return tuple(name for name in self.workspace_shapes(0, 0)
                      if not (reuse and name in RECOMPUTE_ONLY)
                      and not (prepared and name in FORWARD_WORKSPACE))
