@@ -151,7 +151,26 @@ def run_case(name: str, peer: bool, stages: bool, every: int, keep: bool) -> dic
               f"backward {b_us:8.1f} us ({b_us / f_us:.2f}x its forward, {b_us / fwd_us:.2f}x "
               f"the plain forward)  forward+backward "
               f"{row['train_keep_tokens_per_s'] / 1e6:6.2f} M tokens/s", flush=True)
-        del kept
+        # ... and the chunk states too (io checkpoints every 64 tokens: the backward then
+        # runs only its two gradient kernels)
+        fwd_all = lambda: gated_delta_net(  # noqa: E731
+            q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True, output_final_state=True,
+            keep_workspace=True, checkpoint_every_n_tokens=64)
+        r = fwd_all()
+        kept, ckpt = r.workspace, r.checkpoints
+        bwd_all = lambda: gated_delta_net_backward(  # noqa: E731
+            q, k, v, g, beta, cu, do, use_qk_l2norm_in_kernel=True, forward_workspace=kept,
+            checkpoints=ckpt, checkpoint_every_n_tokens=64)
+        bwd_all()
+        torch.cuda.synchronize()
+        f_us, b_us = do_bench(fwd_all) * 1e3, do_bench(bwd_all) * 1e3
+        kept_bytes += ckpt.numel() * ckpt.element_size()
+        row.update(fwd_keep_states_us=f_us, bwd_keep_states_us=b_us,
+                   train_keep_states_tokens_per_s=tokens / ((f_us + b_us) * 1e-6))
+        print(f"{'':>13}  workspace and chunk states kept ({kept_bytes / 1e9:.2f} GB): forward "
+              f"{f_us:8.1f} us  backward {b_us:8.1f} us  forward+backward "
+              f"{row['train_keep_states_tokens_per_s'] / 1e6:6.2f} M tokens/s", flush=True)
+        del kept, ckpt, r
     if peer:
         peer_us, error = peer_backward(q, k, v, g, beta, cu, do)
         row.update(peer_bwd_us=peer_us, peer_error=error)
