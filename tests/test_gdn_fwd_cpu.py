@@ -1025,7 +1025,9 @@ def test_default_plan_has_the_issue_shapes():
     for shape in (issue, backward_shape):
         assert {**shape, "checkpoint_dtype": "float32"} in planned
         assert {**shape, "store_inverse": True} in planned  # keep_workspace=True
-    assert len(planned) == 9
+        # ... with the chunk states too
+        assert {**shape, "store_inverse": True, "checkpoint_dtype": "io"} in planned
+    assert len(planned) == 11
 
 
 def test_reference_measures():
