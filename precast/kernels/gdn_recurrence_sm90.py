@@ -174,6 +174,19 @@ class GdnChunkRecurrenceSm90:
             store_o, mO_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
                                                         select_modes(mO, [0, 2, 1]),
                                                         one(sO_layout), (C, Vc))
+        # Checkpoints in the io dtype beside o leave through their own (V rows x K) staging
+        # tile by TMA stores too (per-thread stores of the state cost ~0.8 ms per GB written)
+        staged_ckpt = None
+        sCk_elems = 0
+        if const_expr(self.checkpoints and not self.states_only):
+            if const_expr(mCkpt.element_type == dt):
+                sCk_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, Vc, K),
+                                                           dt, 1)
+                store_ck, mCk_t = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), select_modes(mCkpt, [2, 3, 1, 0]),
+                    one(sCk_layout), (Vc, K))
+                staged_ckpt = (store_ck, mCk_t, sCk_layout)
+                sCk_elems = cute.cosize(sCk_layout)
         # states_only loads neither Q nor M (they only make o)
         self.stage_bytes = ((2 if const_expr(self.states_only) else 3)
                             * cute.size_in_bytes(dt, one(sK_layout))
@@ -200,6 +213,7 @@ class GdnChunkRecurrenceSm90:
             sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
             sF: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sF_layout)], 128]
+            sCk: cute.struct.Align[cute.struct.MemRange[dt, sCk_elems], 1024]
 
         self.storage = SharedStorage
         num_batches = mCuSeqlens.shape[0] - 1
@@ -208,8 +222,8 @@ class GdnChunkRecurrenceSm90:
                 else [self.heads, cutlass.max(num_batches, 1), self.v_splits])
         self.kernel(mma_tok, mma_state, mQ_t, mK_t, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k,
                     tma_u, tma_m, sK_layout, sU_layout, sM_layout, sO_layout, store_o, mO_t,
-                    (tma_f, mF_t, sF_layout), mCuSeqlens, mO, mState0, mStateIdx, mFinal, mCkpt, ckpt_every,
-                    num_batches).launch(
+                    (tma_f, mF_t, sF_layout), staged_ckpt, mCuSeqlens, mO, mState0, mStateIdx,
+                    mFinal, mCkpt, ckpt_every, num_batches).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -220,7 +234,7 @@ class GdnChunkRecurrenceSm90:
                tma_u: cute.CopyAtom, tma_m: cute.CopyAtom, sK_layout: cute.ComposedLayout,
                sU_layout: cute.ComposedLayout, sM_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, store_o: cute.CopyAtom, mO_t: cute.Tensor,
-               factor_rows: tuple, mCuSeqlens: cute.Tensor, mO: cute.Tensor,
+               factor_rows: tuple, staged_ckpt, mCuSeqlens: cute.Tensor, mO: cute.Tensor,
                mState0: cute.Tensor, mStateIdx: cute.Tensor, mFinal: cute.Tensor,
                mCkpt: cute.Tensor, ckpt_every: Int32, num_batches: Int32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -244,6 +258,11 @@ class GdnChunkRecurrenceSm90:
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         tma_f, mF_t, sF_layout = factor_rows
         sF = storage.sF.get_tensor(sF_layout)
+        ckpt_tile = None  # (its staging tile, TMA atom, view of the checkpoints)
+        if const_expr(staged_ckpt is not None):
+            store_ck, mCk_t, sCk_layout = staged_ckpt
+            ckpt_tile = (storage.sCk.get_tensor(sCk_layout.outer, swizzle=sCk_layout.inner),
+                         store_ck, mCk_t)
 
         if const_expr(self.from_checkpoints):
             start, length, first_chunk, batch = self.find_segment(mCuSeqlens, num_batches,
@@ -265,7 +284,7 @@ class GdnChunkRecurrenceSm90:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(mma_tok, mma_state, sQ, sK, sW, sU, sM, (sO, store_o, mO_t), pipe,
-                         sF, mO,
+                         sF, ckpt_tile, mO,
                          mState0, mStateIdx, mFinal, mCkpt, ckpt_every, mCuSeqlens, batch,
                          head, start, length, first_chunk, chunks, updates,
                          tidx - THREADS_PER_WG, split)
@@ -320,9 +339,9 @@ class GdnChunkRecurrenceSm90:
             state = advanced(state)
 
     @cute.jit
-    def consume(self, mma_tok, mma_state, sQ, sK, sW, sU, sM, staged_o, pipe, sF, mO,
-                mState0,
-                mStateIdx, mFinal, mCkpt, ckpt_every: Int32, mCuSeqlens, batch: Int32,
+    def consume(self, mma_tok, mma_state, sQ, sK, sW, sU, sM, staged_o, pipe, sF, ckpt_tile,
+                mO, mState0, mStateIdx, mFinal, mCkpt, ckpt_every: Int32, mCuSeqlens,
+                batch: Int32,
                 head: Int32, start: Int32, length: Int32, first_chunk: Int32, chunks: Int32,
                 updates: Int32, consumer_tidx: Int32, split: Int32):
         parts = self.state_parts(mma_tok, mma_state, sQ, sK, sW, sM, consumer_tidx, split)
@@ -336,6 +355,10 @@ class GdnChunkRecurrenceSm90:
             if const_expr(self.states_only):
                 if (c * CHUNK) % every == 0:
                     self.save_state_staged(parts, staged_o, ckpt_row + (c * CHUNK) // every,
+                                           head)
+            elif const_expr(ckpt_tile is not None):
+                if (c * CHUNK) % every == 0:
+                    self.save_state_staged(parts, ckpt_tile, ckpt_row + (c * CHUNK) // every,
                                            head)
             else:
                 self.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
