@@ -55,7 +55,10 @@ WARPS = THREADS // 32
 WG_BARRIER = (1, 2)
 # mbarriers: the two load groups, then the warpgroups' signals to each other (all 128
 # threads of one arrive; mbarrier arrive/wait order the shared-memory accesses around them)
-FIRST_LOADS, REST_LOADS, W_FREE, STATES_FREE, DK_READY = range(5)
+FIRST_LOADS, REST_LOADS, W_FREE, STATES_FREE, DK_READY, LATE_LOADS = range(6)
+# LATE_LOADS: V, T and dS', which no side needs before its second step: they arrive while
+# the rows are normalized and the first products run (full chunks; a partial chunk waits for
+# them before zeroing its tail rows)
 # W_FREE: warpgroup 0 read W (Delta), so dW may go there; STATES_FREE: warpgroup 0 read S
 # and dS', so warpgroup 1's dk terms may go there; DK_READY: they are there
 # per-token values in shared memory (rows of sRows): G, beta, the row scales r_q, r_k and
@@ -135,10 +138,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cpasync.make_tiled_tma_atom(g2s, blk(mDStates), one(lay_s), (V, K)),
             cpasync.make_tiled_tma_atom(g2s, blk(mDDelta), one(lay_v), (C, V)))
         size = lambda layout: cute.size_in_bytes(dt, one(layout))  # noqa: E731
-        # W, U, S first (Delta needs only them), then the rest
+        # W, U, S first (Delta needs only them), then the rest, V, T, dS' last
         self.first_bytes = size(lay_k) + size(lay_v) + size(lay_s)
-        self.rest_bytes = (2 * size(lay_k) + 3 * size(lay_v) + 2 * size(lay_c)
-                           + size(lay_s))
+        self.rest_bytes = 2 * size(lay_k) + 2 * size(lay_v) + size(lay_c)
+        self.late_bytes = size(lay_v) + size(lay_c) + size(lay_s)
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
 
         def mma(a, b, n):  # a (64, n) product of one warpgroup
@@ -149,7 +152,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
         @cute.struct
         class SharedStorage:
-            bars: cute.struct.MemRange[cutlass.Int64, 5]
+            bars: cute.struct.MemRange[cutlass.Int64, 6]
             rows: cute.struct.MemRange[Float32, ROW_VALUES * C]
             dg: cute.struct.MemRange[Float32, WGS * C]
             dbeta: cute.struct.MemRange[Float32, WGS * C]
@@ -215,6 +218,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 cute.arch.mbarrier_init(bars + W_FREE, 128)
                 cute.arch.mbarrier_init(bars + STATES_FREE, 128)
                 cute.arch.mbarrier_init(bars + DK_READY, 128)
+                cute.arch.mbarrier_init(bars + LATE_LOADS, 1)
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if warp == 0:
@@ -247,8 +251,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     @cute.jit
     def load_all(self, loads, tiles, bars, start: Int32, chunk: Int32, packed: Int32,
                  head: Int32):
-        """Warp 0: the chunk's tiles by TMA, W, U, S onto FIRST_LOADS, the rest onto
-        REST_LOADS."""
+        """Warp 0: the chunk's tiles by TMA, W, U, S onto FIRST_LOADS, V, T, dS' onto
+        LATE_LOADS, the rest onto REST_LOADS (issued in that order but LATE last)."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
         lq, lk, lv, ldo, lw, lu, lm, linv, ls, lds, ldd = loads
@@ -260,16 +264,18 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                           bars + FIRST_LOADS)
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bars + REST_LOADS, self.rest_bytes)
-        for (atom, m), s, h, cols in ((lq, sQ, head // self.q_group, K),
-                                      (lk, sK, head // self.k_group, K),
-                                      (lv, sV, head // self.v_group, V), (ldo, sDO, head, V)):
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + LATE_LOADS, self.late_bytes)
+        for (atom, m), s, h, cols, bar in (
+                (ldo, sDO, head, V, REST_LOADS), (lq, sQ, head // self.q_group, K, REST_LOADS),
+                (lk, sK, head // self.k_group, K, REST_LOADS),
+                (lv, sV, head // self.v_group, V, LATE_LOADS)):
             g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
                                 (chunk, 0))
-            tma_load_tile(atom, g, s, 0, bars + REST_LOADS)
-        for (atom, m), s, col, shape in ((lm, sM, K + V, (C, C)), (linv, sT, 0, (C, C)),
-                                         (lds, sDS, 0, (V, K)), (ldd, sDD, 0, (C, V))):
-            tma_load_tile(atom, self.block_tile(m, packed, head, col, shape), s, 0,
-                          bars + REST_LOADS)
+            tma_load_tile(atom, g, s, 0, bars + bar)
+        for (atom, m), s, col, shape, bar in (
+                (ldd, sDD, 0, (C, V), REST_LOADS), (lm, sM, K + V, (C, C), REST_LOADS),
+                (linv, sT, 0, (C, C), LATE_LOADS), (lds, sDS, 0, (V, K), LATE_LOADS)):
+            tma_load_tile(atom, self.block_tile(m, packed, head, col, shape), s, 0, bars + bar)
 
     @cute.jit
     def block_tile(self, m, packed: Int32, head: Int32, col: int, shape):
@@ -355,6 +361,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             self.delta(mmas[0], tiles, tidx % 128)
         cute.arch.mbarrier_wait(bars + REST_LOADS, 0)
         if rows < C:
+            cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # zero_tail writes V too
             self.zero_tail(tiles, rows, tidx)
         cute.arch.sync_threads()
         if tidx < cute.arch.WARP_SIZE:
@@ -478,6 +485,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             dg_part[h] = dg_part[h] + part[h] * scale * eg_r[h]
         self.wg_sync(0, fence=True)  # dQK written
         self.ss(mma_kmn_k, acc_k, stage0(sX), stage0_t(sK, C, K), True)
+        cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS'
         self.state_dot(sS, sDS, storage, wtidx)
         warpgroup.wait_group(0)
         self.store_grad(thr_k, mDQ, acc_k, t_q, R_Q, self.final_outputs[0], sRows, rows_of,
@@ -553,6 +561,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         thr_c = mma_kk_c.get_slice(wtidx)
         acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
         acc_t2 = cute.make_rmem_tensor(acc_c.layout, Float32)
+        cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # V and T
         self.ss(mma_kk_c, acc_c, stage0(sDD), stage0(sV), False)
         self.ss(mma_kk_c, acc_t2, stage0(sdW), stage0(sK), False)
         g_c = [sRows[R_G, j] for j in cols_of]
