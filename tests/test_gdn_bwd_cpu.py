@@ -809,10 +809,13 @@ def test_kernel_builder_arguments():
     _, cgrad = built["chunk_grad"]
     assert len(cgrad) == 20 and None not in cgrad
     assert [tuple(t.shape[1:]) for t in cgrad[13:16]] == [(8, 64), (8, 64), (8, 128)]
-    assert all(t.element_type == cutlass.Float32 for t in cgrad[13:16])
+    # q is grouped (2 heads for 8 output heads): fp32 per output head; k and v have a head
+    # per output head: written final, in the io dtype
+    assert [t.element_type for t in cgrad[13:16]] == [cutlass.Float32, cutlass.Float16,
+                                                      cutlass.Float16]
     assert cgrad[16].element_type == cutlass.BFloat16 and cgrad[17].element_type == cutlass.Float32
     _, fin = built["finish"]
-    assert len(fin) == 9
+    assert len(fin) == 9 and fin[3] is None and fin[4] is None  # no dk32, dv32
     assert [tuple(t.shape[1:]) for t in fin[5:8]] == [(2, 64), (8, 64), (8, 128)]
 
 

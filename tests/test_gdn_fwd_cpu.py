@@ -522,7 +522,7 @@ def test_execute_with_a_workspace_allocates_nothing(launches):
     assert launches.capture_queries == []
 
 
-def test_store_inverse_makes_the_workspace_a_triple(launches):
+def test_store_inverse_makes_the_workspace_a_triple(launches, fixed_sources):
     """store_inverse (for a backward that reuses the forward's factors): prepare also
     writes T = (I + A)^-1 into the workspace's third tensor."""
     op = gdn(store_inverse=True).check_support()
