@@ -30,6 +30,7 @@ from .lifecycle.gdn_rules import check_gdn_inputs, max_checkpoint_rows
 from .kernels.gdn_layout import workspace_shapes
 from .lifecycle.launch import in_stream_order
 from .lifecycle.results import Results
+from .lifecycle.validation import check_bool, check_value
 from .op_cache import compiled_op
 
 
@@ -96,6 +97,10 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     is forward only: with an input requiring grad it raises (use torch.no_grad(), or gather
     the pool rows into an initial_state).
     """
+    check_bool("keep_workspace", keep_workspace)
+    check_value(not (keep_workspace and state_indices is not None), ValueError,
+                "keep_workspace=True keeps the forward's chunk factors for the backward, and a "
+                "state pool (state_indices) has no backward: pass keep_workspace=False")
     differentiable = [name for name, t in (("q", q), ("k", k), ("v", v), ("g", g),
                                            ("beta", beta), ("initial_state", initial_state))
                       if isinstance(t, torch.Tensor) and t.requires_grad]

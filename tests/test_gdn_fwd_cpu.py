@@ -824,6 +824,15 @@ def test_allocating_function_takes_int64_offsets(no_compile):
     assert any(e[0] == "copy" and e[2] is cu64 for e in no_compile.events)
 
 
+def test_allocating_function_keep_workspace_rules(no_compile):
+    with pytest.raises(TypeError, match="keep_workspace must be a bool, got int"):
+        gated_delta_net(**inputs(), keep_workspace=1, stream=0)
+    with pytest.raises(ValueError, match=r"state pool \(state_indices\) has no backward"):
+        gated_delta_net(**inputs(), initial_state=meta(9, HO, V, K, dtype=F32),
+                        state_indices=meta(N, dtype=I32), keep_workspace=True, stream=0)
+    assert no_compile.calls == []
+
+
 def test_allocating_function_validates(no_compile):
     with pytest.raises(ValueError, match="q: tensor is on cpu"):
         gated_delta_net(**inputs(q=torch.zeros(T, HQ, K, dtype=BF)), stream=0)
