@@ -13,9 +13,9 @@ and k when the forward normalized them in the kernel. Per token and input head t
   active (r is then a constant; precast/reference/gdn_backward.py, _l2norm_backward);
 * writes the result in the io dtype, strided like the input.
 
-Grid: (ceil(T / tokens_per_cta), grouped gradients): blockIdx.y picks one of them. A row of D elements is
-D / 8 threads of one warp, 8 elements each (16-byte io accesses, two 16-byte fp32 loads
-per summed row); row dot products are shuffles within those threads.
+Grid: (ceil(T / tokens_per_cta), grouped gradients): blockIdx.y picks one of them. A
+row of D elements is D / 8 threads of one warp, 8 elements each (16-byte io accesses, two
+16-byte fp32 loads per summed row); row dot products are shuffles within those threads.
 """
 from typing import NamedTuple
 
