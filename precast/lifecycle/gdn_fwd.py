@@ -323,9 +323,11 @@ class GdnFwdSm90(Op):
 
     Construct from sample tensors or TensorDescs of q, k, v, g, beta, cu_seqlens (and the
     initial state / pool and state_indices when used), then check_support(), compile(),
-    execute(). Compiled for the fields of :func:`static_config_of`; scale,
-    checkpoint_every_n_tokens (a multiple of 64), token and sequence counts and strides are
-    runtime values. batch_invariant is accepted and free (see the module docstring).
+    execute(). Compiled for the fields of :func:`static_config_of` and ``store_inverse``
+    (the workspace also receives T for a backward that reuses it: see the module
+    docstring); scale, checkpoint_every_n_tokens (a multiple of 64), token and sequence
+    counts and strides are runtime values. batch_invariant is accepted and free (see the
+    module docstring).
     """
 
     supported_archs = ("sm_90a",)
