@@ -27,7 +27,7 @@ fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   timeout "${BENCH_TIMEOUT:-240}" python3 bench/bench_gdn.py ${BENCH_ARGS:-} 2>/tmp/bench_gdn_stderr.log \
     | tee -a "$OUT/gdn.log"
-  timeout "${BENCH_TIMEOUT:-240}" python3 bench/bench_gdn_bwd.py --stages ${BENCH_BWD_ARGS:-} \
+  timeout "${BENCH_TIMEOUT:-420}" python3 bench/bench_gdn_bwd.py --stages ${BENCH_BWD_ARGS:-} \
     2>/tmp/bench_gdn_bwd_stderr.log | tee -a "$OUT/gdn.log"
   tail -5 /tmp/bench_gdn_bwd_stderr.log >> "$OUT/gdn.log"
 fi
