@@ -51,6 +51,7 @@ CONFIGS = {
     "bf16-hv16": _config(v_heads=16, beta_dtype="bfloat16"),
     "bf16-hq16": _config(q_heads=16, beta_dtype="bfloat16"),
     "bf16-d64-io-state": _config(k_dim=64, v_dim=64, state_dtype="io"),
+    "fp16-d64-io-state": _config(dtype="float16", k_dim=64, v_dim=64, state_dtype="io"),
     # given the forward's checkpoints (test_checkpoints_reused_or_regenerated)
     "bf16-state-ckpt-io": _config(state_dtype="float32", checkpoint_dtype="io"),
     "bf16-state-ckpt-f32": _config(state_dtype="float32", checkpoint_dtype="float32"),
