@@ -236,7 +236,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         tile a whole chunk leaves from) when the gradient is final, else None. dk and dv
         overwrite K and V (each thread its own elements, after reading them; nothing reads
         them later), dq the dO tile (free once dO S^T is done; too small when K > V)."""
-        sQ, sK, sV, sDO = tiles[:4]
+        sK, sV, sDO = tiles[1:4]
         sDQ = None
         if const_expr(cute.cosize(lay_k) <= cute.cosize(sDO.layout)):
             sDQ = cute.make_tensor(cute.recast_ptr(storage.sDO.data_ptr(),

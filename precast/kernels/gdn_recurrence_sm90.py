@@ -162,12 +162,19 @@ class GdnChunkRecurrenceSm90:
                                                    one(sK_layout), (C, K))
         tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, mW, one(sU_layout), (C, Vc))
         tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
+
+        def checkpoint_staging():
+            """A (V rows x K) 16-bit staging tile and the TMA store of it to a checkpoint
+            row: (layout, atom, the atom's view of mCkpt)."""
+            layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, Vc, K), dt, 1)
+            atom, view = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), select_modes(mCkpt, [2, 3, 1, 0]),
+                one(layout), (Vc, K))
+            return layout, atom, view
+
         if const_expr(self.states_only):
-            # the staging tile holds a checkpoint (V rows x K) instead of o
-            sO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, Vc, K), dt, 1)
-            store_o, mO_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
-                                                        select_modes(mCkpt, [2, 3, 1, 0]),
-                                                        one(sO_layout), (Vc, K))
+            # the staging tile holds a checkpoint instead of o
+            sO_layout, store_o, mO_t = checkpoint_staging()
         else:
             # o of a whole chunk leaves by a TMA store of a (64 tokens, V) staging tile
             sO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, 1)
@@ -180,11 +187,7 @@ class GdnChunkRecurrenceSm90:
         sCk_elems = 0
         if const_expr(self.checkpoints and not self.states_only):
             if const_expr(mCkpt.element_type == dt):
-                sCk_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, Vc, K),
-                                                           dt, 1)
-                store_ck, mCk_t = cpasync.make_tiled_tma_atom(
-                    cpasync.CopyBulkTensorTileS2GOp(), select_modes(mCkpt, [2, 3, 1, 0]),
-                    one(sCk_layout), (Vc, K))
+                sCk_layout, store_ck, mCk_t = checkpoint_staging()
                 staged_ckpt = (store_ck, mCk_t, sCk_layout)
                 sCk_elems = cute.cosize(sCk_layout)
         # states_only loads neither Q nor M (they only make o)
@@ -350,15 +353,14 @@ class GdnChunkRecurrenceSm90:
         every = ckpt_every
         if const_expr(self.from_checkpoints):  # a state at every chunk of the segment
             every, ckpt_row = Int32(CHUNK), first_chunk
+        # the checkpoints' staging tile: the o tile's in states_only, their own beside o (io
+        # dtype); fp32 checkpoints are stored element by element (checkpoint)
+        ckpt_stage = staged_o if const_expr(self.states_only) else ckpt_tile
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for c in cutlass.range(updates, unroll=1):
-            if const_expr(self.states_only):
+            if const_expr(ckpt_stage is not None):
                 if (c * CHUNK) % every == 0:
-                    self.save_state_staged(parts, staged_o, ckpt_row + (c * CHUNK) // every,
-                                           head)
-            elif const_expr(ckpt_tile is not None):
-                if (c * CHUNK) % every == 0:
-                    self.save_state_staged(parts, ckpt_tile, ckpt_row + (c * CHUNK) // every,
+                    self.save_state_staged(parts, ckpt_stage, ckpt_row + (c * CHUNK) // every,
                                            head)
             else:
                 self.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
@@ -372,7 +374,7 @@ class GdnChunkRecurrenceSm90:
                 self.store_o(parts, mO, start, length, c, head, staged_o)
         if const_expr(self.from_checkpoints):
             if chunks > 0:  # the state entering the segment's last chunk
-                self.save_state_staged(parts, staged_o, ckpt_row + updates, head)
+                self.save_state_staged(parts, ckpt_stage, ckpt_row + updates, head)
         if consumer_tidx < cute.arch.WARP_SIZE:  # the staging tile's last store has read it
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_state(parts, mState0, mFinal, state_row, batch, head)
