@@ -285,9 +285,9 @@ def _(q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
         checkpoints = q.new_empty((rows, HO, V, K), dtype=checkpoint_dtype or q.dtype)
     workspace = tuple(_absent_output(q, v) for _ in range(3))
     if keep_workspace:
-        shape16, shape32 = workspace_shapes(T, N, HO, K, V)  # T and N may be symbolic
+        shape16, shape32, shape_inv = workspace_shapes(T, N, HO, K, V)  # T, N may be symbolic
         workspace = (q.new_empty(shape16), q.new_empty(shape32, dtype=torch.float32),
-                     q.new_empty(shape16[:3] + (shape16[2],)))
+                     q.new_empty(shape_inv))
     return (o, final_state, checkpoints) + workspace
 
 

@@ -497,7 +497,9 @@ def test_workspace_shapes_delegate_to_the_kernel_module():
     op = gdn()
     assert op.workspace_shapes(T, N) == ((CHUNKS, HO, 64, F), (CHUNKS, HO, 136))
     for t, n in [(0, 0), (0, 3), (63, 1), (64, 1), (65, 2), (10**6, 1000)]:
-        assert op.workspace_shapes(t, n) == workspace_shapes(t, n, HO, K, V)
+        assert op.workspace_shapes(t, n) == workspace_shapes(t, n, HO, K, V)[:2]
+        assert gdn(store_inverse=True).workspace_shapes(t, n) == workspace_shapes(
+            t, n, HO, K, V)
         assert op.workspace_shapes(t, n)[0][0] == t // 64 + n
     with pytest.raises(ValueError, match="total_tokens must be >= 0"):
         op.workspace_shapes(-1, 1)

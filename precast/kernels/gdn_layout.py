@@ -12,10 +12,13 @@ FACTOR_COLS = 2 * CHUNK + 8
 
 
 def workspace_shapes(total_tokens: int, num_seqs: int, heads: int, k_dim: int, v_dim: int):
-    """(work16 shape, work32 shape) for a batch of T tokens in N sequences: one row block
-    per (chunk, head), chunks bounded by T // 64 + N."""
+    """(work16 shape, work32 shape, inverse shape) for a batch of T tokens in N sequences:
+    one row block per (chunk, head), chunks bounded by T // 64 + N. The inverse T = (I + A)^-1
+    (64 x 64, the io dtype) is written only by a prepare kernel with store_inverse (the
+    backward's, or a forward whose workspace the backward reuses)."""
     chunks = total_tokens // CHUNK + num_seqs
-    return (chunks, heads, CHUNK, k_dim + v_dim + CHUNK), (chunks, heads, FACTOR_COLS)
+    return ((chunks, heads, CHUNK, k_dim + v_dim + CHUNK), (chunks, heads, FACTOR_COLS),
+            (chunks, heads, CHUNK, CHUNK))
 
 
 def gradients_in_place(q_heads: int, k_heads: int, v_heads: int) -> tuple:

@@ -52,6 +52,7 @@ from .gdn_fwd import (CONFIG_SOURCES, DATA_ALIGN, KERNEL_SOURCES, _cute_type, _f
                       _fake_offsets, _fake_rows, _fake_state, _fake_workspace, _option_dtype,
                       check_kernel_limits, check_same_config, offsets_as_int32,
                       prepare_kernel, recurrence_kernel, splits_recurrences,
+                      WORKSPACE_NAMES as FORWARD_WORKSPACE,
                       static_config_of as forward_config, stream_buffers)
 from .gdn_rules import (MAX_SPAN, GdnShapes, check_gdn_gradients, check_gdn_inputs,
                         max_checkpoint_rows)
@@ -99,7 +100,6 @@ WORKSPACE = {
     "dinit32": ("sequences", "float32"),  # only for an initial state in the io dtype
 }
 RECOMPUTE_ONLY = ("states",)
-FORWARD_WORKSPACE = ("work16", "work32", "inv")  # what forward_workspace= replaces
 # Groups of the op's own workspace, made (and grown) together: the same row count; each
 # call makes the members it needs (_needed).
 GRADS32 = ("dq32", "dk32", "dv32")
@@ -320,9 +320,9 @@ class GdnBwdSm90(Op):
         s = self.shapes
         T = check_int("total_tokens", total_tokens, lo=0)
         N = check_int("num_seqs", num_seqs, lo=0)
-        work16, work32 = forward_shapes(T, N, s.HO, s.K, s.V)
+        work16, work32, inv = forward_shapes(T, N, s.HO, s.K, s.V)
         chunks, C = work16[0], CHUNK_SIZE
-        shapes = {"work16": work16, "work32": work32, "inv": (chunks, s.HO, C, C),
+        shapes = {"work16": work16, "work32": work32, "inv": inv,
                   "dstates": (chunks, s.HO, s.V, s.K), "ddelta": (chunks, s.HO, C, s.V),
                   "states": (chunks, s.HO, s.V, s.K)}
         finals = gradients_in_place(s.HQ, s.HK, s.HV)

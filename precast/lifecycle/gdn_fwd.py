@@ -205,7 +205,7 @@ def _fake_workspace(s: GdnShapes, chunks=None) -> tuple:
     import cutlass.cute as cute
     from ..kernels.gdn_layout import workspace_shapes
     chunks = cute.sym_int() if chunks is None else chunks
-    shape16, shape32 = workspace_shapes(0, 1, s.HO, s.K, s.V)
+    shape16, shape32, _ = workspace_shapes(0, 1, s.HO, s.K, s.V)
     return (_fake_rows(s.dtype, chunks, shape16[1:]),
             _fake_rows(torch.float32, chunks, shape32[1:]))
 
@@ -453,11 +453,9 @@ class GdnFwdSm90(Op):
         backward) reads."""
         from ..kernels.gdn_layout import workspace_shapes
         s = self.shapes
-        shape16, shape32 = workspace_shapes(check_int("total_tokens", total_tokens, lo=0),
-                                            check_int("num_seqs", num_seqs, lo=0), s.HO, s.K,
-                                            s.V)
-        inv = ((shape16[0], s.HO, CHUNK_SIZE, CHUNK_SIZE),) if self.store_inverse else ()
-        return (shape16, shape32) + inv
+        shapes = workspace_shapes(check_int("total_tokens", total_tokens, lo=0),
+                                  check_int("num_seqs", num_seqs, lo=0), s.HO, s.K, s.V)
+        return shapes if self.store_inverse else shapes[:2]
 
     def workspace_dtypes(self) -> Tuple[torch.dtype, ...]:
         """The dtypes of the workspace's tensors, in workspace_shapes' order."""
