@@ -525,10 +525,11 @@ class GdnBwdSm90(Op):
 
 
 def _fake_grads32(s: GdnShapes, tokens, finals) -> tuple:
-    """dq32, dk32 (T, HO, K) and dv32 (T, HO, V): float32, compact but for a 64-bit token
-    stride; in place of a gradient the chunk kernel writes final
-    (gdn_layout.gradients_in_place), with ``finals`` "io" that gradient (strided like its
-    input), with None None."""
+    """The chunk kernel's dq, dk, dv outputs: dq32, dk32 (T, HO, K) and dv32 (T, HO, V)
+    float32, compact but for a 64-bit token stride, for the gradients whose heads are
+    grouped (gdn_layout.gradients_in_place); for the others, which it writes final, the
+    io-dtype gradient strided like its input (``finals="io"``: the chunk kernel's
+    arguments) or None (``finals=None``: the finishing kernel's)."""
     from ..kernels.fake import fake_tokens
     io = _cute_type(s.dtype)
     out = []
