@@ -92,21 +92,35 @@ def peer_backward(q, k, v, g, beta, cu, do):
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
 
 
+def timed_pair(inputs, forward_options: dict, backward_options_of) -> tuple:
+    """(forward us, backward us, the forward's result): gated_delta_net with
+    ``forward_options`` and gated_delta_net_backward with ``backward_options_of(result)``
+    (what the backward takes from that forward), each run once (loading its op) before
+    timing."""
+    q, k, v, g, beta, cu, do = inputs
+    fwd = lambda: gated_delta_net(q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True,  # noqa
+                                  output_final_state=True, **forward_options)
+    result = fwd()
+    options = backward_options_of(result)
+    bwd = lambda: gated_delta_net_backward(q, k, v, g, beta, cu, do,  # noqa: E731
+                                           use_qk_l2norm_in_kernel=True, **options)
+    bwd()
+    torch.cuda.synchronize()
+    return do_bench(fwd) * 1e3, do_bench(bwd) * 1e3, result
+
+
 def run_case(name: str, peer: bool, stages: bool, every: int, keep: bool) -> dict:
     batch, seqlen, qk_heads, v_heads = CASES[name]
-    q, k, v, g, beta, cu, do = make_inputs(batch, seqlen, qk_heads, v_heads)
-    fwd = lambda: gated_delta_net(q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True,  # noqa
-                                  output_final_state=True)
-    bwd = lambda: gated_delta_net_backward(q, k, v, g, beta, cu, do,  # noqa: E731
-                                           use_qk_l2norm_in_kernel=True)
-    fwd(), bwd()  # compile (load) both ops
-    torch.cuda.synchronize()
-    fwd_us, bwd_us = do_bench(fwd) * 1e3, do_bench(bwd) * 1e3
+    inputs = make_inputs(batch, seqlen, qk_heads, v_heads)
+    q, k, v, g, beta, cu, do = inputs
     tokens = batch * seqlen
+
+    def per_s(f_us, b_us):  # forward + backward tokens per second
+        return tokens / ((f_us + b_us) * 1e-6)
+    fwd_us, bwd_us, _ = timed_pair(inputs, {}, lambda r: {})
     row = {"case": name, "batch": batch, "seqlen": seqlen, "qk_heads": qk_heads,
            "v_heads": v_heads, "dim": DIM, "fwd_us": fwd_us, "bwd_us": bwd_us,
-           "bwd_over_fwd": bwd_us / fwd_us,
-           "train_tokens_per_s": tokens / ((fwd_us + bwd_us) * 1e-6)}
+           "bwd_over_fwd": bwd_us / fwd_us, "train_tokens_per_s": per_s(fwd_us, bwd_us)}
     print(f"{name:>13}: forward {fwd_us:8.1f} us  backward {bwd_us:8.1f} us "
           f"({row['bwd_over_fwd']:.2f}x the forward)  forward+backward "
           f"{row['train_tokens_per_s'] / 1e6:6.2f} M tokens/s", flush=True)
@@ -115,62 +129,43 @@ def run_case(name: str, peer: bool, stages: bool, every: int, keep: bool) -> dic
         print(f"{'':>13}  " + "  ".join(f"{m} {t:.1f}" for m, t in row["stages_us"].items()),
               flush=True)
     if every:
-        fwd_ck = lambda: gated_delta_net(  # noqa: E731
-            q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True, output_final_state=True,
-            checkpoint_every_n_tokens=every, checkpoint_dtype=torch.float32)
-        ckpt = fwd_ck().checkpoints
-        bwd_ck = lambda: gated_delta_net_backward(  # noqa: E731
-            q, k, v, g, beta, cu, do, use_qk_l2norm_in_kernel=True, checkpoints=ckpt,
-            checkpoint_every_n_tokens=every)
-        bwd_ck()
-        torch.cuda.synchronize()
-        f_us, b_us = do_bench(fwd_ck) * 1e3, do_bench(bwd_ck) * 1e3
+        f_us, b_us, r = timed_pair(
+            inputs, dict(checkpoint_every_n_tokens=every, checkpoint_dtype=torch.float32),
+            lambda r: dict(checkpoints=r.checkpoints, checkpoint_every_n_tokens=every))
         row.update(checkpoint_every=every, fwd_ckpt_us=f_us, bwd_ckpt_us=b_us,
-                   train_ckpt_tokens_per_s=tokens / ((f_us + b_us) * 1e-6))
+                   train_ckpt_tokens_per_s=per_s(f_us, b_us))
         print(f"{'':>13}  fp32 checkpoints every {every}: forward {f_us:8.1f} us  backward "
               f"{b_us:8.1f} us ({b_us / fwd_us:.2f}x the plain forward)  forward+backward "
               f"{row['train_ckpt_tokens_per_s'] / 1e6:6.2f} M tokens/s", flush=True)
         if stages:
-            row["stages_ckpt_us"] = stage_times(q, k, v, g, beta, cu, do, ckpt, every)
+            row["stages_ckpt_us"] = stage_times(q, k, v, g, beta, cu, do, r.checkpoints, every)
             print(f"{'':>13}  " + "  ".join(
                 f"{m} {t:.1f}" for m, t in row["stages_ckpt_us"].items()), flush=True)
+        del r
     if keep:
-        fwd_keep = lambda: gated_delta_net(  # noqa: E731
-            q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True, output_final_state=True,
-            keep_workspace=True)
-        kept = fwd_keep().workspace
-        bwd_keep = lambda: gated_delta_net_backward(  # noqa: E731
-            q, k, v, g, beta, cu, do, use_qk_l2norm_in_kernel=True, forward_workspace=kept)
-        bwd_keep()
-        torch.cuda.synchronize()
-        f_us, b_us = do_bench(fwd_keep) * 1e3, do_bench(bwd_keep) * 1e3
-        kept_bytes = sum(t.numel() * t.element_size() for t in kept)
+        f_us, b_us, r = timed_pair(inputs, dict(keep_workspace=True),
+                                   lambda r: dict(forward_workspace=r.workspace))
+        kept_bytes = sum(t.numel() * t.element_size() for t in r.workspace)
         row.update(fwd_keep_us=f_us, bwd_keep_us=b_us, kept_bytes=kept_bytes,
-                   train_keep_tokens_per_s=tokens / ((f_us + b_us) * 1e-6))
+                   train_keep_tokens_per_s=per_s(f_us, b_us))
         print(f"{'':>13}  workspace kept ({kept_bytes / 1e9:.2f} GB): forward {f_us:8.1f} us  "
               f"backward {b_us:8.1f} us ({b_us / f_us:.2f}x its forward, {b_us / fwd_us:.2f}x "
               f"the plain forward)  forward+backward "
               f"{row['train_keep_tokens_per_s'] / 1e6:6.2f} M tokens/s", flush=True)
+        del r
         # ... and the chunk states too (io checkpoints every 64 tokens: the backward then
         # runs only its two gradient kernels)
-        fwd_all = lambda: gated_delta_net(  # noqa: E731
-            q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True, output_final_state=True,
-            keep_workspace=True, checkpoint_every_n_tokens=64)
-        r = fwd_all()
-        kept, ckpt = r.workspace, r.checkpoints
-        bwd_all = lambda: gated_delta_net_backward(  # noqa: E731
-            q, k, v, g, beta, cu, do, use_qk_l2norm_in_kernel=True, forward_workspace=kept,
-            checkpoints=ckpt, checkpoint_every_n_tokens=64)
-        bwd_all()
-        torch.cuda.synchronize()
-        f_us, b_us = do_bench(fwd_all) * 1e3, do_bench(bwd_all) * 1e3
-        kept_bytes += ckpt.numel() * ckpt.element_size()
+        f_us, b_us, r = timed_pair(
+            inputs, dict(keep_workspace=True, checkpoint_every_n_tokens=64),
+            lambda r: dict(forward_workspace=r.workspace, checkpoints=r.checkpoints,
+                           checkpoint_every_n_tokens=64))
+        kept_bytes += r.checkpoints.numel() * r.checkpoints.element_size()
         row.update(fwd_keep_states_us=f_us, bwd_keep_states_us=b_us,
-                   train_keep_states_tokens_per_s=tokens / ((f_us + b_us) * 1e-6))
+                   train_keep_states_tokens_per_s=per_s(f_us, b_us))
         print(f"{'':>13}  workspace and chunk states kept ({kept_bytes / 1e9:.2f} GB): forward "
               f"{f_us:8.1f} us  backward {b_us:8.1f} us  forward+backward "
               f"{row['train_keep_states_tokens_per_s'] / 1e6:6.2f} M tokens/s", flush=True)
-        del kept, ckpt, r
+        del r
     if peer:
         peer_us, error = peer_backward(q, k, v, g, beta, cu, do)
         row.update(peer_bwd_us=peer_us, peer_error=error)
