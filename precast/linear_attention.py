@@ -25,7 +25,7 @@ import torch
 
 from .lifecycle.gdn_bwd import GdnBwdSm90, check_forward_inputs, refuse_state_pool
 from .lifecycle.gdn_bwd import static_config_of as backward_config
-from .lifecycle.gdn_fwd import GdnFwdSm90, readable_in_place, static_config_of
+from .lifecycle.gdn_fwd import GdnFwdSm90, op_static_config, readable_in_place
 from .lifecycle.gdn_rules import check_gdn_inputs, max_checkpoint_rows
 from .kernels.gdn_layout import workspace_shapes
 from .lifecycle.launch import in_stream_order
@@ -93,9 +93,9 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     T = (I + A)^-1: about (K + V + 128) x 2 bytes per token and output head, as much again
     as q, k and v at K = V = 128) until the backward, which then skips recomputing them
     (its "prepare" kernel: ~23 % of the backward at 4 x 8192 tokens, 64 heads); the forward
-    writes T as well (~9 % more time). The state pool
-    is forward only: with an input requiring grad it raises (use torch.no_grad(), or gather
-    the pool rows into an initial_state).
+    writes T as well (~9 % more time). The state pool is forward only: with an input
+    requiring grad it raises (use torch.no_grad(), or gather the pool rows into an
+    initial_state).
     """
     check_bool("keep_workspace", keep_workspace)
     check_value(not (keep_workspace and state_indices is not None), ValueError,
@@ -145,8 +145,7 @@ def _forward(q, k, v, g, beta, cu_seqlens, *, scale, initial_state, output_final
                        checkpoint_dtype=checkpoint_dtype, batch_invariant=batch_invariant)
         s = check_gdn_inputs(q, k, v, g, beta, cu_seqlens, initial_state=initial_state,
                              state_indices=state_indices, **options)
-        key = ("gated_delta_net",) + tuple(sorted(
-            {**static_config_of(s), "store_inverse": keep_workspace}.items()))
+        key = ("gated_delta_net",) + tuple(sorted(op_static_config(s, keep_workspace).items()))
         op = compiled_op(key, lambda: GdnFwdSm90(
             q, k, v, g, beta, cu_seqlens, sample_initial_state=initial_state,
             sample_state_indices=state_indices, store_inverse=keep_workspace, **options))

@@ -111,6 +111,12 @@ def static_config_of(s: GdnShapes) -> Dict[str, object]:
             "checkpoint_dtype": _dtype_option(s.checkpoint_dtype, s.dtype)}
 
 
+def op_static_config(s: GdnShapes, store_inverse: bool) -> Dict[str, object]:
+    """GdnFwdSm90's static configuration: the call's fields (static_config_of) and whether
+    the workspace receives T (store_inverse, the op's own choice, not the call's)."""
+    return {**static_config_of(s), "store_inverse": store_inverse}
+
+
 def _stride(t) -> Tuple[int, ...]:
     return tuple(t.stride()) if isinstance(t, torch.Tensor) else t.stride
 
@@ -383,7 +389,7 @@ class GdnFwdSm90(Op):
         return self._shapes
 
     def static_config(self) -> Dict[str, object]:
-        return {**static_config_of(self.shapes), "store_inverse": self.store_inverse}
+        return op_static_config(self.shapes, self.store_inverse)
 
     @classmethod
     def from_config(cls, dtype="bfloat16", k_dim=128, v_dim=128, q_heads=4, k_heads=None,
