@@ -64,6 +64,19 @@ def bwd(**kw) -> GdnBwdSm90:
     return GdnBwdSm90(**{**samples(), **kw})
 
 
+def keeping_forward() -> GdnFwdSm90:
+    """The forward of bwd()'s inputs compiled to keep its workspace (store_inverse)."""
+    return GdnFwdSm90(**{n: t for n, t in samples().items() if n != "sample_do"},
+                      store_inverse=True).check_support()
+
+
+def kept_factors(forward: GdnFwdSm90):
+    """Meta tensors of its kept workspace (work16, work32, inv) for T tokens, N sequences
+    (made here, not by the op under test: ``launches`` records allocations)."""
+    return tuple(meta(*shape, dtype=dtype) for shape, dtype in zip(
+        forward.workspace_shapes(T, N), forward.workspace_dtypes()))
+
+
 def state(rows=N, dtype=F32):
     return desc((rows, HO, V, K), dtype)
 
@@ -504,13 +517,11 @@ def test_forward_workspace_skips_prepare(launches):
     """The factors a forward compiled with store_inverse wrote (work16, work32, inv: the
     same shapes as the backward's) replace the prepare kernel."""
     op = bwd().check_support()
-    forward = GdnFwdSm90(**{n: t for n, t in samples().items() if n != "sample_do"},
-                         store_inverse=True).check_support()
+    forward = keeping_forward()
     shapes = op.workspace_shapes(T, N)
     names = ("work16", "work32", "inv")
     assert forward.workspace_shapes(T, N) == tuple(shapes[n] for n in names)
-    factors = tuple(meta(*shape, dtype=dtype) for shape, dtype in zip(
-        forward.workspace_shapes(T, N), forward.workspace_dtypes()))
+    factors = kept_factors(forward)
     a = call()
     op.execute(**a, forward_workspace=factors, stream=3)
     assert [mode for mode, _ in launches.calls] == LAUNCHED[1:]
@@ -539,11 +550,8 @@ FORWARD_WORKSPACE_RULES = [
                          ids=[r[0] for r in FORWARD_WORKSPACE_RULES])
 def test_execute_refuses_bad_forward_workspaces(launches, make, exc, match):
     op = bwd().check_support()
-    forward = GdnFwdSm90(**{n: t for n, t in samples().items() if n != "sample_do"},
-                         store_inverse=True)
     a = call()
-    factors = tuple(meta(*shape, dtype=dtype) for shape, dtype in zip(
-        forward.workspace_shapes(T, N), forward.workspace_dtypes()))
+    factors = kept_factors(keeping_forward())
     with pytest.raises(exc, match=match):
         op.execute(**a, forward_workspace=make(factors, a), stream=1)
     assert launches.events == []
@@ -660,9 +668,7 @@ def test_gradients_may_not_alias(on_cpu):
     inside = ws["ddelta"].reshape(-1)[:T * HO * V].view(T, HO, V)
     with pytest.raises(ValueError, match=r"workspace\['ddelta'\] overlaps do in memory"):
         op.execute(**{**a, "do": inside}, workspace=ws, stream=1)
-    forward = GdnFwdSm90(**{n: t for n, t in samples().items() if n != "sample_do"},
-                         store_inverse=True)
-    factors = forward.make_workspace(T, N, device="cpu")
+    factors = keeping_forward().make_workspace(T, N, device="cpu")
     inside = factors[2].reshape(-1)[:T * HV * V].view(T, HV, V)
     with pytest.raises(ValueError, match=r"dv overlaps forward_workspace \(inv\) in memory"):
         op.execute(**{**a, "dv": inside}, forward_workspace=factors, stream=1)
