@@ -3,6 +3,14 @@
 Per row: mean/rstd of x, ln = LN(x) * w + b, a = SiLU(u) or u, then up to three
 dropped-out segments written to y = [a?, x?, ln * a] and one int8 mask byte per
 element (bit 0 main, bit 1 x segment, bit 2 a segment).
+
+Persistent CTAs walk blocks of rows_per_cta rows (block b, b + grid, ...). The x and u
+rows of the next blocks arrive by bulk copies (cp.async.bulk, one per row and tensor) in a
+ring of shared-memory stages, a few blocks ahead of the threads: the memory system always
+has loads in flight while the threads do the Philox, LayerNorm and output work of the
+current block (with one block per thread and loads into registers, each warp waited for its
+own loads after the RNG, and DRAM idled while most warps computed). w and b stay in
+registers for every block.
 """
 import cuda.bindings.driver as cuda
 
@@ -14,15 +22,36 @@ from cutlass.cute.nvgpu import cpasync
 from .activation import fast_sigmoid
 from .philox import philox4x32_10
 from .rowwise import row_sum, vector_copy_atom
-from .tiling import VEC, RowTiling
+from .tiling import VEC, WARP, RowTiling
 
 MAIN_BIT, X_BIT, A_BIT = 0, 1, 2
+MAX_STAGES = 4
+# Shared memory the stage rings of one SM may take (of 227 KB; the rest is left to the
+# L1 cache, which serves the mask and y stores' write combining).
+RING_BYTES_PER_SM = 160 * 1024
+
+
+@cute.jit
+def keep_halves(mask_word: Uint32, plane: cutlass.Constexpr, pair: cutlass.Constexpr) -> Uint32:
+    """0xFFFF in each 16-bit half whose element keeps its value: elements 2 pair and
+    2 pair + 1 of the 4 whose mask bytes ``mask_word`` holds, segment bit ``plane``. The
+    shift puts that bit at each byte's top; prmt's sign mode spreads a byte's top bit over
+    a whole output byte."""
+    top = mask_word << Uint32(7 - plane)
+    selector = 0x9988 if pair == 0 else 0xBBAA  # sign of byte 0, 0, 1, 1 (or 2, 2, 3, 3)
+    return cute.arch.inline_ptx(f"prmt.b32 {{$w0}}, {{$r0}}, 0, {selector:#x};",
+                                write_only_types=[Uint32], read_only_args=[top])
+
+
+def forward_stages(tiling: RowTiling, elem_bytes: int, ctas_per_sm: int) -> int:
+    """Ring stages per CTA: as many as fit (at most MAX_STAGES), at least 2."""
+    stage_bytes = 2 * tiling.rows_per_cta * tiling.dim * elem_bytes  # x and u
+    return max(2, min(MAX_STAGES, RING_BYTES_PER_SM // (ctas_per_sm * stage_bytes)))
 
 
 class LmsdForwardSm90:
     def __init__(self, dtype, dim: int, apply_u_silu: bool, concat_u: bool, concat_x: bool,
-                 use_dropout: bool, vecs_per_thread: int = 2,
-                 min_ctas_per_sm: int = 0):
+                 use_dropout: bool, vecs_per_thread: int, ctas_per_sm: int):
         self.dtype = dtype
         self.dim = dim
         self.apply_u_silu = apply_u_silu
@@ -30,9 +59,9 @@ class LmsdForwardSm90:
         self.concat_x = concat_x
         self.use_dropout = use_dropout
         self.tiling = RowTiling(dim, vecs_per_thread_target=vecs_per_thread)
-        # Register cap through the launch bounds (0: let the compiler choose).
-        self.bounds = ({"min_blocks_per_mp": min_ctas_per_sm, "preferred_smem_carveout": -1}
-                       if min_ctas_per_sm else {})
+        # The grid is ctas_per_sm per SM: the launch bounds make that many fit (registers).
+        self.bounds = {"min_blocks_per_mp": ctas_per_sm, "preferred_smem_carveout": -1}
+        self.stages = forward_stages(self.tiling, dtype.width // 8, ctas_per_sm)
         # Segment slots in y, in output order.
         self.a_seg = 0 if concat_u else None
         self.x_seg = (1 if concat_u else 0) if concat_x else None
@@ -43,143 +72,187 @@ class LmsdForwardSm90:
     def __call__(self, mX: cute.Tensor, mU: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor,
                  mY: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor, mMask: cute.Tensor,
                  eps: Float32, keep_threshold: Int64, keep_scale: Float32, seed: Int64,
-                 stream: cuda.CUstream):
+                 num_ctas: Int32, stream: cuda.CUstream):
         t = self.tiling
-        num_rows = mX.shape[0]
-        grid_x = (num_rows + t.rows_per_cta - 1) // t.rows_per_cta
+        rows_layout = cute.make_layout((self.stages, t.rows_per_cta, self.dim),
+                                       stride=(t.rows_per_cta * self.dim, self.dim, 1))
+
+        @cute.struct
+        class SharedStorage:
+            full: cute.struct.MemRange[cutlass.Int64, self.stages]
+            empty: cute.struct.MemRange[cutlass.Int64, self.stages]
+            sums: cute.struct.MemRange[Float32, t.rows_per_cta * t.warps_per_row * 2]
+            sX: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(rows_layout)],
+                                  128]
+            sU: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(rows_layout)],
+                                  128]
+
+        self.storage = SharedStorage
         self.kernel(mX, mU, mW, mB, mY, mMean, mRstd, mMask, eps, keep_threshold, keep_scale,
-                    seed).launch(grid=[grid_x, 1, 1], block=[t.num_threads, 1, 1], stream=stream,
-                                    **self.bounds)
+                    seed, rows_layout).launch(grid=[num_ctas, 1, 1],
+                                              block=[t.num_threads, 1, 1], stream=stream,
+                                              **self.bounds)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mU: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor,
                mY: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor, mMask: cute.Tensor,
-               eps: Float32, keep_threshold: Int64, keep_scale: Float32, seed: Int64):
+               eps: Float32, keep_threshold: Int64, keep_scale: Float32, seed: Int64,
+               rows_layout: cute.Layout):
         t = self.tiling
         tpr = const_expr(t.threads_per_row)
         vpt = const_expr(t.vecs_per_thread)
+        stages = const_expr(self.stages)
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        nctas, _, _ = cute.arch.grid_dim()
         lane = tidx % tpr
-        row = bidx * t.rows_per_cta + tidx // tpr
-        row_ok = row < mX.shape[0]
-        row_c = row if row_ok else Int32(0)  # keeps address arithmetic in bounds
+        row_in_cta = tidx // tpr
+        num_rows = mX.shape[0]
+        num_blocks = (num_rows + t.rows_per_cta - 1) // t.rows_per_cta
 
         smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.storage)
+        full = storage.full.data_ptr()
+        empty = storage.empty.data_ptr()
+        sX = storage.sX.get_tensor(rows_layout)
+        sU = storage.sU.get_tensor(rows_layout)
         sbuf = None
         if const_expr(t.warps_per_row > 1):
-            sbuf = smem.allocate_tensor(
-                Float32, cute.make_layout((t.rows_per_cta, t.warps_per_row, 2)), byte_alignment=16)
+            sbuf = storage.sums.get_tensor(cute.make_layout((t.rows_per_cta, t.warps_per_row, 2)))
+        if tidx == 0:
+            for s in cutlass.range_constexpr(stages):
+                cute.arch.mbarrier_init(full + s, 1)
+                cute.arch.mbarrier_init(empty + s, t.num_threads // WARP)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # Blocks of this CTA: bidx + i * nctas for i < my_blocks.
+        my_blocks = (num_blocks - bidx + nctas - 1) // nctas
+        row_bytes = self.dim * (self.dtype.width // 8)
+        bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), self.dtype,
+                                   num_bits_per_copy=self.dim * self.dtype.width)
+        if tidx == 0:
+            for i in cutlass.range_constexpr(stages - 1):
+                if i < my_blocks:
+                    self.load_block(mX, mU, sX, sU, bulk, full, bidx + i * nctas, i, num_rows,
+                                    row_bytes)
 
         atom = vector_copy_atom(self.dtype, VEC)
+        mask_atom = vector_copy_atom(Int8, VEC)
         frag = cute.make_layout((VEC, vpt))
-        rX = cute.make_rmem_tensor(frag, self.dtype)
-        rU = cute.make_rmem_tensor(frag, self.dtype)
         rW = cute.make_rmem_tensor(frag, self.dtype)
         rB = cute.make_rmem_tensor(frag, self.dtype)
-        rX.fill(0.0)
-        rU.fill(0.0)
         rW.fill(0.0)
         rB.fill(0.0)
-        gX = mX[row_c, None]
-        gU = mU[row_c, None]
-        gY = mY[row_c, None]
-        # Rows spanning several warps stage x, u, w, b through shared memory with cp.async:
-        # issued here, in flight during the Philox work below (loaded straight into
-        # registers, the compiler sinks the loads past the RNG to save registers, and every
-        # warp then waits for memory right after it). Measured: D = 1024 0.69 -> 0.76 x copy;
-        # one-warp rows (D <= 512) are 3% faster with direct loads. Each thread reads back
-        # only what it copied itself, so no barrier is needed.
-        staged = const_expr(t.warps_per_row > 1)
-        row_in_cta = tidx // tpr
-        if const_expr(staged):
-            stage_layout = cute.make_layout((t.rows_per_cta, self.dim), stride=(self.dim, 1))
-            sX, sU, sW, sB = [smem.allocate_tensor(self.dtype, stage_layout, byte_alignment=16)
-                              for _ in range(4)]
-            async_atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype,
-                                             num_bits_per_copy=VEC * self.dtype.width)
-        sources = ((gX, rX, "x"), (gU, rU, "u"), (mW, rW, "w"), (mB, rB, "b"))
         for v in cutlass.range_constexpr(vpt):
             j = lane + v * tpr
-            for g, r, name in sources:
-                per_row = const_expr(name in ("x", "u"))
-                if (row_ok or not per_row) and (const_expr(t.even) or j < t.num_vecs):
-                    if const_expr(staged):
-                        stage = {"x": sX, "u": sU, "w": sW, "b": sB}[name]
-                        cute.copy(async_atom, cute.local_tile(g, (VEC,), (j,)),
-                                  cute.local_tile(stage[row_in_cta, None], (VEC,), (j,)))
-                    else:
-                        cute.copy(atom, cute.local_tile(g, (VEC,), (j,)), r[None, v])
-        if const_expr(staged):
-            cute.arch.cp_async_commit_group()
-
-        # Dropout decisions depend only on (seed, row, column, plane): computing them while
-        # the loads above are in flight hides their latency behind the Philox arithmetic.
-        rWords = cute.make_rmem_tensor(cute.make_layout((2, vpt)), Uint32)
-        rWords.fill(0)
-        if const_expr(staged):
-            sWords = smem.allocate_tensor(Uint32, cute.make_layout((2 * vpt, t.num_threads),
-                                                                   stride=(1, 2 * vpt)),
-                                          byte_alignment=16)
-        if const_expr(self.use_dropout):
-            k0 = Uint32(seed)
-            k1 = Uint32(seed >> Int64(32))
-            threshold = Uint32(keep_threshold)
-            for v in cutlass.range_constexpr(vpt):
-                j = lane + v * tpr
-                for plane in self.planes:
-                    # Counter (row, column // 4, plane, 0); word column % 4.
-                    for half in cutlass.range_constexpr(2):
-                        w = philox4x32_10(Uint32(row_c), Uint32(j * 2 + half), Uint32(plane),
-                                          Uint32(0), k0, k1)
-                        for q in cutlass.range_constexpr(4):
-                            if w[q] >= threshold:
-                                rWords[half, v] = rWords[half, v] | Uint32(1 << (8 * q + plane))
-            if const_expr(staged):
-                # Parked in shared memory before the wait below: the stores pin the Philox
-                # work ahead of it (kept in registers, it would be sunk past the wait).
-                for k in cutlass.range_constexpr(2 * vpt):
-                    sWords[k, tidx] = rWords[k]
-
-        if const_expr(staged):
-            cute.arch.cp_async_wait_group(0)
-            stages = ((sX, rX, True), (sU, rU, True), (sW, rW, False), (sB, rB, False))
-            for v in cutlass.range_constexpr(vpt):
-                j = lane + v * tpr
-                for stage, r, per_row in stages:
-                    if (row_ok or not per_row) and (const_expr(t.even) or j < t.num_vecs):
-                        cute.autovec_copy(cute.local_tile(stage[row_in_cta, None], (VEC,), (j,)),
-                                          r[None, v])
-            if const_expr(self.use_dropout):
-                for k in cutlass.range_constexpr(2 * vpt):
-                    rWords[k] = sWords[k, tidx]
-        x = cute.make_rmem_tensor(frag, Float32)
-        x.store(rX.load().to(Float32))
-        partial = Float32(0.0)
-        for i in cutlass.range_constexpr(VEC * vpt):
-            partial = partial + x[i]
-        mean = row_sum(partial, t, sbuf, 0) * Float32(1.0 / self.dim)
-        partial = Float32(0.0)
-        for v in cutlass.range_constexpr(vpt):
-            sq = Float32(0.0)
-            for e in cutlass.range_constexpr(VEC):
-                d = x[e, v] - mean
-                sq = sq + d * d
-            if const_expr(t.even):
-                partial = partial + sq
-            else:
-                # Unloaded vectors hold zeros; they must not add mean^2 to the variance.
-                if lane + v * tpr < t.num_vecs:
-                    partial = partial + sq
-        var = row_sum(partial, t, sbuf, 1) * Float32(1.0 / self.dim)
-        rstd = cute.math.rsqrt(var + eps)
-        if row_ok and lane == 0:
-            mMean[row] = mean
-            mRstd[row] = rstd
-
+            if const_expr(t.even) or j < t.num_vecs:
+                cute.copy(atom, cute.local_tile(mW, (VEC,), (j,)), rW[None, v])
+                cute.copy(atom, cute.local_tile(mB, (VEC,), (j,)), rB[None, v])
+        rX = cute.make_rmem_tensor(frag, self.dtype)
+        rU = cute.make_rmem_tensor(frag, self.dtype)
         rY = cute.make_rmem_tensor(frag, self.dtype)
-        mask_atom = vector_copy_atom(Int8, VEC)
-        gM = mMask[row_c, None] if const_expr(self.use_dropout) else None
+        rWords = cute.make_rmem_tensor(cute.make_layout((2, vpt)), Uint32)
+        x = cute.make_rmem_tensor(frag, Float32)
+
+        for i in cutlass.range(my_blocks, unroll=1):
+            stage = i % stages
+            phase = (i // stages) % 2
+            if tidx == 0:
+                # Refill the stage read in the previous iteration, stages - 1 blocks ahead.
+                ahead = i + stages - 1
+                if ahead < my_blocks:
+                    prev = ahead % stages
+                    if i > 0:
+                        cute.arch.mbarrier_wait(empty + prev, ((i - 1) // stages) % 2)
+                    self.load_block(mX, mU, sX, sU, bulk, full, bidx + ahead * nctas, prev,
+                                    num_rows, row_bytes)
+            row = (bidx + i * nctas) * t.rows_per_cta + row_in_cta
+            row_ok = row < num_rows
+            row_c = row if row_ok else Int32(0)
+
+            # Dropout decisions depend only on (seed, row, column, plane): computed before
+            # the wait for the row's data.
+            rWords.fill(0)
+            if const_expr(self.use_dropout):
+                k0 = Uint32(seed)
+                k1 = Uint32(seed >> Int64(32))
+                threshold = Uint32(keep_threshold)
+                for v in cutlass.range_constexpr(vpt):
+                    j = lane + v * tpr
+                    for plane in self.planes:
+                        # Counter (row, column // 4, plane, 0); word column % 4.
+                        for half in cutlass.range_constexpr(2):
+                            w = philox4x32_10(Uint32(row_c), Uint32(j * 2 + half),
+                                              Uint32(plane), Uint32(0), k0, k1)
+                            for q in cutlass.range_constexpr(4):
+                                if w[q] >= threshold:
+                                    rWords[half, v] = rWords[half, v] | Uint32(
+                                        1 << (8 * q + plane))
+
+            cute.arch.mbarrier_wait(full + stage, phase)
+            rX.fill(0.0)
+            rU.fill(0.0)
+            for v in cutlass.range_constexpr(vpt):
+                j = lane + v * tpr
+                if const_expr(t.even) or j < t.num_vecs:
+                    cute.autovec_copy(cute.local_tile(sX[stage, row_in_cta, None], (VEC,), (j,)),
+                                      rX[None, v])
+                    cute.autovec_copy(cute.local_tile(sU[stage, row_in_cta, None], (VEC,), (j,)),
+                                      rU[None, v])
+            # The warp has read its rows of this stage: one arrival per warp frees it.
+            cute.arch.sync_warp()
+            if cute.arch.lane_idx() == 0:
+                cute.arch.mbarrier_arrive(empty + stage)
+
+            x.store(rX.load().to(Float32))
+            partial = Float32(0.0)
+            for e in cutlass.range_constexpr(VEC * vpt):
+                partial = partial + x[e]
+            # (Rows spanning warps: each sbuf slot is rewritten only after the barrier of the
+            # other slot, which every reader of the previous block has passed.)
+            mean = row_sum(partial, t, sbuf, 0) * Float32(1.0 / self.dim)
+            partial = Float32(0.0)
+            for v in cutlass.range_constexpr(vpt):
+                sq = Float32(0.0)
+                for e in cutlass.range_constexpr(VEC):
+                    d = x[e, v] - mean
+                    sq = sq + d * d
+                if const_expr(t.even):
+                    partial = partial + sq
+                else:
+                    # Unread vectors hold zeros; they must not add mean^2 to the variance.
+                    if lane + v * tpr < t.num_vecs:
+                        partial = partial + sq
+            var = row_sum(partial, t, sbuf, 1) * Float32(1.0 / self.dim)
+            rstd = cute.math.rsqrt(var + eps)
+            if row_ok and lane == 0:
+                mMean[row] = mean
+                mRstd[row] = rstd
+            self.write_row(mY, mMask, x, rU, rW, rB, rY, rWords, atom, mask_atom, mean, rstd,
+                           keep_scale, row_c, row_ok, lane)
+
+    @cute.jit
+    def load_block(self, mX, mU, sX, sU, bulk, full, block: Int32, stage: Int32,
+                   num_rows: Int32, row_bytes: cutlass.Constexpr):
+        """Bulk copies of a block's x and u rows (those that exist) into a ring stage."""
+        t = self.tiling
+        first = block * t.rows_per_cta
+        rows = cutlass.min(num_rows - first, t.rows_per_cta)
+        cute.arch.mbarrier_arrive_and_expect_tx(full + stage, rows * 2 * row_bytes)
+        for r in cutlass.range(rows, unroll=1):
+            cute.copy(bulk, mX[first + r, None], sX[stage, r, None], mbar_ptr=full + stage)
+            cute.copy(bulk, mU[first + r, None], sU[stage, r, None], mbar_ptr=full + stage)
+
+    @cute.jit
+    def write_row(self, mY, mMask, x, rU, rW, rB, rY, rWords, atom, mask_atom, mean: Float32,
+                  rstd: Float32, keep_scale: Float32, row: Int32, row_ok, lane: Int32):
+        """The row's y segments and mask bytes from registers (stored when row_ok)."""
+        t = self.tiling
+        tpr = const_expr(t.threads_per_row)
+        vpt = const_expr(t.vecs_per_thread)
+        gY = mY[row, None]
+        gM = mMask[row, None] if const_expr(self.use_dropout) else None
         for v in cutlass.range_constexpr(vpt):
             j = lane + v * tpr
             a = cute.make_rmem_tensor((VEC,), Float32)
@@ -205,12 +278,17 @@ class LmsdForwardSm90:
                         val = vals[e]
                     else:
                         val = x[e, v] * keep_scale if const_expr(self.use_dropout) else x[e, v]
-                    if const_expr(self.use_dropout):
-                        bit = Uint32(1 << (8 * (e % 4) + plane))
-                        val = val if (rWords[e // 4, v] & bit) != Uint32(0) else Float32(0.0)
                     rY[e, v] = val.to(self.dtype)
+                if const_expr(self.use_dropout):
+                    # Dropped elements: their 16 bits of the packed pair cleared by a mask made
+                    # from the mask byte's plane bit (2 integer ops per pair; a select per
+                    # element after packing cost 7).
+                    pairs = cute.recast_tensor(rY, Uint32)
+                    for k in cutlass.range_constexpr(VEC // 2):
+                        pairs[k, v] = pairs[k, v] & keep_halves(rWords[k // 2, v], plane, k % 2)
                 if row_ok and (const_expr(t.even) or j < t.num_vecs):
-                    cute.copy(atom, rY[None, v], cute.local_tile(gY, (VEC,), (seg * t.num_vecs + j,)))
+                    cute.copy(atom, rY[None, v],
+                              cute.local_tile(gY, (VEC,), (seg * t.num_vecs + j,)))
             if const_expr(self.use_dropout):
                 if row_ok and (const_expr(t.even) or j < t.num_vecs):
                     cute.copy(mask_atom, cute.recast_tensor(rWords[None, v], Int8),

@@ -10,7 +10,7 @@ import torch
 from ..reference.lmsd import segment_count
 from ..reference.philox import keep_threshold
 from .cache import KernelBuilder
-from .launch import device_guard, stream_handle
+from .launch import device_guard, sm_count, stream_handle
 from .op import Op
 from .tensor_desc import TensorDesc, dtype_name, parse_dtype
 from .validation import (check_bool, check_finite, check_int64, check_no_overlap,
@@ -24,7 +24,10 @@ MAX_ROW_ELEMENTS = 2**31  # N * D: the packed mask and per-row indices stay 32-b
 VECS_PER_THREAD = (1, 2, 4)  # 16-byte vectors each thread owns per row (tuning knob)
 DEFAULT_VECS_PER_THREAD = {"fwd": 2, "bwd": 2}
 MAX_MIN_CTAS_PER_SM = 16
-DEFAULT_MIN_CTAS_PER_SM = {"fwd": 0, "bwd": 3}  # 0: no register cap (bench/RESULTS.md)
+# bwd: a register cap; 0 = none (bench/RESULTS.md). fwd: its persistent grid's CTAs per SM
+# (the launch bounds make them fit); 0 = FWD_THREADS_PER_SM threads' worth.
+DEFAULT_MIN_CTAS_PER_SM = {"fwd": 0, "bwd": 3}
+FWD_THREADS_PER_SM = 512
 BWD_CTAS_PER_SM = 2  # persistent backward grid (fits the kernel's register use)
 _SM90_SOURCES = ("precast.kernels.rowwise", "precast.kernels.tiling", "precast.kernels.philox",
                  "precast.kernels.activation", "precast.kernels.fake")
@@ -225,16 +228,22 @@ class HstuLmsdFwdSm90(_LmsdBase):
             n = rows_symbol()
             kernel = LmsdForwardSm90(dt, self.dim, self.apply_u_silu, self.concat_u,
                                      self.concat_x, self.use_dropout, self.vecs_per_thread,
-                                     self.min_ctas_per_sm)
+                                     self.ctas_per_sm)
             mask = fake_rows(cutlass.Int8, n, self.dim, packed=True) if self.use_dropout else None
             args = (fake_rows(dt, n, self.dim), fake_rows(dt, n, self.dim),
                     fake_vector(dt, self.dim), fake_vector(dt, self.dim),
                     fake_rows(dt, n, self.segments * self.dim),
                     fake_vector(cutlass.Float32, n, align=4), fake_vector(cutlass.Float32, n, align=4), mask,
                     scalar(cutlass.Float32, 1e-5), scalar(cutlass.Int64, 0),
-                    scalar(cutlass.Float32, 1.0), scalar(cutlass.Int64, 0), fake_stream())
+                    scalar(cutlass.Float32, 1.0), scalar(cutlass.Int64, 0),
+                    scalar(cutlass.Int32, 1), fake_stream())
             return kernel, args
         return {"fwd": build}
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """CTAs per SM of the persistent forward grid."""
+        return self.min_ctas_per_sm or max(1, FWD_THREADS_PER_SM // self.tiling.num_threads)
 
     def execute(self, x, u, weight, bias, y, mean, rstd, mask=None, *, seed: int = 0,
                 eps: Optional[float] = None, dropout_ratio: Optional[float] = None, stream=None):
@@ -252,9 +261,11 @@ class HstuLmsdFwdSm90(_LmsdBase):
         if n == 0:
             return
         index = x.device.index
+        rows_per_cta = self.tiling.rows_per_cta
+        num_ctas = min(sm_count(index) * self.ctas_per_sm, -(-n // rows_per_cta))
         with device_guard(index):
             kernels["fwd"](x, u, weight, bias, y, mean, rstd, mask, float(eps), threshold, scale,
-                           seed, stream_handle(stream, index))
+                           seed, num_ctas, stream_handle(stream, index))
 
 
 class HstuLmsdBwdSm90(_LmsdBase):
