@@ -14,11 +14,14 @@ from .tiling import WARP
 
 
 @cute.jit
-def row_sum(val: Float32, tiling: cutlass.Constexpr, sbuf: cute.Tensor, slot: cutlass.Constexpr):
+def row_sum(val: Float32, tiling: cutlass.Constexpr, sbuf: cute.Tensor, slot: cutlass.Constexpr,
+            row_barrier: cutlass.Constexpr = False):
     """Sum of ``val`` over the threads of one row group; every thread gets the total.
 
     ``sbuf`` is a (rows_per_cta, warps_per_row, slots) fp32 shared tensor, used only
-    when a row spans several warps; each slot is written once between barriers.
+    when a row spans several warps; each slot is written once between barriers. Those are
+    CTA-wide, or with ``row_barrier`` named barriers of the row's warps only (1 + its row in
+    the CTA; the backward spills more registers with them).
     """
     lanes = cutlass.const_expr(min(tiling.threads_per_row, WARP))
     val = cute.arch.warp_reduction(val, lambda a, b: a + b, threads_in_group=lanes)
@@ -28,7 +31,11 @@ def row_sum(val: Float32, tiling: cutlass.Constexpr, sbuf: cute.Tensor, slot: cu
         warp_in_row = (tidx % tiling.threads_per_row) // WARP
         if cute.arch.lane_idx() == 0:
             sbuf[row_in_cta, warp_in_row, slot] = val
-        cute.arch.barrier()
+        if cutlass.const_expr(row_barrier):
+            cute.arch.barrier(barrier_id=1 + row_in_cta,
+                              number_of_threads=tiling.threads_per_row)
+        else:
+            cute.arch.barrier()
         val = Float32(0.0)
         for w in cutlass.range_constexpr(tiling.warps_per_row):
             val = val + sbuf[row_in_cta, w, slot]
