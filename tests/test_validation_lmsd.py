@@ -234,6 +234,9 @@ FWD_RULES = [
     ("u-span-padded", dict(u=desc((2, D), stride=(ROW_SPAN_LIMIT, 1))), ValueError, "u: spans"),
     ("mask-span", dict(x=desc((MAX_ROW_ELEMENTS // 1024, 1024)), dropout_ratio=0.5), ValueError,
      rf"mask: spans {MAX_ROW_ELEMENTS} elements; at most {INT32_MAX} are supported"),
+    ("grid-does-not-fit", dict(x=desc((N, 4096)), min_ctas_per_sm=9), ValueError,
+     r"min_ctas_per_sm = 9 puts 2304 threads on an SM \(256 per CTA at D = 4096\); the "
+     "persistent forward grid must fit at once: at most 8"),
 ]
 
 

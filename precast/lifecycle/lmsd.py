@@ -28,6 +28,7 @@ MAX_MIN_CTAS_PER_SM = 16
 # (the launch bounds make them fit); 0 = FWD_THREADS_PER_SM threads' worth.
 DEFAULT_MIN_CTAS_PER_SM = {"fwd": 0, "bwd": 3}
 FWD_THREADS_PER_SM = 512
+MAX_THREADS_PER_SM = 2048
 BWD_CTAS_PER_SM = 2  # persistent backward grid (fits the kernel's register use)
 _SM90_SOURCES = ("precast.kernels.rowwise", "precast.kernels.tiling", "precast.kernels.philox",
                  "precast.kernels.activation", "precast.kernels.fake")
@@ -152,7 +153,9 @@ class HstuLmsdFwdSm90(_LmsdBase):
     Construct from sample tensors or TensorDescs (row counts and padded row strides are
     runtime values: one compile serves every N), then check_support(), compile(),
     execute(). ``dropout_ratio`` only selects dropout on/off at compile time; its value,
-    ``eps`` and ``seed`` may change per execute.
+    ``eps`` and ``seed`` may change per execute. Tuning knobs: ``vecs_per_thread`` (16-byte
+    vectors per thread and row) and ``min_ctas_per_sm``, the persistent grid's CTAs per SM
+    (0: FWD_THREADS_PER_SM threads' worth; the launch bounds cap registers to fit them).
     """
 
     kernel_sources = ("precast.kernels.lmsd_fwd_sm90",) + _SM90_SOURCES
@@ -202,6 +205,12 @@ class HstuLmsdFwdSm90(_LmsdBase):
     def _check(self) -> None:
         self._check_common()
         check_finite("eps", self.eps, positive=True)
+        threads = self.ctas_per_sm * self.tiling.num_threads
+        if threads > MAX_THREADS_PER_SM:
+            raise ValueError(
+                f"min_ctas_per_sm = {self.min_ctas_per_sm} puts {threads} threads on an SM "
+                f"({self.tiling.num_threads} per CTA at D = {self.dim}); the persistent forward "
+                f"grid must fit at once: at most {MAX_THREADS_PER_SM // self.tiling.num_threads}")
         self._validate(self.x, self.u, self.weight, self.bias, self.y, self.mean, self.rstd,
                        self.mask)
         self._check_relations(self._samples)
