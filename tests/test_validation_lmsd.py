@@ -403,6 +403,34 @@ def test_fwd_execute_revalidates_tensors():
         op.execute(**t)
 
 
+def test_execute_validation_runs_once_per_layout():
+    op = fwd().check_support()
+    calls = []
+
+    def validate():
+        calls.append(1)
+        return len(calls)
+
+    a, b = torch.empty(4, 8), torch.empty(8)
+    assert op._validated((a, None, b), validate) == 1
+    assert op._validated((a, None, b), validate) == 1  # same tensors: the rules are skipped
+    assert op._validated((a.clone(), None, b), validate) == 2  # another address
+    for other in (a.t(), a[:2], a.view(torch.int32), a.to("meta")):  # strides, shape, dtype, device
+        before = len(calls)
+        op._validated((other, None, b), validate)
+        assert len(calls) == before + 1
+    assert op._validated((a, b, None), validate) == len(calls)  # None in another slot
+
+    def failing():
+        calls.append(1)
+        raise ValueError("x: wrong")
+
+    for _ in range(2):  # a failure is not kept: the next call checks (and fails) again
+        with pytest.raises(ValueError, match="x: wrong"):
+            op._validated((b, None, a), failing)
+    assert calls.count(1) == len(calls)
+
+
 def bwd_meta_tensors(dropout=False, compute_dweight=True):
     return dict(dy=meta(N, D), x=meta(N, D), u=meta(N, D), weight=meta(D), bias=meta(D),
                 mean=meta(N, dtype=F32), rstd=meta(N, dtype=F32),

@@ -464,10 +464,15 @@ class HSTUFwdSm90(_AttentionRules, Op):
         named = dict(q=q, k=k, v=v, o=o, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                      func_tensor=func_tensor, paged_kv=paged_kv, page_ids=page_ids,
                      page_indptrs=page_indptrs)
-        t_q, t_k, entries = self._validate(**named)
-        if workspace is not None:
-            check_packed("workspace", workspace, (torch.int32,), WORKSPACE_SHAPE, INDEX_ALIGN)
-        self._check_relations(dict(named, workspace=workspace))
+        def validate():
+            result = self._validate(**named)
+            if workspace is not None:
+                check_packed("workspace", workspace, (torch.int32,), WORKSPACE_SHAPE,
+                             INDEX_ALIGN)
+            self._check_relations(dict(named, workspace=workspace))
+            return result
+
+        t_q, t_k, entries = self._validated(tuple(named.values()) + (workspace,), validate)
         max_q, _ = self._seqlens(self.max_seqlen_q if max_seqlen_q is None else max_seqlen_q,
                                  self.max_seqlen_k if max_seqlen_k is None else max_seqlen_k,
                                  t_q, t_k, entries)

@@ -250,13 +250,17 @@ class HSTUBwdSm90(_AttentionRules, Op):
             self.check_support()
         named = dict(do=do, q=q, k=k, v=v, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_seqlens_q,
                      cu_seqlens_k=cu_seqlens_k, func_tensor=func_tensor)
-        t_q, t_k, entries = self._validate(do, q, k, v, dq, dk, dv, cu_seqlens_q,
-                                           cu_seqlens_k, func_tensor)
-        if workspace is not None and self.fused:
-            check_tensor("workspace", workspace, dtypes=(torch.float32,),
-                         shape=self.workspace_shape(t_q), align=DATA_ALIGN, contiguous=True,
-                         max_span=TMA_SPAN_LIMIT)
-        self._check_relations(dict(named, workspace=workspace if self.fused else None))
+        def validate():
+            result = self._validate(do, q, k, v, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                    func_tensor)
+            if workspace is not None and self.fused:
+                check_tensor("workspace", workspace, dtypes=(torch.float32,),
+                             shape=self.workspace_shape(result[0]), align=DATA_ALIGN,
+                             contiguous=True, max_span=TMA_SPAN_LIMIT)
+            self._check_relations(dict(named, workspace=workspace if self.fused else None))
+            return result
+
+        t_q, t_k, entries = self._validated(tuple(named.values()) + (workspace,), validate)
         max_q, max_k = self._seqlens(self.max_seqlen_q if max_seqlen_q is None else max_seqlen_q,
                                      self.max_seqlen_k if max_seqlen_k is None else max_seqlen_k,
                                      t_q, t_k, entries)

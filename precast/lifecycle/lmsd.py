@@ -259,9 +259,13 @@ class HstuLmsdFwdSm90(_LmsdBase):
         """Writes y, mean, rstd (and mask) for these inputs. Allocates nothing."""
         if not self._checked:
             self.check_support()
-        n = self._validate(x, u, weight, bias, y, mean, rstd, mask)
-        self._check_relations(dict(x=x, u=u, weight=weight, bias=bias, y=y, mean=mean,
-                                   rstd=rstd, mask=mask))
+        def validate():
+            count = self._validate(x, u, weight, bias, y, mean, rstd, mask)
+            self._check_relations(dict(x=x, u=u, weight=weight, bias=bias, y=y, mean=mean,
+                                       rstd=rstd, mask=mask))
+            return count
+
+        n = self._validated((x, u, weight, bias, y, mean, rstd, mask), validate)
         eps = self.eps if eps is None else eps
         check_finite("eps", eps, positive=True)
         threshold, scale = self._runtime_dropout(dropout_ratio)
@@ -420,12 +424,18 @@ class HstuLmsdBwdSm90(_LmsdBase):
         """Writes dx, du, dbias (and dweight). ``workspace``: fp32 of workspace_shape()."""
         if not self._checked:
             self.check_support()
-        n = self._validate(dy, x, u, weight, bias, mean, rstd, mask, dx, du, dweight, dbias)
-        check_tensor("workspace", workspace, dtypes=(torch.float32,),
-                     shape=(None, self.workspace_slots, self.dim), contiguous=True)
-        self._check_relations(dict(dy=dy, x=x, u=u, weight=weight, bias=bias, mean=mean,
-                                   rstd=rstd, mask=mask, dx=dx, du=du, dweight=dweight,
-                                   dbias=dbias, workspace=workspace))
+        def validate():
+            count = self._validate(dy, x, u, weight, bias, mean, rstd, mask, dx, du, dweight,
+                                   dbias)
+            check_tensor("workspace", workspace, dtypes=(torch.float32,),
+                         shape=(None, self.workspace_slots, self.dim), contiguous=True)
+            self._check_relations(dict(dy=dy, x=x, u=u, weight=weight, bias=bias, mean=mean,
+                                       rstd=rstd, mask=mask, dx=dx, du=du, dweight=dweight,
+                                       dbias=dbias, workspace=workspace))
+            return count
+
+        n = self._validated((dy, x, u, weight, bias, mean, rstd, mask, dx, du, dweight, dbias,
+                             workspace), validate)
         _, scale = self._runtime_dropout(dropout_ratio)
         rows_per_cta = self.tiling.rows_per_cta
         capacity = workspace.shape[0] // rows_per_cta
