@@ -344,8 +344,7 @@ class HstuLmsdBwdSm90(_LmsdBase):
     def workspace_shape(self, device=None) -> Tuple[int, int, int]:
         """fp32 (rows, slots, D): one row per row group of the persistent grid."""
         idx = device.index if isinstance(device, torch.device) else device
-        sms = torch.cuda.get_device_properties(idx if idx is not None else
-                                               torch.cuda.current_device()).multi_processor_count
+        sms = sm_count(idx if idx is not None else torch.cuda.current_device())
         per_sm = max(BWD_CTAS_PER_SM, self.min_ctas_per_sm)
         return (sms * per_sm * self.tiling.rows_per_cta, self.workspace_slots, self.dim)
 
