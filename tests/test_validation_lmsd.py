@@ -432,6 +432,30 @@ def test_execute_validation_runs_once_per_layout():
     assert len(calls) == before + 2
 
 
+def test_execute_validation_memo_reads_scalars_and_containers():
+    op = fwd().check_support()
+    a, b = torch.empty(4, 8), torch.empty(8)
+    assert op._layout_items(None) == ((), None)
+    items, form = op._layout_items({"w": a, "s": None})
+    assert items == (a, None) and form == ("dict", ("w", "s"))
+    items, form = op._layout_items([a, b])
+    assert items == (a, b) and form == ("seq", 2)
+    assert op._layout_items("not a tensor") == (("not a tensor",), ("other",))
+    calls = []
+
+    def validate():
+        calls.append(1)
+        return len(calls)
+
+    assert op._validated((a, b), validate, extra=(0.5, 64)) == 1
+    assert op._validated((a, b), validate, extra=(0.5, 64)) == 1
+    assert op._validated((a, b), validate, extra=(0.25, 64)) == 2  # another scale
+    assert op._validated((a, b), validate, extra=(0.25, None)) == 3
+    # a container that is not all tensors: validated every time (the rules name it)
+    assert op._validated((a, "x"), validate) == 4
+    assert op._validated((a, "x"), validate) == 5
+
+
 def bwd_meta_tensors(dropout=False, compute_dweight=True):
     return dict(dy=meta(N, D), x=meta(N, D), u=meta(N, D), weight=meta(D), bias=meta(D),
                 mean=meta(N, dtype=F32), rstd=meta(N, dtype=F32),

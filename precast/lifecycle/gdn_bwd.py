@@ -449,29 +449,43 @@ class GdnBwdSm90(Op):
                     "the final state's gradient [N, HO, V, K] float32")
         n = (self.checkpoint_every_n_tokens if checkpoint_every_n_tokens is None
              else checkpoint_every_n_tokens)
-        s = self._call_shapes(q, k, v, g, beta, cu_seqlens,
-                              scale=self.scale if scale is None else scale,
-                              initial_state=initial_state, checkpoints=checkpoints,
-                              checkpoint_every_n_tokens=n)
-        self._same_config(s, dfinal is not None)
+        scale = self.scale if scale is None else scale
         inputs = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens,
                       initial_state=initial_state, checkpoints=checkpoints)
         gradients = dict(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, dinitial_state=dinitial_state)
-        check_gdn_gradients(s, inputs, do=do, dfinal=dfinal, gradients=gradients)
-        check_kernel_limits(s, dict(q=q, k=k, v=v, do=do, dq=dq, dk=dk, dv=dv))
-        reuse = self._reuses(s, checkpoints)
         prepared = forward_workspace is not None
-        factors = {} if not prepared else self._check_forward_workspace(forward_workspace, s)
-        factors_read = [(f"forward_workspace ({name})", t) for name, t in factors.items()]
+
+        def validate():
+            s = self._call_shapes(q, k, v, g, beta, cu_seqlens, scale=scale,
+                                  initial_state=initial_state, checkpoints=checkpoints,
+                                  checkpoint_every_n_tokens=n)
+            self._same_config(s, dfinal is not None)
+            check_gdn_gradients(s, inputs, do=do, dfinal=dfinal, gradients=gradients)
+            check_kernel_limits(s, dict(q=q, k=k, v=v, do=do, dq=dq, dk=dk, dv=dv))
+            reuse = self._reuses(s, checkpoints)
+            factors = ({} if not prepared
+                       else self._check_forward_workspace(forward_workspace, s))
+            factors_read = [(f"forward_workspace ({name})", t) for name, t in factors.items()]
+            if workspace is not None:
+                written = [(f"workspace[{name!r}]", t) for name, t in
+                           self._check_workspace(workspace, s, reuse, prepared).items()]
+                read = list({**inputs, "do": do, "dfinal": dfinal, **gradients}.items())
+                check_same_device(written + read + factors_read)
+                check_no_overlap(written, read + factors_read)
+            if prepared:
+                check_same_device(factors_read + list(inputs.items()))
+                check_no_overlap(list(gradients.items()), factors_read)
+            return s, reuse
+
+        ws_items, ws_form = self._layout_items(workspace)
+        fws_items, fws_form = self._layout_items(forward_workspace)
+        s, reuse = self._validated(
+            tuple(inputs.values()) + (do, dfinal) + tuple(gradients.values()) + ws_items
+            + fws_items, validate, extra=(scale, n, ws_form, fws_form))
+        # the checked containers as the kernels take them (rebuilt: the memo keeps no tensors)
+        factors = dict(zip(FORWARD_WORKSPACE, forward_workspace)) if prepared else {}
         if workspace is not None:
-            workspace = self._check_workspace(workspace, s, reuse, prepared)
-            written = [(f"workspace[{name!r}]", t) for name, t in workspace.items()]
-            read = list({**inputs, "do": do, "dfinal": dfinal, **gradients}.items())
-            check_same_device(written + read + factors_read)
-            check_no_overlap(written, read + factors_read)
-        if prepared:
-            check_same_device(factors_read + list(inputs.items()))
-            check_no_overlap(list(gradients.items()), factors_read)
+            workspace = {name: workspace[name] for name in self._needed(reuse, prepared)}
         index = q.device.index
         kernels = self._ready(index)
         if s.N == 0:

@@ -531,21 +531,30 @@ class GdnFwdSm90(Op):
         check_value(checkpoints is not None or not checkpointing, ValueError,
                     "checkpoints is required: this op writes checkpoints; pass a "
                     "[T // n + N, HO, V, K] buffer (see max_checkpoint_rows)")
-        s = self._call_shapes(q, k, v, g, beta, cu_seqlens,
-                              scale=self.scale if scale is None else scale,
-                              initial_state=initial_state, state_indices=state_indices,
-                              checkpoint_every_n_tokens=n, o=o, final_state=final_state,
-                              checkpoints=checkpoints)
-        self._same_config(s)
-        check_kernel_limits(s, dict(q=q, k=k, v=v, o=o))
+        named = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens,
+                     initial_state=initial_state, state_indices=state_indices, o=o,
+                     final_state=final_state, checkpoints=checkpoints)
+        scale = self.scale if scale is None else scale
+
+        def validate():
+            s = self._call_shapes(q, k, v, g, beta, cu_seqlens, scale=scale,
+                                  initial_state=initial_state, state_indices=state_indices,
+                                  checkpoint_every_n_tokens=n, o=o, final_state=final_state,
+                                  checkpoints=checkpoints)
+            self._same_config(s)
+            check_kernel_limits(s, dict(q=q, k=k, v=v, o=o))
+            if workspace is not None:
+                written = [(f"workspace[{i}]", t)
+                           for i, t in enumerate(self._check_workspace(workspace, s))]
+                check_same_device(written + list(named.items()))
+                check_no_overlap(written, list(named.items()))
+            return s
+
+        ws_items, ws_form = self._layout_items(workspace)
+        s = self._validated(tuple(named.values()) + ws_items, validate,
+                            extra=(scale, n, ws_form))
         if workspace is not None:
-            workspace = self._check_workspace(workspace, s)
-            named = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens,
-                         initial_state=initial_state, state_indices=state_indices, o=o,
-                         final_state=final_state, checkpoints=checkpoints)
-            written = [(f"workspace[{i}]", t) for i, t in enumerate(workspace)]
-            check_same_device(written + list(named.items()))
-            check_no_overlap(written, list(named.items()))
+            workspace = tuple(workspace)
         index = q.device.index
         kernels = self._ready(index)
         if s.N == 0:

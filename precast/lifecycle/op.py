@@ -92,22 +92,36 @@ class Op:
     def is_compiled(self) -> bool:
         return self._kernels is not None
 
-    def _validated(self, tensors: tuple, validate: Callable[[], object]):
+    def _validated(self, tensors: tuple, validate: Callable[[], object], extra: tuple = ()):
         """``validate()`` (every per-tensor and cross-tensor rule of execute) once per
         distinct layout of ``tensors``: a call with the same tensors as the last successful
-        one (address, shape, strides, dtype, device; what every rule reads) returns that
-        call's result without re-running the rules, which cost ~10 us of Python per tensor
-        (a serving loop that reuses its buffers pays them once). Failures are not kept."""
+        one (address, shape, strides, dtype, device; what every rule reads), and the same
+        ``extra`` (hashable: the scalars and container keys the rules also read), returns
+        that call's result without re-running the rules, which cost ~10 us of Python per
+        tensor (a serving loop that reuses its buffers pays them once). Failures are not
+        kept; results must hold no tensors (the op would keep a caller's buffers alive)."""
         if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
             return validate()  # descriptors, or a wrong type the rules will name
-        key = tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
-                    for t in tensors)
+        key = (tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype,
+                                             t.device) for t in tensors), extra)
         last = self._last_layout  # one read: another thread may replace it
         if last is not None and last[0] == key:
             return last[1]
         result = validate()
         self._last_layout = (key, result)
         return result
+
+    @staticmethod
+    def _layout_items(container) -> Tuple[tuple, object]:
+        """(the tensors, a hashable description) of an optional tuple, list or dict of
+        tensors, for _validated: its entries and their count or keys."""
+        if container is None:
+            return (), None
+        if isinstance(container, Mapping):
+            return tuple(container.values()), ("dict", tuple(container.keys()))
+        if isinstance(container, (tuple, list)):
+            return tuple(container), ("seq", len(container))
+        return (container,), ("other",)  # not a tensor: the rules will name it
 
     def _ready(self, device_index: int) -> Dict[str, Callable]:
         """Kernels for execute(): compiles (loads) on first use and checks the device."""
