@@ -20,6 +20,9 @@ streams 64-row tiles of the other side through a TMA ring:
   order of the additions varies from run to run (not bitwise reproducible). The next
   streamed tile's S and dP are issued before a tile's dQ partial is staged and sent, and
   CTAs are scheduled a few (sequence, head) pairs at a time so the reduce-adds hit L2.
+Jagged batches (T / R + B fixed tiles at most half of the max_seqlen-sized grid): the grid
+counts only the fixed tiles that exist; each CTA finds its sequence by a warp scan of the
+sequence lengths, 32 at a time (the forward's device-side varlen decode).
 In the other modes each output row is owned by exactly one CTA and summed in a fixed order,
 so the gradients are bitwise reproducible. GQA: a kv head's CTA streams the queries of all
 its query heads.
