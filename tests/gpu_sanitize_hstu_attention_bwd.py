@@ -22,6 +22,8 @@ DEV = "cuda"
 H = 4
 LENS_Q = [37, 1, 0, 130, 5, 64]
 LENS_K = [40, 1, 3, 200, 2, 64]
+# One long sequence among short and empty ones: the kernels number only existing tiles.
+LENS_HEAVY = [700, 0, 1, 3, 0, 2, 5, 1]
 failures = []
 
 
@@ -29,18 +31,19 @@ def cu(lens):
     return offsets_from_lengths(lens, device=DEV)
 
 
-def case(name, d, window, *, hkv=H, func_n=0, seed=0, deterministic=False):
+def case(name, d, window, *, hkv=H, func_n=0, seed=0, deterministic=False, lens_q=LENS_Q,
+         lens_k=LENS_K):
     g = torch.Generator().manual_seed(seed)
     dt = torch.bfloat16
-    q, do = (torch.randn(sum(LENS_Q), H, d, generator=g).to(dt).to(DEV) for _ in range(2))
-    k, v = (torch.randn(sum(LENS_K), hkv, d, generator=g).to(dt).to(DEV) for _ in range(2))
-    cu_q, cu_k = cu(LENS_Q), cu(LENS_K)
+    q, do = (torch.randn(sum(lens_q), H, d, generator=g).to(dt).to(DEV) for _ in range(2))
+    k, v = (torch.randn(sum(lens_k), hkv, d, generator=g).to(dt).to(DEV) for _ in range(2))
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
     func = random_func_tensor(cu_q.cpu(), cu_k.cpu(), func_n, generator=g).to(DEV) \
         if func_n else None
     dq = torch.full_like(q, float("nan"))
-    dkv = torch.full((sum(LENS_K), 3, hkv, d), float("nan"), dtype=dt, device=DEV)
+    dkv = torch.full((sum(lens_k), 3, hkv, d), float("nan"), dtype=dt, device=DEV)
     dk, dv = dkv[:, 0], dkv[:, 2]  # the middle third must stay untouched
-    max_q, max_k = max(LENS_Q), max(LENS_K)
+    max_q, max_k = max(lens_q), max(lens_k)
     alpha = 1 / math.sqrt(d)
     op = HSTUBwdSm90(do, q, k, v, dq, dk, dv, cu_q, cu_k, max_q, max_k, window, alpha,
                      sample_func=func, deterministic=deterministic).check_support().compile()
@@ -66,5 +69,8 @@ case("func3 D64", 64, (-1, -1), func_n=3, seed=2)
 case("GQA causal D64", 64, (-1, 0), hkv=1, seed=3)
 case("causal D256", 256, (-1, 0), seed=4)
 case("deterministic causal D128", 128, (-1, 0), seed=5, deterministic=True)
+case("heavy-tailed causal D64", 64, (-1, 0), seed=6, lens_q=LENS_HEAVY, lens_k=LENS_HEAVY)
+case("heavy-tailed deterministic D128", 128, (-1, 0), seed=7, deterministic=True,
+     lens_q=LENS_HEAVY, lens_k=LENS_HEAVY)
 print("\n".join(failures) or "all ok")
 sys.exit(1 if failures else 0)

@@ -20,6 +20,9 @@ streams 64-row tiles of the other side through a TMA ring:
   order of the additions varies from run to run (not bitwise reproducible). The next
   streamed tile's S and dP are issued before a tile's dQ partial is staged and sent, and
   CTAs are scheduled a few (sequence, head) pairs at a time so the reduce-adds hit L2.
+Jagged batches (T / R + B fixed tiles at most half of the max_seqlen-sized grid): the grid
+counts only the fixed tiles that exist; each CTA finds its sequence by a warp scan of the
+sequence lengths, 32 at a time (the forward's device-side varlen decode).
 In the other modes each output row is owned by exactly one CTA and summed in a fixed order,
 so the gradients are bitwise reproducible. GQA: a kv head's CTA streams the queries of all
 its query heads.
@@ -37,7 +40,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
-                             select_modes, tma_pipeline)
+                             select_modes, tma_pipeline, warp_inclusive_sum)
 from .hstu_attention_fwd_sm90 import PRODUCER_REGS, THREADS_PER_WG, WG_ROWS
 
 STREAM_ROWS = 64
@@ -152,13 +155,22 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         num_batches = mCuSeqlensQ.shape[0] - 1
         heads = self.num_kv_heads if const_expr(self.keys_fixed) else self.num_heads
         tiles = cutlass.max((max_seqlen_fixed + R - 1) // R, 1)
-        # One grid axis (the host checks tiles x heads x B < 2^31): CTA numbers run over the
-        # heads, then the sequences, then the fixed tiles, heaviest tiles first.
+        # One grid axis (the host checks tiles x heads x B < 2^31). Dense numbering: CTA
+        # numbers run over the heads, then the sequences, then the fixed tiles, heaviest tiles
+        # first; sequences shorter than max_seqlen leave CTAs with no rows. Compact numbering
+        # (jagged batches, where most dense CTAs would be empty): only the fixed tiles that
+        # exist, at most T / R + B of them, found by a scan of the sequence lengths.
+        dense = tiles * cutlass.max(num_batches, 1)
+        compact_tiles = mX.shape[0] // R + num_batches
+        compact = Int32(0)
+        if compact_tiles * 2 <= dense:
+            compact = Int32(1)
+        grid_tiles = dense + compact * (compact_tiles - dense)
         self.kernel(mma_s, mma_g, mma_dq, mX_tma, mY_tma, mU_tma, mW_tma, mdQacc_tma, tma_x,
                     tma_y, tma_u, tma_w, tma_dq, sX_layout, sU_layout, sdS_layout, sdQ_layout,
-                    mdA, mdB, mCuSeqlensQ, mCuSeqlensK, mFunc, tiles,
+                    mdA, mdB, mCuSeqlensQ, mCuSeqlensK, mFunc, tiles, compact,
                     num_batches, window_left, window_right, half_alpha, scale_ds,
-                    scale_p).launch(grid=[tiles * heads * cutlass.max(num_batches, 1), 1, 1],
+                    scale_p).launch(grid=[grid_tiles * heads, 1, 1],
                                     block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -170,7 +182,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                sX_layout: cute.ComposedLayout, sU_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
                mdA: cute.Tensor, mdB: cute.Tensor, mCuSeqlensQ: cute.Tensor,
-               mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor, tiles: Int32, num_batches: Int32,
+               mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor, tiles: Int32, compact: Int32,
+               num_batches: Int32,
                window_left: Int32, window_right: Int32, half_alpha: Float32, scale_ds: Float32,
                scale_p: Float32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -182,19 +195,35 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         # reduce-adds missed L2: 396 -> 437 TFLOP/s at causal 16 x 4096 on the H200.) A group
         # holds about L2_GROUP_BYTES of streamed data (8 bytes per element of a pair's
         # longest side: fp32 dQ plus two 16-bit tiles).
-        pairs = heads * cutlass.max(num_batches, 1)
-        per_tile = self.fixed_rows * self.head_dim * 8
-        pair_group = cutlass.max(cutlass.min(L2_GROUP_BYTES // per_tile // tiles, pairs), 1)
-        group_ctas = pair_group * tiles
-        group = cta // group_ctas
-        in_group = cutlass.min(pair_group, pairs - group * pair_group)
-        rank = cta - group * group_ctas
-        pair = group * pair_group + rank % in_group
-        order = rank // in_group
-        head = pair % heads
-        batch = pair // heads
-        # Under a causal mask the first key tiles and the last query tiles see the most.
-        block = order if const_expr(self.keys_fixed) else tiles - 1 - order
+        head = Int32(0)
+        batch = Int32(0)
+        block = Int32(0)
+        if compact == 0:
+            pairs = heads * cutlass.max(num_batches, 1)
+            per_tile = self.fixed_rows * self.head_dim * 8
+            pair_group = cutlass.max(cutlass.min(L2_GROUP_BYTES // per_tile // tiles, pairs), 1)
+            group_ctas = pair_group * tiles
+            group = cta // group_ctas
+            in_group = cutlass.min(pair_group, pairs - group * pair_group)
+            rank = cta - group * group_ctas
+            pair = group * pair_group + rank % in_group
+            order = rank // in_group
+            head = pair % heads
+            batch = pair // heads
+            # Under a causal mask the first key tiles and the last query tiles see the most.
+            block = order if const_expr(self.keys_fixed) else tiles - 1 - order
+        else:
+            # Consecutive CTAs: the heads of one fixed tile, then the sequence's next tile
+            # (heaviest first), then the next sequence; CTAs past the last tile get no rows.
+            head = cta % heads
+            batch, order, count = self.find_fixed_tile(
+                cta // heads, mCuSeqlensK if const_expr(self.keys_fixed) else mCuSeqlensQ,
+                num_batches)
+            if batch < num_batches:
+                block = order if const_expr(self.keys_fixed) else count - 1 - order
+            else:
+                batch = Int32(0)
+                block = tiles  # past every sequence's end: an empty span
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_x, tma_y, tma_u, tma_w):
@@ -238,6 +267,39 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                          pipe_stream, tidx - THREADS_PER_WG, block, head, span, mdA, mdB,
                          mdQacc, tma_dq, mFunc, window_left, window_right, half_alpha,
                          scale_ds, scale_p)
+
+    @cute.jit
+    def find_fixed_tile(self, tile: Int32, mCuSeqlens, num_batches: Int32):
+        """(sequence, tile of it, its tile count) of the tile-th existing fixed tile,
+        scanning the sequences 32 at a time (warp-collective); sequence == num_batches past
+        the last tile."""
+        lane = cute.arch.lane_idx()
+        R = self.fixed_rows
+        batch = num_batches
+        local = Int32(0)
+        count_of = Int32(0)
+        group = Int32(0)
+        base = Int32(0)
+        searching = num_batches > 0
+        while searching:
+            b = group + lane
+            count = Int32(0)
+            if b < num_batches:
+                count = (mCuSeqlens[b + 1] - mCuSeqlens[b] + R - 1) // R
+            ends = warp_inclusive_sum(count)
+            total = cute.arch.shuffle_sync(ends, 31)
+            if tile < base + total:
+                owner = cute.arch.popc(cute.arch.vote_ballot_sync(tile >= base + ends))
+                local = tile - base - cute.arch.shuffle_sync(ends - count, owner)
+                count_of = cute.arch.shuffle_sync(count, owner)
+                batch = group + owner
+                searching = False
+            else:
+                base = base + total
+                group = group + 32
+                if group >= num_batches:
+                    searching = False
+        return batch, local, count_of
 
     @cute.jit
     def work_span(self, block: Int32, batch: Int32, mCuSeqlensQ, mCuSeqlensK,
