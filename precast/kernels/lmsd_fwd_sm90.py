@@ -260,9 +260,21 @@ class LmsdForwardSm90:
         first = block * t.rows_per_cta
         rows = cutlass.min(num_rows - first, t.rows_per_cta)
         cute.arch.mbarrier_arrive_and_expect_tx(full + stage, rows * 2 * row_bytes)
-        for r in cutlass.range(rows, unroll=1):
-            cute.copy(bulk, mX[first + r, None], sX[stage, r, None], mbar_ptr=full + stage)
-            cute.copy(bulk, mU[first + r, None], sU[stage, r, None], mbar_ptr=full + stage)
+        block_elems = const_expr(t.rows_per_cta * self.dim)
+        for m, s_rows in ((mX, sX), (mU, sU)):
+            if rows == t.rows_per_cta and m.stride[0] == self.dim:
+                # Unpadded rows: the whole block is one contiguous copy (the copy engine's
+                # rate per copy, not bytes, limits row-sized copies).
+                whole = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), self.dtype,
+                                            num_bits_per_copy=block_elems * self.dtype.width)
+                src = cute.make_tensor(m[first, None].iterator, cute.make_layout(block_elems))
+                dst = cute.make_tensor(s_rows[stage, 0, None].iterator,
+                                       cute.make_layout(block_elems))
+                cute.copy(whole, src, dst, mbar_ptr=full + stage)
+            else:
+                for r in cutlass.range(rows, unroll=1):
+                    cute.copy(bulk, m[first + r, None], s_rows[stage, r, None],
+                              mbar_ptr=full + stage)
 
     @cute.jit
     def write_row(self, mY, mMask, x, rU, rW, rB, rY, rWords, atom, mask_atom, mean: Float32,
