@@ -5,7 +5,8 @@ dropped-out segments written to y = [a?, x?, ln * a] and one int8 mask byte per
 element (bit 0 main, bit 1 x segment, bit 2 a segment).
 
 Persistent CTAs walk blocks of rows_per_cta rows (block b, b + grid, ...). The x and u
-rows of the next blocks arrive by bulk copies (cp.async.bulk, one per row and tensor) in a
+rows of the next blocks arrive by bulk copies (cp.async.bulk: one per block and tensor when
+rows are unpadded, else one per row and tensor) in a
 ring of shared-memory stages, a few blocks ahead of the threads: the memory system always
 has loads in flight while the threads do the Philox, LayerNorm and output work of the
 current block (with one block per thread and loads into registers, each warp waited for its
