@@ -485,7 +485,8 @@ def test_more_than_32_sequences_get_the_sequence_table(launches, n, dtype):
     """N = 40: seq_table(cu_seqlens, table, every, stream) runs first, into an int32 buffer
     of 2 (N + 1) the op makes on the stream and keeps per (device, stream); every kernel
     that locates chunks takes the table right after cu_seqlens. every: n when the states
-    are regenerated from checkpoints (coarse, or float32), else 0."""
+    are regenerated from checkpoints (coarse, or float32), else 64 (the states pass writes
+    one state per chunk, at the rows the table's checkpoint half gives)."""
     a, kw = call(n=MANY), {}
     if n is None:
         op = bwd().check_support()
@@ -503,7 +504,7 @@ def test_more_than_32_sequences_get_the_sequence_table(launches, n, dtype):
     made = launches.calls[0][1]
     (buffer,) = op._table_buffers[(None, 7)]
     table = made[1]
-    assert made[0] is a["cu_seqlens"] and made[2:] == (n or 0, 7)
+    assert made[0] is a["cu_seqlens"] and made[2:] == (n or 64, 7)
     assert table._base is buffer and table.dtype == I32 and tuple(table.shape) == (TABLE,)
     assert len(tables(launches)) == 4
     assert all(cu is a["cu_seqlens"] and t is table for _, cu, t in tables(launches))

@@ -526,9 +526,11 @@ class GdnBwdSm90(Op):
         # the chunk kernel's outputs: the final gradient, or its fp32 buffer for "finish"
         grads = tuple(ws.get(name, final) for final, name in zip((dq, dk, dv), GRADS32))
         with device_guard(index):
-            # checkpoint rows are looked up only when the states pass starts from them
+            # the table's checkpoint rows: the forward's every n tokens when the states pass
+            # starts from them, else the states pass's own rows (one per chunk)
+            every = n if checkpoints is not None and not reuse else CHUNK_SIZE
             table = sequence_table(kernels, self._table_buffers, self._outgrown, index, handle,
-                                   cu_seqlens, s.N, n if checkpoints is not None else 0)
+                                   cu_seqlens, s.N, every)
             if not prepared:
                 kernels["prepare"](q, k, v, g, beta, cu_seqlens, table, *work, ws["inv"],
                                    s.scale, handle)
