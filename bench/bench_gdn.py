@@ -36,6 +36,8 @@ CASES = {  # name: (sequences, tokens each, q/k heads, v heads)
     "4x8192": (4, 8192, 64, 64),
     "1x32768-gva": (1, 32768, 16, 64),
     "64x512": (64, 512, 64, 64),
+    # many short sequences (serving prefill): the per-sequence table's case
+    "1024x64": (1024, 64, 64, 64),
 }
 DIM = 128
 

@@ -3,8 +3,9 @@ precompiled artifacts of tests/gpu_plan.toml's bf16 K = V = 128, 4-head, l2norm 
 
     compute-sanitizer --tool memcheck --report-api-errors no python tests/gpu_sanitize_gdn.py
 
-Ragged lengths with empty and one-token sequences and a partial last chunk; the result is
-checked against the float64 recurrence so a silent wrong answer fails too."""
+Ragged lengths with empty and one-token sequences and a partial last chunk, then 40 such
+sequences (more than 32: the kernels read the per-sequence table); each result is checked
+against the float64 recurrence so a silent wrong answer fails too."""
 import sys
 
 import torch
@@ -13,24 +14,26 @@ import torch
 from precast import gated_delta_net
 from precast.reference.gated_delta_net import gdn_recurrent_reference, rms_error_ratio
 
-LENS = [70, 0, 1, 64, 5]
+BATCHES = {"ragged": [70, 0, 1, 64, 5], "40 sequences": [3, 0, 1, 64, 70] * 8}
 H, K, V = 4, 128, 128
-g = torch.Generator(device="cuda").manual_seed(0)
-T = sum(LENS)
-q, k = (torch.randn(T, H, K, device="cuda", generator=g).bfloat16() for _ in range(2))
-v = torch.randn(T, H, V, device="cuda", generator=g).bfloat16()
-gate = -0.05 * torch.rand(T, H, device="cuda", generator=g)
-beta = torch.rand(T, H, device="cuda", generator=g)
-cu = torch.tensor([0] + torch.tensor(LENS).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-o, final = gated_delta_net(q, k, v, gate, beta, cu, output_final_state=True,
-                           use_qk_l2norm_in_kernel=True)
-torch.cuda.synchronize()
-ref = gdn_recurrent_reference(q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True)
 failures = []
-for name, got, want in (("o", o, ref["o"]), ("final state", final, ref["final_state"])):
-    ratio = rms_error_ratio(got, want)
-    print(f"{name}: RMS error ratio {ratio:.3g}", flush=True)
-    if not ratio < 2e-2:
-        failures.append(name)
+for what, lens in BATCHES.items():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T = sum(lens)
+    q, k = (torch.randn(T, H, K, device="cuda", generator=g).bfloat16() for _ in range(2))
+    v = torch.randn(T, H, V, device="cuda", generator=g).bfloat16()
+    gate = -0.05 * torch.rand(T, H, device="cuda", generator=g)
+    beta = torch.rand(T, H, device="cuda", generator=g)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                      device="cuda")
+    o, final = gated_delta_net(q, k, v, gate, beta, cu, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
+    torch.cuda.synchronize()
+    ref = gdn_recurrent_reference(q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True)
+    for name, got, want in (("o", o, ref["o"]), ("final state", final, ref["final_state"])):
+        ratio = rms_error_ratio(got, want)
+        print(f"{what}: {name}: RMS error ratio {ratio:.3g}", flush=True)
+        if not ratio < 2e-2:
+            failures.append(f"{what}: {name}")
 print("all ok" if not failures else "FAILED: " + ", ".join(failures))
 sys.exit(1 if failures else 0)

@@ -5,8 +5,8 @@ forward with the final state, backward with its gradient):
     compute-sanitizer --tool memcheck --report-api-errors no python tests/gpu_sanitize_gdn_bwd.py
     compute-sanitizer --tool racecheck python tests/gpu_sanitize_gdn_bwd.py
 
-Ragged lengths with empty and one-token sequences and a partial last chunk, through
-autograd (o, s = gated_delta_net(...); loss.backward()); the gradients are checked against
+Ragged lengths with empty and one-token sequences and a partial last chunk, then 40 such
+sequences (more than 32: the kernels read the per-sequence table), through autograd (o, s = gated_delta_net(...); loss.backward()); the gradients are checked against
 the float64 chunked backward so a silent wrong answer fails too."""
 import sys
 
@@ -16,30 +16,33 @@ from precast import gated_delta_net
 from precast.reference.gated_delta_net import rms_error_ratio
 from precast.reference.gdn_backward import gdn_chunked_backward_reference
 
-LENS = [70, 0, 1, 64, 5]
+BATCHES = {"ragged": [70, 0, 1, 64, 5], "40 sequences": [3, 0, 1, 64, 70] * 8}
 H, K, V = 4, 128, 128
 TOL = 4e-2  # RMS error ratio (bf16), the backward's bar
-g = torch.Generator(device="cuda").manual_seed(0)
-T, N = sum(LENS), len(LENS)
-q, k = (torch.randn(T, H, K, device="cuda", generator=g).bfloat16() for _ in range(2))
-v = torch.randn(T, H, V, device="cuda", generator=g).bfloat16()
-gate = -0.05 * torch.rand(T, H, device="cuda", generator=g)
-beta = torch.rand(T, H, device="cuda", generator=g)
-cu = torch.tensor([0] + torch.tensor(LENS).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-do = torch.randn(T, H, V, device="cuda", generator=g).bfloat16()
-dfinal = 0.1 * torch.randn(N, H, V, K, device="cuda", generator=g)
-
-leaves = [t.clone().requires_grad_() for t in (q, k, v, gate, beta)]
-o, final = gated_delta_net(*leaves, cu, output_final_state=True, use_qk_l2norm_in_kernel=True)
-((o.float() * do.float()).sum() + (final * dfinal).sum()).backward()
-torch.cuda.synchronize()
-ref = gdn_chunked_backward_reference(q, k, v, gate, beta, cu, do, dfinal=dfinal,
-                                     use_qk_l2norm_in_kernel=True)
 failures = []
-for name, leaf in zip(("dq", "dk", "dv", "dg", "dbeta"), leaves):
-    ratio = rms_error_ratio(leaf.grad, ref[name])
-    print(f"{name}: RMS error ratio {ratio:.3g}", flush=True)
-    if not ratio < TOL:
-        failures.append(name)
+for what, lens in BATCHES.items():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, N = sum(lens), len(lens)
+    q, k = (torch.randn(T, H, K, device="cuda", generator=g).bfloat16() for _ in range(2))
+    v = torch.randn(T, H, V, device="cuda", generator=g).bfloat16()
+    gate = -0.05 * torch.rand(T, H, device="cuda", generator=g)
+    beta = torch.rand(T, H, device="cuda", generator=g)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                      device="cuda")
+    do = torch.randn(T, H, V, device="cuda", generator=g).bfloat16()
+    dfinal = 0.1 * torch.randn(N, H, V, K, device="cuda", generator=g)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, gate, beta)]
+    o, final = gated_delta_net(*leaves, cu, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
+    ((o.float() * do.float()).sum() + (final * dfinal).sum()).backward()
+    torch.cuda.synchronize()
+    ref = gdn_chunked_backward_reference(q, k, v, gate, beta, cu, do, dfinal=dfinal,
+                                         use_qk_l2norm_in_kernel=True)
+    for name, leaf in zip(("dq", "dk", "dv", "dg", "dbeta"), leaves):
+        ratio = rms_error_ratio(leaf.grad, ref[name])
+        print(f"{what}: {name}: RMS error ratio {ratio:.3g}", flush=True)
+        if not ratio < TOL:
+            failures.append(f"{what}: {name}")
 print("all ok" if not failures else "FAILED: " + ", ".join(failures))
 sys.exit(1 if failures else 0)

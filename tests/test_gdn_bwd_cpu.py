@@ -2,10 +2,11 @@
 custom op (precast/linear_attention.py) on a CPU machine: static configuration and cache
 key, from_config, the backward's rules (gdn_rules.check_gdn_gradients, through the op and
 on real CPU tensors), execute()'s launches (kernels stood in for and recorded): order,
-arguments, checkpoint reuse, the initial state's gradient, int64 offsets; the workspace
-(shapes, given, the op's own per device and stream, refused while capturing); N == 0 and
-T == 0; the allocating function and the custom op's fake; the kernels' fake arguments and
-one cross-compilation of every backward kernel (marked compile)."""
+arguments, checkpoint reuse, the initial state's gradient, int64 offsets, the
+per-sequence table (N > 32); the workspace (shapes, given, the op's own per device and
+stream, refused while capturing); N == 0 and T == 0; the allocating function and the
+custom op's fake; the kernels' fake arguments and one cross-compilation of every backward
+kernel (marked compile)."""
 import math
 import sys
 
@@ -41,7 +42,7 @@ def expected_modes(cfg) -> tuple:
     grouped = len({cfg["q_heads"], cfg["k_heads"], cfg["v_heads"]}) > 1
     regenerate = () if cfg["checkpoint_dtype"] == "none" else (
         ("regenerate", "regenerate_split") if cfg["v_dim"] == 128 else ("regenerate",))
-    return ("prepare", "states", "state_grad", "chunk_grad") + split + (
+    return ("seq_table", "prepare", "states", "state_grad", "chunk_grad") + split + (
         ("finish",) if grouped else ()) + regenerate
 
 
@@ -104,7 +105,8 @@ def test_exported_and_registered():
     assert set(GdnBwdSm90.kernel_sources) >= {
         "precast.kernels.gdn_chunk_sm90", "precast.kernels.gdn_recurrence_sm90",
         "precast.kernels.gdn_bwd_recurrence_sm90", "precast.kernels.gdn_bwd_chunk_sm90",
-        "precast.kernels.gdn_bwd_finish_sm90", "precast.kernels.gdn_layout"}
+        "precast.kernels.gdn_bwd_finish_sm90", "precast.kernels.gdn_layout",
+        "precast.kernels.gdn_seq_table_sm90"}
     # the stage 1 and 2 fake arguments are built by the forward's module
     assert GdnBwdSm90.host_sources == ("precast.lifecycle.gdn_fwd",)
 
@@ -324,32 +326,36 @@ def test_execute_launches_every_stage_in_order(launches):
     assert [m for m, _ in launches.calls] == LAUNCHED
     (_, prep), (_, states), (_, sgrad), (_, cgrad), (_, fin) = launches.calls
     q, k, v, g, beta, cu, do = (a[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "do"))
-    # prepare(q, k, v, g, beta, cu_seqlens, work16, work32, inv, scale, stream)
-    assert same(prep[:6], [q, k, v, g, beta, cu]) and prep[9:] == (0.5, 7)
-    assert [tuple(t.shape) for t in prep[6:9]] == [(CHUNKS, HO, 64, K + V + 64),
-                                                   (CHUNKS, HO, 136), (CHUNKS, HO, 64, 64)]
-    # states(q, k, work16, work32, cu_seqlens, no o, initial state, None, None, states, 64,
+    # N <= 32 sequences: no table, cu_seqlens stands in for it (the argument after it)
+    # prepare(q, k, v, g, beta, cu_seqlens, table, work16, work32, inv, scale, stream)
+    assert same(prep[:7], [q, k, v, g, beta, cu, cu]) and prep[10:] == (0.5, 7)
+    assert [tuple(t.shape) for t in prep[7:10]] == [(CHUNKS, HO, 64, K + V + 64),
+                                                    (CHUNKS, HO, 136), (CHUNKS, HO, 64, 64)]
+    # states(q, k, work16, work32, cu_seqlens, table, no o, initial state, None, None,
+    # states, 64, stream)
+    assert same(states[:6], [q, k, prep[7], prep[8], cu, cu])
+    assert states[6:10] == (None, None, None, None) and states[11:] == (64, 7)
+    assert tuple(states[10].shape) == (CHUNKS, HO, V, K) and states[10].dtype == BF
+    # state_grad(q, k, do, work16, work32, cu_seqlens, table, dfinal, dstates, ddelta, dinit,
     # stream)
-    assert same(states[:5], [q, k, prep[6], prep[7], cu])
-    assert states[5:9] == (None, None, None, None) and states[10:] == (64, 7)
-    assert tuple(states[9].shape) == (CHUNKS, HO, V, K) and states[9].dtype == BF
-    # state_grad(q, k, do, work16, work32, cu_seqlens, dfinal, dstates, ddelta, dinit, stream)
-    assert same(sgrad[:6], [q, k, do, prep[6], prep[7], cu]) and sgrad[6] is None
-    assert tuple(sgrad[7].shape) == (CHUNKS, HO, V, K) and sgrad[7].dtype == BF
-    assert tuple(sgrad[8].shape) == (CHUNKS, HO, 64, V) and sgrad[9:] == (None, 7)
-    # chunk_grad(q, k, v, g, beta, cu_seqlens, do, work16, work32, inv, states, dstates,
-    # ddelta, dq32, dk32, dv (v's heads are not grouped: final there), dg, dbeta, scale, stream)
-    assert same(cgrad[:13], [q, k, v, g, beta, cu, do, prep[6], prep[7], prep[8], states[9],
-                             sgrad[7], sgrad[8]])
-    assert [(tuple(t.shape), t.dtype) for t in cgrad[13:15]] == [
-        ((T, HO, K), F32), ((T, HO, K), F32)] and cgrad[15] is a["dv"]
-    assert same(cgrad[16:18], [a["dg"], a["dbeta"]]) and cgrad[18:] == (0.5, 7)
+    assert same(sgrad[:7], [q, k, do, prep[7], prep[8], cu, cu]) and sgrad[7] is None
+    assert tuple(sgrad[8].shape) == (CHUNKS, HO, V, K) and sgrad[8].dtype == BF
+    assert tuple(sgrad[9].shape) == (CHUNKS, HO, 64, V) and sgrad[10:] == (None, 7)
+    # chunk_grad(q, k, v, g, beta, cu_seqlens, table, do, work16, work32, inv, states,
+    # dstates, ddelta, dq32, dk32, dv (v's heads are not grouped: final there), dg, dbeta,
+    # scale, stream)
+    assert same(cgrad[:14], [q, k, v, g, beta, cu, cu, do, prep[7], prep[8], prep[9],
+                             states[10], sgrad[8], sgrad[9]])
+    assert [(tuple(t.shape), t.dtype) for t in cgrad[14:16]] == [
+        ((T, HO, K), F32), ((T, HO, K), F32)] and cgrad[16] is a["dv"]
+    assert same(cgrad[17:19], [a["dg"], a["dbeta"]]) and cgrad[19:] == (0.5, 7)
     # finish(q, k, dq32, dk32, no dv32, dq, dk, dv, stream)
-    assert same(fin[:4], [q, k, *cgrad[13:15]]) and fin[4] is None
+    assert same(fin[:4], [q, k, *cgrad[14:16]]) and fin[4] is None
     assert same(fin[5:8], [a["dq"], a["dk"], a["dv"]]) and fin[-1] == 7
     # the op's buffers, made once on the launch stream before the launches
     assert kinds(launches)[-5:] == ["launch"] * 5 and "launch" not in kinds(launches)[:-5]
     assert launches.capture_queries == [7] * 3 and len(op._workspaces) == 3
+    assert op._table_buffers == {}
 
 
 def test_split_recurrences_when_the_pairs_fill_at_most_half_the_sms(launches, monkeypatch):
@@ -379,8 +385,8 @@ def test_checkpoints_at_64_in_the_io_dtype_are_reused(launches):
     op.execute(**call(), initial_state=s0, dinitial_state=ds0, checkpoints=ckpt,
                checkpoint_every_n_tokens=64, stream=3)
     assert [m for m, _ in launches.calls] == ["prepare", "state_grad", "chunk_grad", "finish"]
-    assert launches.calls[2][1][10] is ckpt
-    assert launches.calls[1][1][9] is ds0  # a float32 initial state: written in place
+    assert launches.calls[2][1][11] is ckpt
+    assert launches.calls[1][1][10] is ds0  # a float32 initial state: written in place
     assert all("states" not in key and "o" not in key for key in op._workspaces)
 
 
@@ -397,12 +403,13 @@ def test_states_are_regenerated_from_coarse_or_float32_checkpoints(launches, n, 
                checkpoint_every_n_tokens=n, stream=3)
     assert [m for m, _ in launches.calls] == ["prepare", "regenerate", "state_grad",
                                               "chunk_grad", "finish"]
-    # regenerate(q, k, work16, work32, cu_seqlens, no o, checkpoints, None, None, states, n,
-    # stream)
+    # regenerate(q, k, work16, work32, cu_seqlens, table, no o, checkpoints, None, None,
+    # states, n, stream)
     states = launches.calls[1][1]
-    assert states[5] is None and states[6] is ckpt and states[7:9] == (None, None)
-    assert tuple(states[9].shape) == (CHUNKS, HO, V, K) and states[10:] == (n, 3)
-    assert launches.calls[3][1][10] is states[9]
+    assert states[5] is states[4]  # N <= 32: cu_seqlens stands in for the table
+    assert states[6] is None and states[7] is ckpt and states[8:10] == (None, None)
+    assert tuple(states[10].shape) == (CHUNKS, HO, V, K) and states[11:] == (n, 3)
+    assert launches.calls[3][1][11] is states[10]
     assert not any(x is s0 for x in states)
 
 
@@ -428,9 +435,10 @@ def test_io_initial_state_gradient_is_converted_on_the_stream(launches):
     s0, ds0, dfin = meta(N, HO, V, K), meta(N, HO, V, K), meta(N, HO, V, K, dtype=F32)
     op.execute(**call(), initial_state=s0, dinitial_state=ds0, dfinal=dfin, stream=5)
     sgrad = launches.calls[2][1]
-    assert sgrad[6] is dfin and sgrad[9].dtype == F32 and tuple(sgrad[9].shape) == (N, HO, V, K)
-    assert launches.calls[1][1][6] is s0
-    assert launches.events[-3:] == [("stream", 5, None), ("copy", ds0, sgrad[9]),
+    assert sgrad[7] is dfin and sgrad[10].dtype == F32
+    assert tuple(sgrad[10].shape) == (N, HO, V, K)
+    assert launches.calls[1][1][7] is s0
+    assert launches.events[-3:] == [("stream", 5, None), ("copy", ds0, sgrad[10]),
                                     ("end stream",)]
     assert op.workspace_shapes(T, N)["dinit32"] == (N, HO, V, K)
     assert "dinit32" not in bwd(sample_initial_state=state()).workspace_shapes(T, N)
@@ -442,8 +450,10 @@ def test_int64_cu_seqlens_run_from_an_int32_copy(launches):
     op.execute(**call(cu_seqlens=cu64), stream=4)
     offsets = launches.calls[0][1][5]
     assert offsets.dtype == I32 and tuple(offsets.shape) == (N + 1,)
-    assert launches.calls[1][1][4] is offsets  # states
-    assert launches.calls[2][1][5] is offsets and launches.calls[3][1][5] is offsets
+    assert launches.calls[0][1][6] is offsets  # the table's stand-in too
+    assert same(launches.calls[1][1][4:6], [offsets] * 2)  # states
+    assert same(launches.calls[2][1][5:7], [offsets] * 2)
+    assert same(launches.calls[3][1][5:7], [offsets] * 2)
     copies = [e for e in launches.events if e[0] == "copy"]
     assert copies[-1][1] is offsets and copies[-1][2] is cu64
 
@@ -452,10 +462,117 @@ def test_scale_is_a_runtime_value(launches):
     op = bwd(scale=0.5).check_support()
     op.execute(**call(), stream=1)
     op.execute(**call(), stream=1, scale=0.25)
-    assert [c[9] for m, c in launches.calls if m == "prepare"] == [0.5, 0.25]
-    assert [c[18] for m, c in launches.calls if m == "chunk_grad"] == [0.5, 0.25]
+    assert [c[10] for m, c in launches.calls if m == "prepare"] == [0.5, 0.25]
+    assert [c[19] for m, c in launches.calls if m == "chunk_grad"] == [0.5, 0.25]
     bwd().check_support().execute(**call(), stream=1)
-    assert launches.calls[-5][1][9] == 1 / math.sqrt(K)
+    assert launches.calls[-5][1][10] == 1 / math.sqrt(K)
+
+
+# --- the per-sequence table (gdn_fwd.sequence_table) ----------------------------------------------
+MANY = fwd_module.TABLE_MIN_SEQS + 8  # 40 sequences: the table
+TABLE = 2 * (MANY + 1)  # its int32 entries
+# where each kernel that locates chunks takes cu_seqlens (the table right after it)
+CU_AT = {"prepare": 5, "states": 4, "regenerate": 4, "state_grad": 5, "chunk_grad": 5}
+
+
+def tables(rec):
+    """(cu_seqlens, table) as each recorded launch of CU_AT's kernels took them."""
+    return [(m, *args[CU_AT[m]:CU_AT[m] + 2]) for m, args in rec.calls if m in CU_AT]
+
+
+@pytest.mark.parametrize("n,dtype", [(None, None), (128, BF), (64, F32)])
+def test_more_than_32_sequences_get_the_sequence_table(launches, n, dtype):
+    """N = 40: seq_table(cu_seqlens, table, every, stream) runs first, into an int32 buffer
+    of 2 (N + 1) the op makes on the stream and keeps per (device, stream); every kernel
+    that locates chunks takes the table right after cu_seqlens. every: n when the states
+    are regenerated from checkpoints (coarse, or float32), else 64 (the states pass writes
+    one state per chunk, at the rows the table's checkpoint half gives)."""
+    a, kw = call(n=MANY), {}
+    if n is None:
+        op = bwd().check_support()
+    else:
+        op = bwd(sample_initial_state=state(), checkpoint_every_n_tokens=64,
+                 sample_checkpoints=state(rows=CHUNKS, dtype=dtype)).check_support()
+        kw = dict(initial_state=meta(MANY, HO, V, K, dtype=F32),
+                  dinitial_state=meta(MANY, HO, V, K, dtype=F32),
+                  checkpoints=meta(T // n + MANY, HO, V, K, dtype=dtype),
+                  checkpoint_every_n_tokens=n)
+    op.execute(**a, **kw, stream=7)
+    states = "states" if n is None else "regenerate"
+    assert [m for m, _ in launches.calls] == ["seq_table", "prepare", states, "state_grad",
+                                              "chunk_grad", "finish"]
+    made = launches.calls[0][1]
+    (buffer,) = op._table_buffers[(None, 7)]
+    table = made[1]
+    assert made[0] is a["cu_seqlens"] and made[2:] == (n or 64, 7)
+    assert table._base is buffer and table.dtype == I32 and tuple(table.shape) == (TABLE,)
+    assert len(tables(launches)) == 4
+    assert all(cu is a["cu_seqlens"] and t is table for _, cu, t in tables(launches))
+    assert ("empty", (TABLE,), I32) in launches.events
+    # the next call on the stream reuses the buffer
+    launches.calls.clear()
+    launches.events.clear()
+    op.execute(**a, **kw, stream=7)
+    assert kinds(launches) == ["launch"] * 6 and op._table_buffers[(None, 7)][0] is buffer
+    table = launches.calls[0][1][1]
+    assert table._base is buffer and all(t is table for *_, t in tables(launches))
+
+
+def test_32_sequences_scan_cu_seqlens(launches):
+    """N = TABLE_MIN_SEQS: no seq_table launch; cu_seqlens stands in for the table (also
+    with the forward's factors, which skip prepare)."""
+    op = bwd().check_support()
+    a = call(n=fwd_module.TABLE_MIN_SEQS)
+    op.execute(**a, stream=7)
+    assert [m for m, _ in launches.calls] == LAUNCHED
+    assert len(tables(launches)) == 4
+    assert all(cu is t is a["cu_seqlens"] for _, cu, t in tables(launches))
+    assert op._table_buffers == {}
+
+
+def test_sequence_table_with_the_forward_workspace(launches):
+    """Without prepare (the forward's factors) the other kernels still take the table."""
+    op = bwd().check_support()
+    forward = keeping_forward()
+    factors = tuple(meta(*shape, dtype=dtype) for shape, dtype in zip(
+        forward.workspace_shapes(T, MANY), forward.workspace_dtypes()))
+    op.execute(**call(n=MANY), forward_workspace=factors, stream=3)
+    assert [m for m, _ in launches.calls] == ["seq_table"] + LAUNCHED[1:]
+    table = launches.calls[0][1][1]
+    assert [t is table for *_, t in tables(launches)] == [True] * 3
+
+
+def test_sequence_table_of_int64_cu_seqlens_reads_the_int32_copy(launches):
+    op = bwd().check_support()
+    op.execute(**call(n=MANY, cu_seqlens=meta(MANY + 1, dtype=I64)), stream=4)
+    (_, made), (_, prep) = launches.calls[:2]
+    offsets = prep[5]
+    assert offsets.dtype == I32 and offsets._base is op._offset_buffers[(None, 4)][0]
+    assert made[0] is offsets and made[1]._base is op._table_buffers[(None, 4)][0]
+    assert all(cu is offsets and t is made[1] for _, cu, t in tables(launches))
+
+
+def test_sequence_table_not_made_while_capturing(launches):
+    """A stream capturing a graph before the op has a table buffer: no allocation, no
+    seq_table, the kernels scan cu_seqlens; a buffer made before the capture is used."""
+    op = bwd().check_support()
+    ws, a = workspace(op, n=MANY), call(n=MANY)
+    launches.capturing = True
+    op.execute(**a, workspace=ws, stream=7)
+    assert [m for m, _ in launches.calls] == LAUNCHED
+    assert all(cu is t is a["cu_seqlens"] for _, cu, t in tables(launches))
+    assert kinds(launches) == ["launch"] * 5 and op._table_buffers == {}
+    launches.capturing = False
+    op.execute(**a, workspace=ws, stream=7)  # makes the buffer
+    (buffer,) = op._table_buffers[(None, 7)]
+    launches.capturing = True
+    launches.calls.clear()
+    launches.events.clear()
+    op.execute(**a, workspace=ws, stream=7)
+    assert [m for m, _ in launches.calls] == ["seq_table"] + LAUNCHED
+    table = launches.calls[0][1][1]
+    assert table._base is buffer and all(t is table for *_, t in tables(launches))
+    assert kinds(launches) == ["launch"] * 6
 
 
 # --- the workspace --------------------------------------------------------------------------------
@@ -498,10 +615,10 @@ def test_execute_with_a_workspace_allocates_nothing(launches):
     op.execute(**args, workspace=ws, stream=3)
     assert kinds(launches) == ["launch"] * 5 and op._workspaces == {}
     (_, prep), (_, states), (_, sgrad), (_, cgrad), _ = launches.calls
-    assert same(prep[6:9], [ws["work16"], ws["work32"], ws["inv"]])
-    assert states[5] is None and states[9] is ws["states"]
-    assert sgrad[7] is ws["dstates"] and sgrad[8] is ws["ddelta"]
-    assert same(cgrad[13:16], [ws["dq32"], ws["dk32"], args["dv"]])
+    assert same(prep[7:10], [ws["work16"], ws["work32"], ws["inv"]])
+    assert states[6] is None and states[10] is ws["states"]
+    assert sgrad[8] is ws["dstates"] and sgrad[9] is ws["ddelta"]
+    assert same(cgrad[14:17], [ws["dq32"], ws["dk32"], args["dv"]])
     # reusing checkpoints, states may be left out
     ckpt = meta(CHUNKS, HO, V, K)
     del ws["states"]
@@ -527,12 +644,12 @@ def test_forward_workspace_skips_prepare(launches):
     assert [mode for mode, _ in launches.calls] == LAUNCHED[1:]
     (_, states), (_, sgrad), (_, cgrad), _ = launches.calls
     assert same(states[2:4], factors[:2]) and same(sgrad[3:5], factors[:2])
-    assert same(cgrad[7:10], factors)
+    assert same(cgrad[8:11], factors)
     assert not any(n in key for key in op._workspaces for n in names)
     # a workspace without them is complete
     ws = {n: t for n, t in workspace(op).items() if n not in names}
     op.execute(**a, workspace=ws, forward_workspace=list(factors), stream=3)
-    assert launches.calls[-2][0] == "chunk_grad" and same(launches.calls[-2][1][7:10], factors)
+    assert launches.calls[-2][0] == "chunk_grad" and same(launches.calls[-2][1][8:11], factors)
 
 
 FORWARD_WORKSPACE_RULES = [
@@ -709,7 +826,7 @@ def test_allocating_function(no_compile):
     assert ds0 is None and r.dq is dq
     assert [m for m, _ in no_compile.calls] == LAUNCHED
     assert same(no_compile.calls[-1][1][5:8], [dq, dk, dv])
-    assert no_compile.calls[0][1][9] == 0.5
+    assert no_compile.calls[0][1][10] == 0.5
     (op,) = COMPILED_OPS._ops.values()
     assert op.static_config() == {**BASE_CONFIG, "use_qk_l2norm_in_kernel": True}
     # an initial state (io dtype), dfinal and reused checkpoints: another op
@@ -732,7 +849,7 @@ def test_allocating_functions_keep_and_reuse_the_forward_workspace(no_compile):
                                 stream=0)
     (_, prep), _ = no_compile.calls
     work16, work32, inv = r.workspace
-    assert same(prep[6:9], r.workspace) and inv.shape == (CHUNKS, HO, 64, 64)
+    assert same(prep[7:10], r.workspace) and inv.shape == (CHUNKS, HO, 64, 64)
     fwd_op = [op for op in COMPILED_OPS._ops.values() if isinstance(op, GdnFwdSm90)]
     assert [op.store_inverse for op in fwd_op] == [True] and fwd_op[0]._workspaces == {}
     assert precast.gated_delta_net(**a, use_qk_l2norm_in_kernel=True, stream=0).workspace is None
@@ -740,7 +857,7 @@ def test_allocating_functions_keep_and_reuse_the_forward_workspace(no_compile):
     gated_delta_net_backward(**a, do=do, use_qk_l2norm_in_kernel=True,
                              forward_workspace=r.workspace, stream=0)
     assert [m for m, _ in no_compile.calls] == LAUNCHED[1:]
-    assert same(no_compile.calls[2][1][7:10], r.workspace)
+    assert same(no_compile.calls[2][1][8:11], r.workspace)
 
 
 def test_allocating_function_copies_what_it_cannot_read(no_compile):
@@ -801,25 +918,35 @@ def test_kernel_builder_arguments():
                                 v_heads=8, g_dtype="bfloat16", state_dtype="io",
                                 use_qk_l2norm_in_kernel=True).check_support()
     built = {mode: build() for mode, build in op._kernel_builders().items()}
+    _, made = built["seq_table"]  # (cu_seqlens, table, every, stream)
+    assert len(made) == 4 and made[0].element_type == made[1].element_type == cutlass.Int32
+    assert isinstance(made[2], cutlass.Int32)
     kernel, prep = built["prepare"]
-    assert kernel.store_inverse and len(prep) == 11
-    assert tuple(prep[8].shape[1:]) == (8, 64, 64) and prep[8].element_type == cutlass.Float16
+    assert kernel.store_inverse and len(prep) == 12
+    assert prep[5].element_type == prep[6].element_type == cutlass.Int32  # cu_seqlens, table
+    assert tuple(prep[9].shape[1:]) == (8, 64, 64) and prep[9].element_type == cutlass.Float16
     _, states = built["states"]
-    assert [i for i, x in enumerate(states) if x is None] == [5, 7, 8]  # no o
-    assert tuple(states[9].shape[1:]) == (8, 128, 64) and states[9].element_type == cutlass.Float16
-    assert states[6].element_type == cutlass.Float16  # the io initial state
+    assert [i for i, x in enumerate(states) if x is None] == [6, 8, 9]  # no o
+    assert states[4].element_type == states[5].element_type == cutlass.Int32
+    assert tuple(states[10].shape[1:]) == (8, 128, 64)
+    assert states[10].element_type == cutlass.Float16
+    assert states[7].element_type == cutlass.Float16  # the io initial state
     _, sgrad = built["state_grad"]
-    assert len(sgrad) == 11 and sgrad[6] is None  # no dfinal
+    assert len(sgrad) == 12 and sgrad[7] is None  # no dfinal
+    assert sgrad[5].element_type == sgrad[6].element_type == cutlass.Int32
     assert tuple(sgrad[2].shape[1:]) == (8, 128)  # do
-    assert tuple(sgrad[8].shape[1:]) == (8, 64, 128) and sgrad[9].element_type == cutlass.Float32
+    assert tuple(sgrad[9].shape[1:]) == (8, 64, 128)
+    assert sgrad[10].element_type == cutlass.Float32
     _, cgrad = built["chunk_grad"]
-    assert len(cgrad) == 20 and None not in cgrad
-    assert [tuple(t.shape[1:]) for t in cgrad[13:16]] == [(8, 64), (8, 64), (8, 128)]
+    assert len(cgrad) == 21 and None not in cgrad
+    assert cgrad[5].element_type == cgrad[6].element_type == cutlass.Int32
+    assert [tuple(t.shape[1:]) for t in cgrad[14:17]] == [(8, 64), (8, 64), (8, 128)]
     # q is grouped (2 heads for 8 output heads): fp32 per output head; k and v have a head
     # per output head: written final, in the io dtype
-    assert [t.element_type for t in cgrad[13:16]] == [cutlass.Float32, cutlass.Float16,
+    assert [t.element_type for t in cgrad[14:17]] == [cutlass.Float32, cutlass.Float16,
                                                       cutlass.Float16]
-    assert cgrad[16].element_type == cutlass.BFloat16 and cgrad[17].element_type == cutlass.Float32
+    assert cgrad[17].element_type == cutlass.BFloat16
+    assert cgrad[18].element_type == cutlass.Float32
     _, fin = built["finish"]
     assert len(fin) == 9 and fin[3] is None and fin[4] is None  # no dk32, dv32
     assert [tuple(t.shape[1:]) for t in fin[5:8]] == [(2, 64), (8, 64), (8, 128)]

@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_gdn_fwd_gpu import BASE as FORWARD_BASE
 from test_gdn_fwd_gpu import CONFIGS as FORWARD_TESTED
-from test_gdn_fwd_gpu import RAGGED, SHORT, Batch, assert_close, make_batch
+from test_gdn_fwd_gpu import MANY, RAGGED, SHORT, Batch, assert_close, make_batch
 
 from precast import GdnBwdSm90, GdnFwdSm90, gated_delta_net, gated_delta_net_backward
 from precast.reference.gated_delta_net import gdn_recurrent_reference
@@ -164,6 +164,25 @@ def test_matches_the_reference(name, lengths):
     ct = cotangents(name, b, seed=len(name))
     got = launch(name, b, ct)
     assert_grads_close(got, reference(name, b, ct), b.q.dtype, f"{name} {lengths}")
+
+
+def test_many_sequences_use_the_table(monkeypatch):
+    """More than 32 sequences: the backward's kernels locate chunks, first chunks and
+    checkpoint rows in the per-sequence table. Against the reference; states regenerated
+    from float32 checkpoints (every 64 and 192 tokens) and the scans the kernels make
+    without the table give bitwise the same gradients."""
+    import precast.lifecycle.gdn_fwd as gdn_fwd
+    b = make_batch(CONFIGS["bf16-state"], MANY, seed=23)
+    ct = cotangents("bf16-state", b, seed=23)
+    got = launch("bf16-state", b, ct)
+    assert_grads_close(got, reference("bf16-state", b, ct), BF, "100 sequences")
+    f32 = FORWARD_TESTED["bf16-state-checkpoints"]
+    for n in (64, 192):
+        regenerated = launch("bf16-state-ckpt-f32", b, ct,
+                             checkpoints=forward_checkpoints(f32, b, n), n=n)
+        assert regenerated.equal(got), n
+    monkeypatch.setattr(gdn_fwd, "TABLE_MIN_SEQS", 1 << 30)
+    assert launch("bf16-state", b, ct).equal(got), "scans without the table"
 
 
 def test_scale_is_a_runtime_value():

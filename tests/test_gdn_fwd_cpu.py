@@ -1,9 +1,10 @@
 """GdnFwdSm90 (precast/lifecycle/gdn_fwd.py) and gated_delta_net (precast/linear_attention.py)
 on a CPU machine: static configuration and cache key, from_config, the kernel limits
 (NotImplementedError), execute() against the op's configuration, its launches (kernels
-stood in for and recorded), the workspace (shapes, given, the op's own per device and
-stream, refused while capturing), the N == 0 and T == 0 paths, the allocating function and
-the custom op's fake; one cross-compilation test (marked compile) builds both kernels.
+stood in for and recorded), the per-sequence table (N > 32), the workspace (shapes, given,
+the op's own per device and stream, refused while capturing), the N == 0 and T == 0 paths,
+the allocating function and the custom op's fake; one cross-compilation test (marked
+compile) builds every kernel.
 Every host rule of a call itself is gdn_rules' (tests/test_validation_gdn.py)."""
 import math
 import sys
@@ -84,7 +85,8 @@ def test_exported_and_registered():
     # every module the kernels' code comes from, the shared workspace layout included
     assert set(GdnFwdSm90.kernel_sources) == {
         "precast.kernels.gdn_chunk_sm90", "precast.kernels.gdn_recurrence_sm90",
-        "precast.kernels.gdn_layout", "precast.kernels.attention_sm90", "precast.kernels.fake"}
+        "precast.kernels.gdn_seq_table_sm90", "precast.kernels.gdn_layout",
+        "precast.kernels.attention_sm90", "precast.kernels.fake"}
 
 
 # --- static configuration and cache key ---------------------------------------------------------
@@ -194,7 +196,7 @@ def test_from_config_round_trip(config):
     assert dict(entry.config) == cfg
     split = ("recurrence_split",) if cfg["v_dim"] == 128 else ()
     assert tuple(op._kernel_builders()) == kernel_modes(cfg["v_dim"]) == (
-        "prepare", "recurrence") + split
+        "seq_table", "prepare", "recurrence") + split
 
 
 @pytest.mark.parametrize("config,exc,match", [
@@ -236,7 +238,7 @@ def test_split_recurrence_when_the_pairs_fill_at_most_half_the_sms(launches, mon
         op.execute(**call(), stream=1)
         assert [m for m, _ in launches.calls[-2:]] == ["prepare", mode]
     (_, prep), (_, rec) = launches.calls[-2:]
-    assert after_qk(prep, rec)[:2] == (prep[6], prep[7])  # the same workspace either way
+    assert after_qk(prep, rec)[:2] == (prep[7], prep[8])  # the same workspace either way
     op64 = gdn(**samples(v=64)).check_support()
     op64.execute(**call(v=meta(T, HV, 64), o=meta(T, HO, 64)), stream=1)
     assert launches.calls[-1][0] == "recurrence"
@@ -252,7 +254,7 @@ def test_int64_cu_seqlens_run_from_an_int32_copy_on_the_stream(launches):
     (_, prep), (_, rec) = launches.calls
     offsets = prep[5]
     assert offsets.dtype == I32 and tuple(offsets.shape) == (N + 1,)
-    assert after_qk(prep, rec)[2] is offsets
+    assert prep[6] is offsets and same(after_qk(prep, rec)[2:4], [offsets, offsets])
     (buffer,) = op._offset_buffers[(None, 4)]
     assert offsets._base is buffer
     assert ("empty", (N + 1,), I32) in launches.events
@@ -417,23 +419,25 @@ def test_execute_launches_prepare_then_recurrence(launches):
     work16, work32 = op._workspaces[(None, 7)]  # (device index, stream): meta has no index
     assert tuple(work16.shape) == (CHUNKS, HO, 64, F) and work16.dtype == BF
     assert tuple(work32.shape) == (CHUNKS, HO, 136) and work32.dtype == F32
-    # prepare(q, k, v, g, beta, cu_seqlens, work16, work32, inv, scale, stream): no inverse
-    # (the backward's)
-    assert len(prep) == 11
-    assert same(prep[:6], [a[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")])
-    assert prep[6]._base is work16 and prep[7]._base is work32
-    assert prep[8:] == (None, 1 / math.sqrt(K), 7)
-    # recurrence(q, k, work16, work32, cu_seqlens, o, state0, state_indices, final, ckpt, n,
-    # stream), after q and k
-    assert len(rec) == 10
-    assert same(rec[:4], [prep[6], prep[7], a["cu_seqlens"], a["o"]])
-    assert rec[4:8] == (None,) * 4 and rec[8:] == (0, 7)
+    # prepare(q, k, v, g, beta, cu_seqlens, table, work16, work32, inv, scale, stream): no
+    # inverse (the backward's); N <= 32 sequences: no table (cu_seqlens stands in)
+    assert len(prep) == 12
+    assert same(prep[:7], [a[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens",
+                                          "cu_seqlens")])
+    assert prep[7]._base is work16 and prep[8]._base is work32
+    assert prep[9:] == (None, 1 / math.sqrt(K), 7)
+    # recurrence(q, k, work16, work32, cu_seqlens, table, o, state0, state_indices, final,
+    # ckpt, n, stream), after q and k
+    assert len(rec) == 11
+    assert same(rec[:5], [prep[7], prep[8], a["cu_seqlens"], a["cu_seqlens"], a["o"]])
+    assert rec[5:9] == (None,) * 4 and rec[9:] == (0, 7)
     # the workspace made once, uninitialized (prepare writes what the recurrence reads), on
     # the launch stream, after asking whether it captures
     assert launches.events == [("stream", 7, None), ("empty", (CHUNKS, HO, 64, F), BF),
                                ("empty", (CHUNKS, HO, 136), F32), ("end stream",),
                                ("launch", "prepare"), ("launch", "recurrence")]
     assert launches.capture_queries == [7] and launches.ready == [None]
+    assert op._table_buffers == {}
 
 
 def test_execute_passes_every_state_tensor(launches):
@@ -446,12 +450,12 @@ def test_execute_passes_every_state_tensor(launches):
     op.execute(**call(), initial_state=s0, final_state=fin, checkpoints=ckpt, stream=3)
     (_, prep), (_, rec) = launches.calls
     rec = after_qk(prep, rec)
-    assert same(rec[4:8], [s0, None, fin, ckpt]) and rec[8:] == (n, 3)
+    assert same(rec[5:9], [s0, None, fin, ckpt]) and rec[9:] == (n, 3)
     # n is a runtime value: another spacing, same op
     ckpt64 = meta(T // 64 + N, HO, V, K, dtype=F32)
     op.execute(**call(), initial_state=s0, final_state=fin, checkpoints=ckpt64, stream=3,
                checkpoint_every_n_tokens=64)
-    assert launches.calls[-1][1][9] is ckpt64 and launches.calls[-1][1][10] == 64
+    assert launches.calls[-1][1][10] is ckpt64 and launches.calls[-1][1][11] == 64
     with pytest.raises(ValueError, match="checkpoints: shape"):  # rows follow this call's n
         op.execute(**call(), initial_state=s0, final_state=fin, checkpoints=ckpt, stream=3,
                    checkpoint_every_n_tokens=64)
@@ -463,7 +467,7 @@ def test_execute_state_pool_in_place(launches):
     op.check_support().execute(**call(), initial_state=pool, state_indices=idx, stream=2)
     (_, prep), (_, rec) = launches.calls
     rec = after_qk(prep, rec)
-    assert same(rec[4:8], [pool, idx, None, None])
+    assert same(rec[5:9], [pool, idx, None, None])
 
 
 def test_execute_scale_is_a_runtime_value(launches):
@@ -471,9 +475,9 @@ def test_execute_scale_is_a_runtime_value(launches):
     op.execute(**call(), stream=1)
     op.execute(**call(), stream=1, scale=0.25)
     op.execute(**call(), stream=1)
-    assert [c[9] for m, c in launches.calls if m == "prepare"] == [0.5, 0.25, 0.5]
+    assert [c[10] for m, c in launches.calls if m == "prepare"] == [0.5, 0.25, 0.5]
     gdn().check_support().execute(**call(), stream=1)
-    assert launches.calls[-2][1][9] == 1 / math.sqrt(K)  # default: 1 / sqrt(K)
+    assert launches.calls[-2][1][10] == 1 / math.sqrt(K)  # default: 1 / sqrt(K)
 
 
 def test_execute_runtime_batches_and_strided_views(launches):
@@ -489,7 +493,8 @@ def test_execute_runtime_batches_and_strided_views(launches):
     (_, prep), (_, rec) = launches.calls
     rec = after_qk(prep, rec)
     assert same(prep[:5], [q, k, v, a["g"], a["beta"]])
-    assert tuple(prep[6].shape) == (t // 64 + 17, HO, 64, F)
+    assert prep[6] is a["cu_seqlens"] and rec[3] is a["cu_seqlens"]  # 17 sequences: no table
+    assert tuple(prep[7].shape) == (t // 64 + 17, HO, 64, F)
 
 
 def test_workspace_shapes_delegate_to_the_kernel_module():
@@ -514,7 +519,7 @@ def test_execute_with_a_workspace_allocates_nothing(launches):
     op.execute(**call(), stream=3, workspace=ws)
     (_, prep), (_, rec) = launches.calls
     rec = after_qk(prep, rec)
-    assert prep[6] is ws[0] and prep[7] is ws[1] and rec[0] is ws[0] and rec[1] is ws[1]
+    assert prep[7] is ws[0] and prep[8] is ws[1] and rec[0] is ws[0] and rec[1] is ws[1]
     assert kinds(launches) == ["launch", "launch"]
     assert op._workspaces == {} and launches.capture_queries == []
     # also while the stream captures, and as a list
@@ -536,7 +541,7 @@ def test_store_inverse_makes_the_workspace_a_triple(launches, fixed_sources):
     assert [(tuple(t.shape), t.dtype) for t in ws] == list(zip(shapes, (BF, F32, BF)))
     op.execute(**call(), stream=3, workspace=ws)
     (_, prep), (_, rec) = launches.calls
-    assert same(prep[6:9], ws) and op._workspaces == {}
+    assert same(prep[7:10], ws) and op._workspaces == {}
     with pytest.raises(TypeError, match=r"workspace: expected a 3-tuple \(work16, work32, "
                        r"inv\) .* got tuple of 2"):
         op.execute(**call(), stream=3, workspace=ws[:2])
@@ -545,7 +550,7 @@ def test_store_inverse_makes_the_workspace_a_triple(launches, fixed_sources):
     # its own workspace (per stream) has the inverse too
     op.execute(**call(), stream=7)
     assert [tuple(t.shape) for t in op._workspaces[(None, 7)]] == list(shapes)
-    assert launches.calls[-2][1][8]._base is op._workspaces[(None, 7)][2]
+    assert launches.calls[-2][1][9]._base is op._workspaces[(None, 7)][2]
     # a different static configuration: another cache entry
     assert key_of(op) != key_of(gdn())
     with pytest.raises(TypeError, match="store_inverse must be a bool"):
@@ -630,6 +635,102 @@ def test_own_workspace_refused_while_capturing(launches):
     with pytest.raises(RuntimeError, match="no workspace of 8 chunk rows"):  # not grown
         op.execute(**call(t=2 * T), stream=7)
     assert op._workspaces[(None, 7)] is ws and kinds(launches).count("empty") == 2
+
+
+# --- the per-sequence table (gdn_fwd.sequence_table) ----------------------------------------------
+MANY = gdn_module.TABLE_MIN_SEQS + 8  # 40 sequences: more than the scans' one warp step
+TABLE = 2 * (MANY + 1)  # its int32 entries
+
+
+def given_workspace(op, t=T, n=N):
+    """A workspace made by the real torch (``launches`` records the module's allocations)."""
+    return tuple(meta(*shape, dtype=dtype) for shape, dtype in
+                 zip(op.workspace_shapes(t, n), op.workspace_dtypes()))
+
+
+@pytest.mark.parametrize("n", [None, 128])
+def test_more_than_32_sequences_get_the_sequence_table(launches, n):
+    """N = 40: seq_table(cu_seqlens, table, every, stream) runs first, into an int32 buffer
+    of 2 (N + 1) the op makes on the stream and keeps per (device, stream); both kernels
+    take the table right after cu_seqlens. every: the checkpoint spacing, 0 without."""
+    op = gdn(checkpoint_every_n_tokens=n).check_support()
+    a = call(n=MANY, **({} if n is None else dict(checkpoints=meta(T // n + MANY, HO, V, K))))
+    op.execute(**a, stream=7)
+    assert [m for m, _ in launches.calls] == ["seq_table", "prepare", "recurrence"]
+    (_, made), (_, prep), (_, rec) = launches.calls
+    (buffer,) = op._table_buffers[(None, 7)]
+    table = made[1]
+    assert made[0] is a["cu_seqlens"] and made[2:] == (n or 0, 7)
+    assert table._base is buffer and table.dtype == I32 and tuple(table.shape) == (TABLE,)
+    assert same(prep[5:7], [a["cu_seqlens"], table])
+    assert same(after_qk(prep, rec)[2:4], [a["cu_seqlens"], table])
+    assert launches.events[-6:] == [("stream", 7, None), ("empty", (TABLE,), I32),
+                                    ("end stream",), ("launch", "seq_table"),
+                                    ("launch", "prepare"), ("launch", "recurrence")]
+    # the next call on the stream reuses the buffer
+    launches.events.clear()
+    op.execute(**a, stream=7)
+    assert kinds(launches) == ["launch"] * 3 and op._table_buffers[(None, 7)][0] is buffer
+    (_, made), (_, prep), (_, rec) = launches.calls[-3:]
+    assert made[1]._base is buffer and prep[6] is made[1] and rec[5] is made[1]
+
+
+def test_32_sequences_scan_cu_seqlens(launches):
+    """N = TABLE_MIN_SEQS: no seq_table launch; cu_seqlens stands in for the table."""
+    op = gdn().check_support()
+    a = call(n=gdn_module.TABLE_MIN_SEQS)
+    op.execute(**a, stream=7)
+    assert [m for m, _ in launches.calls] == ["prepare", "recurrence"]
+    (_, prep), (_, rec) = launches.calls
+    cu = a["cu_seqlens"]
+    assert same(prep[5:7], [cu, cu]) and same(after_qk(prep, rec)[2:4], [cu, cu])
+    assert op._table_buffers == {} and kinds(launches).count("empty") == 2  # the workspace
+
+
+def test_sequence_table_of_int64_cu_seqlens_reads_the_int32_copy(launches):
+    op = gdn(**samples(cu_dtype=I64)).check_support()
+    cu64 = meta(MANY + 1, dtype=I64)
+    op.execute(**call(n=MANY, cu_seqlens=cu64), stream=4)
+    (_, made), (_, prep), (_, rec) = launches.calls
+    offsets = prep[5]
+    assert offsets.dtype == I32 and offsets._base is op._offset_buffers[(None, 4)][0]
+    assert made[0] is offsets and made[1]._base is op._table_buffers[(None, 4)][0]
+    assert prep[6] is made[1] and same(after_qk(prep, rec)[2:4], [offsets, made[1]])
+
+
+def test_sequence_table_not_made_while_capturing(launches):
+    """A stream capturing a graph before the op has a table buffer big enough: no
+    allocation, no seq_table, the kernels scan cu_seqlens; one made before the capture is
+    used."""
+    op = gdn().check_support()
+    ws = given_workspace(op, n=MANY)
+    a = call(n=MANY)
+    launches.capturing = True
+    op.execute(**a, workspace=ws, stream=7)
+    assert [m for m, _ in launches.calls] == ["prepare", "recurrence"]
+    (_, prep), (_, rec) = launches.calls
+    assert prep[6] is a["cu_seqlens"] and rec[5] is a["cu_seqlens"]
+    assert kinds(launches) == ["launch"] * 2 and op._table_buffers == {}
+    assert launches.capture_queries == [7]
+    launches.capturing = False
+    op.execute(**a, workspace=ws, stream=7)  # makes the buffer
+    (buffer,) = op._table_buffers[(None, 7)]
+    assert ("empty", (TABLE,), I32) in launches.events
+    launches.capturing = True
+    launches.calls.clear()
+    launches.events.clear()
+    op.execute(**a, workspace=ws, stream=7)
+    assert [m for m, _ in launches.calls] == ["seq_table", "prepare", "recurrence"]
+    table = launches.calls[0][1][1]
+    assert table._base is buffer and launches.calls[1][1][6] is table
+    assert launches.calls[2][1][5] is table and kinds(launches) == ["launch"] * 3
+    # more sequences than the buffer holds: not grown while capturing
+    launches.calls.clear()
+    more = call(n=2 * MANY)
+    op.execute(**more, workspace=given_workspace(op, n=2 * MANY), stream=7)
+    assert [m for m, _ in launches.calls] == ["prepare", "recurrence"]
+    assert launches.calls[0][1][6] is more["cu_seqlens"]
+    assert op._table_buffers[(None, 7)][0] is buffer and "empty" not in kinds(launches)
 
 
 # --- N == 0 and T == 0 ----------------------------------------------------------------------------
@@ -734,15 +835,15 @@ def test_allocating_function(no_compile):
     assert tuple(o.shape) == (T, HO, V) and o.dtype == BF
     (_, prep), (_, rec) = no_compile.calls
     rec = after_qk(prep, rec)
-    assert rec[3] is o and prep[9] == 1 / math.sqrt(K)
+    assert rec[4] is o and prep[10] == 1 / math.sqrt(K)
     (op,) = COMPILED_OPS._ops.values()
     assert op.static_config() == BASE_CONFIG
     # runtime values reuse the op; the scale default is not the first call's scale
     gated_delta_net(**inputs(t=3 * T, n=7), scale=0.5, stream=0)
     gated_delta_net(**inputs(), stream=0)
     assert len(COMPILED_OPS._ops) == 1
-    assert [c[9] for m, c in no_compile.calls if m == "prepare"] == [1 / math.sqrt(K), 0.5,
-                                                                     1 / math.sqrt(K)]
+    assert [c[10] for m, c in no_compile.calls if m == "prepare"] == [1 / math.sqrt(K), 0.5,
+                                                                      1 / math.sqrt(K)]
     # static values make another op
     r = gated_delta_net(**inputs(), output_final_state=True, use_qk_l2norm_in_kernel=True,
                         checkpoint_every_n_tokens=128, checkpoint_dtype=F32,
@@ -752,7 +853,7 @@ def test_allocating_function(no_compile):
     assert tuple(final.shape) == (N, HO, V, K) and final.dtype == F32
     assert tuple(r.checkpoints.shape) == (T // 128 + N, HO, V, K) and r.checkpoints.dtype == F32
     rec = after_qk(no_compile.calls[-2][1], no_compile.calls[-1][1])
-    assert same(rec[3:8], [o, rec[4], None, final, r.checkpoints]) and rec[8] == 128
+    assert same(rec[4:9], [o, rec[5], None, final, r.checkpoints]) and rec[9] == 128
     # checkpoints default to the io dtype
     r = gated_delta_net(**inputs(), checkpoint_every_n_tokens=64, stream=0)
     assert r.checkpoints.dtype == BF and r.checkpoints.shape[0] == CHUNKS
@@ -771,6 +872,7 @@ def test_allocating_function_reads_views_in_place_and_copies_the_rest(no_compile
     for i, given in ((2, v_t), (3, gates[..., 0]), (5, cu)):
         assert prep[i] is not given and prep[i].is_contiguous()
         assert prep[i].shape == given.shape and prep[i].dtype == given.dtype
+    assert prep[6] is prep[5]  # the copy of cu_seqlens stands in for the table
     assert readable_in_place("tokens", q) and not readable_in_place("tokens", v_t)
     assert readable_in_place("gate", meta(T, 2 * HO, dtype=F32)[:, HO:])
     assert not readable_in_place("offsets", cu)
@@ -785,15 +887,15 @@ def test_allocating_function_pool_written_back_when_copied(no_compile):
     idx = meta(N, dtype=I32)
     gated_delta_net(**inputs(), initial_state=pool, state_indices=idx, stream=0)
     rec = after_qk(no_compile.calls[-2][1], no_compile.calls[-1][1])
-    assert rec[4] is not pool and rec[4].is_contiguous() and rec[5] is idx
+    assert rec[5] is not pool and rec[5].is_contiguous() and rec[6] is idx
     copies = [e for e in no_compile.events if e[0] == "copy"]
-    assert copies[-1][1] is pool and copies[-1][2] is rec[4]  # after the launches
+    assert copies[-1][1] is pool and copies[-1][2] is rec[5]  # after the launches
     assert kinds(no_compile)[-1] == "copy" and kinds(no_compile)[-2] == "launch"
     # a readable pool is updated in place: no copy
     no_compile.events.clear()
     pool = meta(10, HO, V, K, dtype=F32)
     gated_delta_net(**inputs(), initial_state=pool, state_indices=idx, stream=0)
-    assert no_compile.calls[-1][1][6] is pool and "copy" not in kinds(no_compile)
+    assert no_compile.calls[-1][1][7] is pool and "copy" not in kinds(no_compile)
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta", "initial_state"])
@@ -822,7 +924,8 @@ def test_allocating_function_takes_int64_offsets(no_compile):
     cu64 = meta(N + 1, dtype=I64)
     gated_delta_net(**inputs(cu_seqlens=cu64), stream=0)
     (_, prep), (_, rec) = no_compile.calls
-    assert prep[5].dtype == I32 and after_qk(prep, rec)[2] is prep[5]
+    assert prep[5].dtype == I32 and prep[6] is prep[5]
+    assert same(after_qk(prep, rec)[2:4], [prep[5], prep[5]])
     assert any(e[0] == "copy" and e[2] is cu64 for e in no_compile.events)
 
 
@@ -939,10 +1042,10 @@ def stub_kernels(monkeypatch):
 
 
 @pytest.mark.parametrize("config,none_args", [
-    ({}, (4, 5, 6, 7)),
-    (dict(state_dtype="float32", output_final_state=True), (5, 7)),
-    (dict(state_dtype="io", state_pool=True), (6, 7)),
-    (dict(checkpoint_dtype="float32", state_dtype="io", output_final_state=True), (5,)),
+    ({}, (5, 6, 7, 8)),
+    (dict(state_dtype="float32", output_final_state=True), (6, 8)),
+    (dict(state_dtype="io", state_pool=True), (7, 8)),
+    (dict(checkpoint_dtype="float32", state_dtype="io", output_final_state=True), (6,)),
 ])
 def test_kernel_builder_arguments(stub_kernels, config, none_args):
     import cutlass
@@ -955,8 +1058,9 @@ def test_kernel_builder_arguments(stub_kernels, config, none_args):
     assert stub_kernels[-1] == ("prepare", (cutlass.Float16, 64, 128, 2, 8, 8, True,
                                             cutlass.BFloat16, cutlass.Float32),
                                 {"store_inverse": False})
-    assert len(prep) == 11 and prep[8] is None and None not in prep[:8] + prep[9:]
-    q, k, v, g, beta, cu, work16, work32 = prep[:8]
+    assert len(prep) == 12 and prep[9] is None and None not in prep[:9] + prep[10:]
+    q, k, v, g, beta, cu, table, work16, work32 = prep[:9]
+    assert cu.element_type == table.element_type == cutlass.Int32
     assert tuple(q.shape[1:]) == (2, 64) and tuple(k.shape[1:]) == (8, 64)
     assert tuple(v.shape[1:]) == (8, 128) and q.stride[2] == 1
     assert q.shape[0] is k.shape[0] is v.shape[0] is g.shape[0] is beta.shape[0]
@@ -965,7 +1069,7 @@ def test_kernel_builder_arguments(stub_kernels, config, none_args):
     assert tuple(work16.shape[1:]) == (8, 64, 64 + 128 + 64)
     assert work16.element_type == cutlass.Float16 and work32.element_type == cutlass.Float32
     assert work16.shape[0] is work32.shape[0] and tuple(work32.shape[1:]) == (8, 136)
-    assert isinstance(prep[9], cutlass.Float32)
+    assert isinstance(prep[10], cutlass.Float32)
     kernel, rec = builders["recurrence"]()
     assert [tuple(t.shape[1:]) for t in rec[:2]] == [(2, 64), (8, 64)]  # q, k
     rec = rec[2:]
@@ -973,30 +1077,33 @@ def test_kernel_builder_arguments(stub_kernels, config, none_args):
              config.get("output_final_state", False), config.get("checkpoint_dtype", "none")
              != "none")
     assert stub_kernels[-1] == ("recurrence", (cutlass.Float16, 64, 128, 2, 8, 8) + flags)
-    assert len(rec) == 10
+    assert len(rec) == 11
     assert tuple(i for i, x in enumerate(rec) if x is None) == none_args
-    assert tuple(rec[3].shape[1:]) == (8, 128)  # o
-    states = {4: s.state_dtype, 6: F32, 7: s.checkpoint_dtype}
+    assert rec[2].element_type == rec[3].element_type == cutlass.Int32  # cu_seqlens, table
+    assert tuple(rec[4].shape[1:]) == (8, 128)  # o
+    states = {5: s.state_dtype, 7: F32, 8: s.checkpoint_dtype}
     for i, dtype in states.items():
         if rec[i] is not None:
             assert tuple(rec[i].shape[1:]) == (8, 128, 64) and rec[i].stride[3] == 1
             assert rec[i].element_type == {F32: cutlass.Float32, FP: cutlass.Float16}[dtype]
-    assert isinstance(rec[8], cutlass.Int32)
+    assert isinstance(rec[9], cutlass.Int32)
 
 
 @pytest.mark.compile
 def test_both_kernels_cross_compile(tmp_path):
-    """prepare, recurrence and the split recurrence of one configuration (every optional
-    tensor present, V = 128) build for sm_90a and land in one cache entry."""
+    """The sequence table, prepare, recurrence and the split recurrence of one
+    configuration (every optional tensor present, V = 128) build for sm_90a and land in one
+    cache entry."""
     op = GdnFwdSm90.from_config(state_dtype="float32", output_final_state=True,
                                 use_qk_l2norm_in_kernel=True, checkpoint_dtype="float32",
                                 beta_dtype="bfloat16").check_support()
     cache = ArtifactCache(tmp_path)
     op.compile(arch="sm_90a", cache=cache)
     assert op.is_compiled and sorted(op._kernels) == ["prepare", "recurrence",
-                                                        "recurrence_split"]
+                                                        "recurrence_split", "seq_table"]
     ((_, manifest),) = list(cache.entries())
-    assert set(manifest["kernels"]) == {"prepare", "recurrence", "recurrence_split"}
+    assert set(manifest["kernels"]) == {"seq_table", "prepare", "recurrence",
+                                        "recurrence_split"}
     assert manifest["key"]["op"] == "GdnFwdSm90" and manifest["key"]["arch"] == "sm_90a"
     assert manifest["key"]["config"] == op.static_config()
 

@@ -31,6 +31,8 @@ TOL = {BF: 2e-2, FP: 1e-2}  # RMS(got - ref) / RMS(ref)
 RAGGED = [497, 16, 1, 480, 0, 253]
 SHORT = [7] * 24 + [1] * 8
 LENGTHS = {"ragged": RAGGED, "short": SHORT}
+# 100 sequences (more than TABLE_MIN_SEQS): the kernels use the per-sequence table
+MANY = [0, 1, 7, 63, 64, 65, 130, 2, 33, 128] * 10
 
 # The static configurations of tests/gpu_plan.toml.
 BASE = dict(dtype="bfloat16", k_dim=128, v_dim=128, q_heads=4, k_heads=4, v_heads=4,
@@ -209,6 +211,30 @@ def test_matches_the_reference(name, lengths):
         rows = ref["checkpoints"].shape[0]
         assert_close(out.checkpoints[:rows], ref["checkpoints"], b.q.dtype,
                      f"{name} {lengths}: checkpoints")
+
+
+@pytest.mark.parametrize("name", ["bf16-state-checkpoints", "bf16-hv16"])
+def test_many_sequences_use_the_table(name, monkeypatch):
+    """More than 32 sequences: stage 1 finds its chunk, stage 2 its first chunk and first
+    checkpoint row in the per-sequence table (gdn_seq_table_sm90). Against the reference,
+    and bitwise equal to the scans of cu_seqlens the kernels make without the table."""
+    import precast.lifecycle.gdn_fwd as gdn_fwd
+    b = make_batch(name, MANY, seed=21)
+    n = 64 if checkpoint_dtype(name, b) is not None else None
+    out = launch(name, b, n=n)
+    ref = reference(name, b, n=n)
+    assert_close(out.o, ref["o"], b.q.dtype, f"{name}: o")
+    assert_close(out.final_state, ref["final_state"], b.q.dtype, f"{name}: final")
+    rows = 0
+    if n is not None:
+        rows = ref["checkpoints"].shape[0]
+        assert_close(out.checkpoints[:rows], ref["checkpoints"], b.q.dtype,
+                     f"{name}: checkpoints")
+    monkeypatch.setattr(gdn_fwd, "TABLE_MIN_SEQS", 1 << 30)
+    scanned = launch(name, b, n=n)
+    assert torch.equal(out.o, scanned.o) and torch.equal(out.final_state, scanned.final_state)
+    if n is not None:
+        assert torch.equal(out.checkpoints[:rows], scanned.checkpoints[:rows])
 
 
 def test_scale_is_a_runtime_value():

@@ -50,7 +50,8 @@ def test_stage1_workspace_matches_the_reference():
     assert tuple(want.shape) == s16 and tuple(want_f.shape) == s32[:2] + (2 * C + 1,)
     work16 = torch.full(s16, float("nan"), dtype=q.dtype, device=DEV)
     work32 = torch.full(s32, float("nan"), device=DEV)
-    prepare(q, k, v, gate, beta, cu, work16, work32, None, K ** -0.5,
+    # cu_seqlens stands in for the sequence table (the kernels then scan it)
+    prepare(q, k, v, gate, beta, cu, cu, work16, work32, None, K ** -0.5,
             torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     chunks = sum(-(-n // C) for n in LENS)
@@ -73,7 +74,7 @@ def recurrence_on_the_reference_workspace(mode, q, k, v, gate, beta, cu):
     work32[..., :2 * C + 1] = factors
     o = torch.full((sum(LENS), H, V), float("nan"), dtype=q.dtype, device=DEV)
     final = torch.full((len(LENS), H, V, K), float("nan"), device=DEV)
-    op._ready(0)[mode](q, k, work.to(q.dtype), work32, cu, o, None, None, final, None, 0,
+    op._ready(0)[mode](q, k, work.to(q.dtype), work32, cu, cu, o, None, None, final, None, 0,
                        torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     return o, final

@@ -105,13 +105,14 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
-                 mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mDO: cute.Tensor,
-                 mWork16: cute.Tensor, mWork32: cute.Tensor, mInv: cute.Tensor,
+                 mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mSeqTable: cute.Tensor,
+                 mDO: cute.Tensor, mWork16: cute.Tensor, mWork32: cute.Tensor, mInv: cute.Tensor,
                  mStates: cute.Tensor, mDStates: cute.Tensor, mDDelta: cute.Tensor,
                  mDQ: cute.Tensor, mDK: cute.Tensor, mDV: cute.Tensor, mDG: cute.Tensor,
                  mDBeta: cute.Tensor, scale: Float32, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K), mV (T, HV, V), mDO (T, HO, V); mG, mBeta, mDG,
-        mDBeta (T, HO); mWork16 / mWork32 as gdn_layout.workspace_shapes; mInv (chunks,
+        mDBeta (T, HO); mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none);
+        mWork16 / mWork32 as gdn_layout.workspace_shapes; mInv (chunks,
         HO, 64, 64); mStates, mDStates (chunks, HO, V, K); mDDelta (chunks, HO, 64, V);
         mDQ, mDK, mDV: each the final gradient in the io dtype (strided like its input) where
         gdn_layout.gradients_in_place says so, else fp32 (T, HO, K or V) per output head."""
@@ -183,21 +184,21 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             for m, lay, cols, final in ((mDQ, lay_k, K, self.final_outputs[0]),
                                         (mDK, lay_k, K, self.final_outputs[1]),
                                         (mDV, lay_v, V, self.final_outputs[2])))
-        self.kernel(mmas, loads, (lay_k, lay_v, lay_c, lay_s), mG, mBeta, mCuSeqlens, mDQ,
-                    mDK, mDV, mDG, mDBeta, out_stores, num_batches, scale).launch(
+        self.kernel(mmas, loads, (lay_k, lay_v, lay_c, lay_s), mG, mBeta, mCuSeqlens,
+                    mSeqTable, mDQ, mDK, mDV, mDG, mDBeta, out_stores, num_batches, scale).launch(
             grid=[chunks, self.heads, 1], block=[THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, mmas: tuple, loads: tuple, layouts: tuple, mG: cute.Tensor,
-               mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mDQ: cute.Tensor,
-               mDK: cute.Tensor, mDV: cute.Tensor, mDG: cute.Tensor, mDBeta: cute.Tensor,
+               mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mSeqTable: cute.Tensor,
+               mDQ: cute.Tensor, mDK: cute.Tensor, mDV: cute.Tensor, mDG: cute.Tensor, mDBeta: cute.Tensor,
                out_stores: tuple, num_batches: Int32, scale: Float32):
         C = CHUNK
         tidx, _, _ = cute.arch.thread_idx()
         packed, head, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        batch, chunk = self.find_chunk(packed, mCuSeqlens, num_batches)
+        batch, chunk = self.find_chunk(packed, mCuSeqlens, num_batches, mSeqTable)
         if batch < num_batches:
             lay_k, lay_v, lay_c, lay_s = layouts
             smem = cutlass.utils.SmemAllocator()

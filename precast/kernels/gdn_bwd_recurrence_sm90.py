@@ -63,10 +63,11 @@ class GdnStateGradSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mDO: cute.Tensor,
                  mWork16: cute.Tensor, mWork32: cute.Tensor, mCuSeqlens: cute.Tensor,
-                 mDFinal: cute.Tensor, mDStates: cute.Tensor, mDDelta: cute.Tensor,
+                 mSeqTable: cute.Tensor, mDFinal: cute.Tensor, mDStates: cute.Tensor, mDDelta: cute.Tensor,
                  mDInit: cute.Tensor, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K), mDO (T, HO, V); mWork16 / mWork32 as
-        gdn_layout.workspace_shapes; mDFinal, mDInit (N, HO, V, K) fp32 or None;
+        gdn_layout.workspace_shapes; mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens:
+        none); mDFinal, mDInit (N, HO, V, K) fp32 or None;
         mDStates (chunks, HO, V, K) and mDDelta (chunks, HO, 64, V) in the io dtype."""
         dt = self.dtype
         K, C, Vc = self.k_dim, CHUNK, self.v_rows
@@ -126,14 +127,14 @@ class GdnStateGradSm90:
         stores = ((store_ds, mDS_t), (store_dd, mDD_t))
         self.kernel((mma_tok, mma_tok_ss, mma_state, mma_state_ss), loads, stores,
                     (sK_layout, sDO_layout, sM_layout, sDD_layout, sDS_layout, sF_layout),
-                    mCuSeqlens, mDFinal, mDInit, num_batches).launch(
+                    mCuSeqlens, mSeqTable, mDFinal, mDInit, num_batches).launch(
             grid=[self.heads, cutlass.max(num_batches, 1), self.v_splits],
             block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, mmas: tuple, loads: tuple, stores: tuple, layouts: tuple,
-               mCuSeqlens: cute.Tensor, mDFinal: cute.Tensor,
+               mCuSeqlens: cute.Tensor, mSeqTable: cute.Tensor, mDFinal: cute.Tensor,
                mDInit: cute.Tensor, num_batches: Int32):
         sK_layout, sDO_layout, sM_layout, sDD_layout, sDS_layout, sF_layout = layouts
         tidx, _, _ = cute.arch.thread_idx()
@@ -155,7 +156,7 @@ class GdnStateGradSm90:
         start = mCuSeqlens[batch]
         length = mCuSeqlens[batch + 1] - start
         chunks = (length + CHUNK - 1) // CHUNK
-        first_chunk = packed_chunk_start(mCuSeqlens, batch)
+        first_chunk = packed_chunk_start(mCuSeqlens, batch, mSeqTable)
         if warp == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(loads, tiles, pipe, head, start, first_chunk, chunks, split)

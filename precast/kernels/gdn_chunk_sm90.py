@@ -36,6 +36,7 @@ from cutlass.utils import LayoutEnum
 from .attention_sm90 import (select_modes, tma_load_tile, tma_store_tile, transposed,
                              warp_inclusive_sum, wgmma)
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
+from .gdn_seq_table_sm90 import find_in_table, has_table
 
 THREADS = 128
 PREPARE_BARRIER = 1
@@ -72,12 +73,13 @@ class GdnChunkPrepareSm90:
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
-                 mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mWork16: cute.Tensor,
-                 mWork32: cute.Tensor, mInv: cute.Tensor, scale: Float32,
+                 mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mSeqTable: cute.Tensor,
+                 mWork16: cute.Tensor, mWork32: cute.Tensor, mInv: cute.Tensor, scale: Float32,
                  stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K), mV (T, HV, V); mG, mBeta (T, HO); mCuSeqlens
-        (N + 1,) int32; mWork16 / mWork32 as gdn_layout.workspace_shapes; mInv (chunks, HO,
-        64, 64) with store_inverse, else None."""
+        (N + 1,) int32; mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none); mWork16
+        / mWork32 as gdn_layout.workspace_shapes; mInv (chunks, HO, 64, 64) with
+        store_inverse, else None."""
         dt = self.dtype
         C = CHUNK
         layouts, loads, mmas = self.prepare_setup(mQ, mK, mV, 1)
@@ -119,7 +121,7 @@ class GdnChunkPrepareSm90:
         num_batches = mCuSeqlens.shape[0] - 1
         self.kernel(mma_s, mma_wk, mma_wv, mQ_tma, mK_tma, mV_tma, tma_q, tma_k, tma_v,
                     sQK_layout, sV_layout, sT_layout, sM_layout, mG, mBeta, mCuSeqlens,
-                    stores[0][1], stores[0][0], stores[1][0], stores[2][0], mWork32,
+                    mSeqTable, stores[0][1], stores[0][0], stores[1][0], stores[2][0], mWork32,
                     store_inv, num_batches, scale).launch(
             grid=[chunks, self.heads, 1], block=[THREADS, 1, 1], stream=stream,
             min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=-1)
@@ -167,7 +169,8 @@ class GdnChunkPrepareSm90:
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, sQK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sT_layout: cute.ComposedLayout,
                sM_layout: cute.ComposedLayout, mG: cute.Tensor, mBeta: cute.Tensor,
-               mCuSeqlens: cute.Tensor, mWork16: cute.Tensor, store_w: cute.CopyAtom,
+               mCuSeqlens: cute.Tensor, mSeqTable: cute.Tensor, mWork16: cute.Tensor,
+               store_w: cute.CopyAtom,
                store_u: cute.CopyAtom, store_m: cute.CopyAtom, mWork32: cute.Tensor,
                store_inv,
                num_batches: Int32, scale: Float32):
@@ -175,7 +178,7 @@ class GdnChunkPrepareSm90:
         tidx, _, _ = cute.arch.thread_idx()
         packed, head, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        batch, chunk = self.find_chunk(packed, mCuSeqlens, num_batches)
+        batch, chunk = self.find_chunk(packed, mCuSeqlens, num_batches, mSeqTable)
         if batch < num_batches:
             smem = cutlass.utils.SmemAllocator()
             storage = smem.allocate(self.storage)
@@ -276,9 +279,26 @@ class GdnChunkPrepareSm90:
         cute.arch.barrier(barrier_id=PREPARE_BARRIER, number_of_threads=THREADS)
 
     @cute.jit
-    def find_chunk(self, packed: Int32, mCuSeqlens, num_batches: Int32):
-        """(batch, chunk in the sequence) of packed chunk number ``packed``, each warp
-        scanning the sequences 32 at a time; batch == num_batches past the last chunk."""
+    def find_chunk(self, packed: Int32, mCuSeqlens, num_batches: Int32, mSeqTable=None):
+        """(batch, chunk in the sequence) of packed chunk number ``packed``: a search of
+        the sequence table when there is one, else each warp scanning the sequences 32 at a
+        time; batch == num_batches past the last chunk."""
+        batch = num_batches
+        chunk = Int32(0)
+        if const_expr(mSeqTable is None):
+            batch, chunk = self.scan_for_chunk(packed, mCuSeqlens, num_batches)
+        else:
+            if has_table(mSeqTable, mCuSeqlens):
+                batch = find_in_table(mSeqTable, 0, num_batches, packed)
+                if batch < num_batches:
+                    chunk = packed - mSeqTable[batch]
+            else:
+                batch, chunk = self.scan_for_chunk(packed, mCuSeqlens, num_batches)
+        return batch, chunk
+
+    @cute.jit
+    def scan_for_chunk(self, packed: Int32, mCuSeqlens, num_batches: Int32):
+        """find_chunk without a table: O(N / 32) warp steps."""
         lane = cute.arch.lane_idx()
         batch = num_batches
         chunk = Int32(0)

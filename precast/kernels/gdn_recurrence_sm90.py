@@ -34,6 +34,7 @@ from cutlass.utils import LayoutEnum
 from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
                              tma_pipeline, tma_store_tile, transposed, wgmma)
 from .gdn_layout import CHUNK, FACTOR_COLS, G_LAST, K_FACTORS, Q_FACTORS
+from .gdn_seq_table_sm90 import find_in_table, has_table
 
 THREADS_PER_WG = 128
 
@@ -81,13 +82,27 @@ def load_factor_row(atom, m_view, s_rows, head: Int32, chunk: Int32, stage: Int3
 
 
 @cute.jit
-def packed_chunk_start(mCuSeqlens: cute.Tensor, batch: Int32):
+def packed_chunk_start(mCuSeqlens: cute.Tensor, batch: Int32, mSeqTable=None):
     """The packed number (stage 1's numbering) of sequence ``batch``'s first chunk: the
-    chunks of the sequences before it."""
+    chunks of the sequences before it (from the sequence table when there is one)."""
     first = Int32(0)
-    for b in cutlass.range(batch, unroll=1):
-        first = first + (mCuSeqlens[b + 1] - mCuSeqlens[b] + CHUNK - 1) // CHUNK
+    if const_expr(mSeqTable is not None):
+        if has_table(mSeqTable, mCuSeqlens):
+            first = mSeqTable[batch]
+        else:
+            first = sum_before(mCuSeqlens, batch, Int32(CHUNK))
+    else:
+        first = sum_before(mCuSeqlens, batch, Int32(CHUNK))
     return first
+
+
+@cute.jit
+def sum_before(mCuSeqlens: cute.Tensor, batch: Int32, per: Int32):
+    """Sum of ceil(len / per) over the sequences before ``batch`` (one thread, O(batch))."""
+    total = Int32(0)
+    for b in cutlass.range(batch, unroll=1):
+        total = total + (mCuSeqlens[b + 1] - mCuSeqlens[b] + per - 1) // per
+    return total
 
 
 STAGES = 2
@@ -137,11 +152,13 @@ class GdnChunkRecurrenceSm90:
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mWork16: cute.Tensor,
-                 mWork32: cute.Tensor, mCuSeqlens: cute.Tensor, mO: cute.Tensor,
-                 mState0: cute.Tensor, mStateIdx: cute.Tensor, mFinal: cute.Tensor,
-                 mCkpt: cute.Tensor, ckpt_every: Int32, stream: cuda.CUstream):
+                 mWork32: cute.Tensor, mCuSeqlens: cute.Tensor, mSeqTable: cute.Tensor,
+                 mO: cute.Tensor, mState0: cute.Tensor, mStateIdx: cute.Tensor,
+                 mFinal: cute.Tensor, mCkpt: cute.Tensor, ckpt_every: Int32,
+                 stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K); mWork16 / mWork32 as gdn_layout.workspace_shapes;
-        mO (T, HO, V); states (rows, HO, V, K). Unused tensors: None."""
+        mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none); mO (T, HO, V); states
+        (rows, HO, V, K). Unused tensors: None."""
         dt = self.dtype
         K, C = self.k_dim, CHUNK
         # Tiles of one (chunk, head): rows x columns, K-major B operands (Q, W, M) and K read
@@ -225,8 +242,8 @@ class GdnChunkRecurrenceSm90:
                 else [self.heads, cutlass.max(num_batches, 1), self.v_splits])
         self.kernel(mma_tok, mma_state, mQ_t, mK_t, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k,
                     tma_u, tma_m, sK_layout, sU_layout, sM_layout, sO_layout, store_o, mO_t,
-                    (tma_f, mF_t, sF_layout), staged_ckpt, mCuSeqlens, mO, mState0, mStateIdx,
-                    mFinal, mCkpt, ckpt_every, num_batches).launch(
+                    (tma_f, mF_t, sF_layout), staged_ckpt, mCuSeqlens, mSeqTable, mO, mState0,
+                    mStateIdx, mFinal, mCkpt, ckpt_every, num_batches).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -237,8 +254,8 @@ class GdnChunkRecurrenceSm90:
                tma_u: cute.CopyAtom, tma_m: cute.CopyAtom, sK_layout: cute.ComposedLayout,
                sU_layout: cute.ComposedLayout, sM_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, store_o: cute.CopyAtom, mO_t: cute.Tensor,
-               factor_rows: tuple, staged_ckpt, mCuSeqlens: cute.Tensor, mO: cute.Tensor,
-               mState0: cute.Tensor, mStateIdx: cute.Tensor, mFinal: cute.Tensor,
+               factor_rows: tuple, staged_ckpt, mCuSeqlens: cute.Tensor,
+               mSeqTable: cute.Tensor, mO: cute.Tensor, mState0: cute.Tensor, mStateIdx: cute.Tensor, mFinal: cute.Tensor,
                mCkpt: cute.Tensor, ckpt_every: Int32, num_batches: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         if const_expr(self.from_checkpoints):
@@ -269,11 +286,11 @@ class GdnChunkRecurrenceSm90:
 
         if const_expr(self.from_checkpoints):
             start, length, first_chunk, batch = self.find_segment(mCuSeqlens, num_batches,
-                                                                  ckpt_every, batch)
+                                                                  ckpt_every, batch, mSeqTable)
         else:
             start = mCuSeqlens[batch]
             length = mCuSeqlens[batch + 1] - start
-            first_chunk = packed_chunk_start(mCuSeqlens, batch)
+            first_chunk = packed_chunk_start(mCuSeqlens, batch, mSeqTable)
         chunks = (length + CHUNK - 1) // CHUNK
         # chunk updates: a segment's last one would only make the next checkpoint
         updates = cutlass.max(chunks - 1, 0) if const_expr(self.from_checkpoints) else chunks
@@ -288,15 +305,36 @@ class GdnChunkRecurrenceSm90:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(mma_tok, mma_state, sQ, sK, sW, sU, sM, (sO, store_o, mO_t), pipe,
                          sF, ckpt_tile, mO,
-                         mState0, mStateIdx, mFinal, mCkpt, ckpt_every, mCuSeqlens, batch,
-                         head, start, length, first_chunk, chunks, updates,
+                         mState0, mStateIdx, mFinal, mCkpt, ckpt_every, mCuSeqlens, mSeqTable,
+                         batch, head, start, length, first_chunk, chunks, updates,
                          tidx - THREADS_PER_WG, split)
 
     @cute.jit
-    def find_segment(self, mCuSeqlens, num_batches: Int32, every: Int32, row: Int32):
+    def find_segment(self, mCuSeqlens, num_batches: Int32, every: Int32, row: Int32,
+                     mSeqTable):
         """Checkpoint row ``row`` (rows of the sequences in order, ceil(len / every) each)
         as (its first token, its token count (0 past the series), its first chunk's packed
-        number, the row to read, 0 past the series)."""
+        number, the row to read, 0 past the series). With the sequence table: a warp search
+        of its checkpoint-row half (the whole CTA calls this); else a serial scan."""
+        start, length, first_chunk, state_row = Int32(0), Int32(0), Int32(0), Int32(0)
+        if has_table(mSeqTable, mCuSeqlens):
+            rows_at = num_batches + 1  # the table's checkpoint-row half
+            b = find_in_table(mSeqTable, rows_at, num_batches, row)
+            if b < num_batches:
+                j = row - mSeqTable[rows_at + b]
+                seq_start = mCuSeqlens[b]
+                start = seq_start + j * every
+                length = cutlass.min(every, mCuSeqlens[b + 1] - start)
+                first_chunk = mSeqTable[b] + j * (every // CHUNK)
+                state_row = row
+        else:
+            start, length, first_chunk, state_row = self.scan_for_segment(
+                mCuSeqlens, num_batches, every, row)
+        return start, length, first_chunk, state_row
+
+    @cute.jit
+    def scan_for_segment(self, mCuSeqlens, num_batches: Int32, every: Int32, row: Int32):
+        """find_segment without a table: O(N) serial steps."""
         before = Int32(0)  # checkpoint rows of the sequences before b
         chunks_before = Int32(0)
         start, length, first_chunk, state_row = Int32(0), Int32(0), Int32(0), Int32(0)
@@ -344,12 +382,12 @@ class GdnChunkRecurrenceSm90:
     @cute.jit
     def consume(self, mma_tok, mma_state, sQ, sK, sW, sU, sM, staged_o, pipe, sF, ckpt_tile,
                 mO, mState0, mStateIdx, mFinal, mCkpt, ckpt_every: Int32, mCuSeqlens,
-                batch: Int32,
+                mSeqTable, batch: Int32,
                 head: Int32, start: Int32, length: Int32, first_chunk: Int32, chunks: Int32,
                 updates: Int32, consumer_tidx: Int32, split: Int32):
         parts = self.state_parts(mma_tok, mma_state, sQ, sK, sW, sM, consumer_tidx, split)
         state_row, ckpt_row = self.load_state(parts, mState0, mStateIdx, mCuSeqlens,
-                                              ckpt_every, batch, head)
+                                              ckpt_every, batch, head, mSeqTable)
         every = ckpt_every
         if const_expr(self.from_checkpoints):  # a state at every chunk of the segment
             every, ckpt_row = Int32(CHUNK), first_chunk
@@ -408,7 +446,7 @@ class GdnChunkRecurrenceSm90:
 
     @cute.jit
     def load_state(self, parts, mState0, mStateIdx, mCuSeqlens, ckpt_every: Int32,
-                   batch: Int32, head: Int32):
+                   batch: Int32, head: Int32, mSeqTable=None):
         """The entering state (or zeros) into the accumulator; returns (its row in
         mState0, the sequence's first checkpoint row)."""
         acc_state = parts.acc_state
@@ -423,9 +461,13 @@ class GdnChunkRecurrenceSm90:
         ckpt_row = Int32(0)
         if const_expr(self.checkpoints and not self.from_checkpoints):
             # Rows of the checkpoint series before this sequence's: ceil(len / n) each.
-            for b in cutlass.range(batch, unroll=1):
-                ckpt_row = ckpt_row + (mCuSeqlens[b + 1] - mCuSeqlens[b] + ckpt_every - 1) \
-                    // ckpt_every
+            if const_expr(mSeqTable is not None):
+                if has_table(mSeqTable, mCuSeqlens):
+                    ckpt_row = mSeqTable[mCuSeqlens.shape[0] + batch]
+                else:
+                    ckpt_row = sum_before(mCuSeqlens, batch, ckpt_every)
+            else:
+                ckpt_row = sum_before(mCuSeqlens, batch, ckpt_every)
         return state_row, ckpt_row
 
     @cute.jit

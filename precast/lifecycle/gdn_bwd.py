@@ -51,7 +51,8 @@ from .cache import KernelBuilder
 from .gdn_fwd import (CONFIG_SOURCES, DATA_ALIGN, KERNEL_SOURCES, _cute_type, _fake_gate,
                       _fake_offsets, _fake_rows, _fake_state, _fake_workspace, _option_dtype,
                       check_kernel_limits, check_same_config, offsets_as_int32,
-                      prepare_kernel, recurrence_kernel, splits_recurrences,
+                      prepare_kernel, recurrence_kernel, seq_table_kernel, sequence_table,
+                      splits_recurrences,
                       WORKSPACE_NAMES as FORWARD_WORKSPACE,
                       static_config_of as forward_config, stream_buffers)
 from .gdn_rules import (MAX_SPAN, GdnShapes, check_gdn_gradients, check_gdn_inputs,
@@ -71,7 +72,8 @@ def kernel_modes(s: GdnShapes) -> Tuple[str, ...]:
     finish = () if all(gradients_in_place(s.HQ, s.HK, s.HV)) else ("finish",)
     regenerate = (() if s.checkpoint_dtype is None
                   else ("regenerate",) + (("regenerate_split",) if s.V == 128 else ()))
-    return ("prepare", "states", "state_grad", "chunk_grad") + split + finish + regenerate
+    return (("seq_table", "prepare", "states", "state_grad", "chunk_grad") + split + finish
+            + regenerate)
 
 
 BWD_KERNEL_SOURCES = KERNEL_SOURCES + (
@@ -172,6 +174,7 @@ class GdnBwdSm90(Op):
         self._workspaces: Dict[tuple, Tuple[torch.Tensor, ...]] = {}
         self._outgrown: list = []
         self._offset_buffers: Dict[tuple, Tuple[torch.Tensor]] = {}  # see offsets_as_int32
+        self._table_buffers: Dict[tuple, Tuple[torch.Tensor]] = {}  # see sequence_table
 
     # --- the static configuration -----------------------------------------------------------
     def _call_shapes(self, q, k, v, g, beta, cu_seqlens, *, scale, initial_state=None,
@@ -260,7 +263,8 @@ class GdnBwdSm90(Op):
                                       v_splits=v_splits)
             args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
                     fake_tokens(io, tokens, s.HO, s.V), *_fake_workspace(s, chunks),
-                    _fake_offsets(), _fake_state(torch.float32, s) if final_grad else None,
+                    _fake_offsets(), _fake_offsets(),
+                    _fake_state(torch.float32, s) if final_grad else None,
                     _fake_state(s.dtype, s), _fake_rows(s.dtype, chunks, (s.HO, CHUNK_SIZE, s.V)),
                     _fake_state(torch.float32, s) if init_grad else None, fake_stream())
             return kernel, args
@@ -276,7 +280,7 @@ class GdnBwdSm90(Op):
                                       _cute_type(s.beta_dtype))
             args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
                     fake_tokens(io, tokens, s.HV, s.V), _fake_gate(s.g_dtype, tokens, s.HO),
-                    _fake_gate(s.beta_dtype, tokens, s.HO), _fake_offsets(),
+                    _fake_gate(s.beta_dtype, tokens, s.HO), _fake_offsets(), _fake_offsets(),
                     fake_tokens(io, tokens, s.HO, s.V), *_fake_workspace(s, chunks),
                     _fake_rows(s.dtype, chunks, (s.HO, CHUNK_SIZE, CHUNK_SIZE)),
                     _fake_state(s.dtype, s), _fake_state(s.dtype, s),
@@ -299,7 +303,8 @@ class GdnBwdSm90(Op):
                     fake_stream())
             return kernel, args
 
-        builders = {"prepare": lambda: prepare_kernel(s, store_inverse=True), "states": states,
+        builders = {"seq_table": seq_table_kernel,
+                    "prepare": lambda: prepare_kernel(s, store_inverse=True), "states": states,
                     "regenerate": lambda: states(from_checkpoints=True),
                     "regenerate_split": lambda: states(2, from_checkpoints=True),
                     "state_grad": state_grad, "chunk_grad": chunk_grad, "finish": finish,
@@ -435,8 +440,9 @@ class GdnBwdSm90(Op):
         (trusted, like cu_seqlens' values): the prepare kernel is skipped and ``workspace``
         needs no work16, work32, inv. Never reads device memory;
         allocates nothing when ``workspace`` is given (see workspace_shapes; else the op
-        keeps one per device and stream) but the int32 copy of int64 cu_seqlens (kept per
-        device and stream like the workspace). scale defaults to the constructor's.
+        keeps one per device and stream) but the int32 copy of int64 cu_seqlens and, for
+        more than 32 sequences, the per-sequence table (both kept per device and stream like
+        the workspace; see GdnFwdSm90.execute). scale defaults to the constructor's.
 
         T == 0: no kernel runs; dinitial_state is dfinal (zeros without one), copied on the
         stream. N == 0: nothing to write.
@@ -520,14 +526,21 @@ class GdnBwdSm90(Op):
         # the chunk kernel's outputs: the final gradient, or its fp32 buffer for "finish"
         grads = tuple(ws.get(name, final) for final, name in zip((dq, dk, dv), GRADS32))
         with device_guard(index):
+            # the table's checkpoint rows: the forward's every n tokens when the states pass
+            # starts from them, else the states pass's own rows (one per chunk)
+            every = n if checkpoints is not None and not reuse else CHUNK_SIZE
+            table = sequence_table(kernels, self._table_buffers, self._outgrown, index, handle,
+                                   cu_seqlens, s.N, every)
             if not prepared:
-                kernels["prepare"](q, k, v, g, beta, cu_seqlens, *work, ws["inv"], s.scale,
-                                   handle)
+                kernels["prepare"](q, k, v, g, beta, cu_seqlens, table, *work, ws["inv"],
+                                   s.scale, handle)
             if not reuse:
-                kernels[states_pass](q, k, *work, cu_seqlens, None, *states_args, handle)
-            kernels["state_grad" + split](q, k, do, *work, cu_seqlens, dfinal, ws["dstates"],
-                                          ws["ddelta"], dinit, handle)
-            kernels["chunk_grad"](q, k, v, g, beta, cu_seqlens, do, *work, ws["inv"], states,
+                kernels[states_pass](q, k, *work, cu_seqlens, table, None, *states_args,
+                                     handle)
+            kernels["state_grad" + split](q, k, do, *work, cu_seqlens, table, dfinal,
+                                          ws["dstates"], ws["ddelta"], dinit, handle)
+            kernels["chunk_grad"](q, k, v, g, beta, cu_seqlens, table, do, *work, ws["inv"],
+                                  states,
                                   ws["dstates"], ws["ddelta"], *grads, dg, dbeta, s.scale,
                                   handle)
             if "finish" in kernels:

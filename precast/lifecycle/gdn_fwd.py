@@ -49,14 +49,18 @@ from .validation import (INT32_MAX, check_bool, check_int, check_no_overlap, che
 
 # Fingerprinted with the op's module: the kernels and the workspace layout they share.
 KERNEL_SOURCES = ("precast.kernels.gdn_chunk_sm90", "precast.kernels.gdn_recurrence_sm90",
-                  "precast.kernels.gdn_layout", "precast.kernels.attention_sm90",
-                  "precast.kernels.fake")
+                  "precast.kernels.gdn_seq_table_sm90", "precast.kernels.gdn_layout",
+                  "precast.kernels.attention_sm90", "precast.kernels.fake")
+# Batches of more sequences than this get the per-sequence table (gdn_seq_table_sm90, one
+# small launch); up to it the kernels' scans of cu_seqlens are a single warp step.
+TABLE_MIN_SEQS = 32
 
 
 def kernel_modes(v_dim: int) -> Tuple[str, ...]:
     """The kernels of an op: stage 1, stage 2 and, at V = 128, stage 2 split over two CTAs
     per (sequence, head) (64 state rows each; see splits_recurrences)."""
-    return ("prepare", "recurrence") + (("recurrence_split",) if v_dim == 128 else ())
+    return ("seq_table", "prepare", "recurrence") + (
+        ("recurrence_split",) if v_dim == 128 else ())
 
 
 def splits_recurrences(s: GdnShapes, index: Optional[int], rows: Optional[int] = None) -> bool:
@@ -241,9 +245,19 @@ def prepare_kernel(s: GdnShapes, store_inverse: bool = False):
            else None)
     args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
             fake_tokens(io, tokens, s.HV, s.V), _fake_gate(s.g_dtype, tokens, s.HO),
-            _fake_gate(s.beta_dtype, tokens, s.HO), _fake_offsets(),
+            _fake_gate(s.beta_dtype, tokens, s.HO), _fake_offsets(), _fake_offsets(),
             *_fake_workspace(s, chunks), inv, scalar(cutlass.Float32, 1.0), fake_stream())
     return kernel, args
+
+
+def seq_table_kernel():
+    """The per-sequence table (GdnSeqTableSm90) and its fake arguments (cu_seqlens, table,
+    checkpoint interval, stream)."""
+    import cutlass
+    from ..kernels.fake import fake_stream, scalar
+    from ..kernels.gdn_seq_table_sm90 import GdnSeqTableSm90
+    return GdnSeqTableSm90(), (_fake_offsets(), _fake_offsets(), scalar(cutlass.Int32, 0),
+                               fake_stream())
 
 
 def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool: bool,
@@ -266,7 +280,7 @@ def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool:
                                     from_checkpoints=from_checkpoints)
     o = None if states_only else fake_tokens(io, cute.sym_int(), s.HO, s.V)
     args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
-            *_fake_workspace(s), _fake_offsets(), o,
+            *_fake_workspace(s), _fake_offsets(), _fake_offsets(), o,
             None if state_dtype is None else _fake_state(state_dtype, s),
             _fake_offsets() if pool else None,
             _fake_state(torch.float32, s) if final_state else None,
@@ -307,6 +321,23 @@ def stream_buffers(op_name: str, cache: dict, outgrown: list, key, rows: int,
         lambda: f"{op_name}.execute: the stream is capturing a CUDA graph and this op has "
                 f"no {what}; {remedy}")
     return tuple(b[:rows] for b in buffers)
+
+
+def sequence_table(kernels, cache: dict, outgrown: list, index, handle: int, cu_seqlens,
+                   num_seqs: int, every: int):
+    """What the kernels take as their sequence table: for more than TABLE_MIN_SEQS
+    sequences the table (gdn_seq_table_sm90) made on the stream into the op's buffer for
+    (device, stream); else, or while the stream captures a graph before that buffer exists,
+    cu_seqlens itself (the kernels then scan it, as they did before the table)."""
+    rows = 2 * (num_seqs + 1)
+    have = cache.get((index, handle))
+    if num_seqs <= TABLE_MIN_SEQS or (
+            (have is None or have[0].shape[0] < rows) and stream_is_capturing(handle)):
+        return cu_seqlens
+    (table,) = stream_buffers("sequence table", cache, outgrown, (index, handle), rows,
+                              (((), torch.int32),), index, handle, "", "")
+    kernels["seq_table"](cu_seqlens, table, every, handle)
+    return table
 
 
 def offsets_as_int32(op_name: str, cache: dict, outgrown: list, index, handle: int,
@@ -364,6 +395,8 @@ class GdnFwdSm90(Op):
         self._outgrown: list = []
         # int32 copies of int64 cu_seqlens, per (device, stream): see offsets_as_int32
         self._offset_buffers: Dict[Tuple[Optional[int], int], torch.Tensor] = {}
+        # per-sequence tables, per (device, stream): see sequence_table
+        self._table_buffers: Dict[Tuple[Optional[int], int], Tuple[torch.Tensor]] = {}
 
     # --- the static configuration -----------------------------------------------------------
     def _call_shapes(self, q, k, v, g, beta, cu_seqlens, *, scale, initial_state=None,
@@ -444,7 +477,8 @@ class GdnFwdSm90(Op):
                                      final_state=s.output_final_state,
                                      checkpoint_dtype=s.checkpoint_dtype, v_splits=v_splits)
 
-        builders = {"prepare": lambda: prepare_kernel(s, store_inverse=self.store_inverse),
+        builders = {"seq_table": seq_table_kernel,
+                    "prepare": lambda: prepare_kernel(s, store_inverse=self.store_inverse),
                     "recurrence": recurrence,
                     "recurrence_split": lambda: recurrence(v_splits=2)}
         return {mode: builders[mode] for mode in kernel_modes(s.V)}
@@ -510,8 +544,10 @@ class GdnFwdSm90(Op):
         allocates nothing when ``workspace`` is given (see workspace_shapes; else the op
         keeps one per device and stream), but for the pool rows gathered when T == 0 and
         the int32 copy of int64 cu_seqlens (kept per device and stream, like the
-        workspace: execute once before capturing a graph with int64 offsets). scale
-        and checkpoint_every_n_tokens default to the constructor's.
+        workspace: execute once before capturing a graph with int64 offsets) and, for more
+        than 32 sequences, the per-sequence table (2 (N + 1) int32, kept the same way; a
+        capture before it exists runs without it, the kernels then scanning cu_seqlens).
+        scale and checkpoint_every_n_tokens default to the constructor's.
 
         T == 0 (every sequence empty; TMA cannot describe empty tensors): no kernel runs;
         final_state is the initial state (the pool rows, or zeros without one) converted to
@@ -576,11 +612,14 @@ class GdnFwdSm90(Op):
         if s.cu_seqlens_dtype == torch.int64:
             cu_seqlens = offsets_as_int32(type(self).__name__, self._offset_buffers,
                                           self._outgrown, index, handle, cu_seqlens, s.N)
+        every = n if checkpointing else 0
         with device_guard(index):
-            kernels["prepare"](q, k, v, g, beta, cu_seqlens, work16, work32, inv, s.scale,
-                               handle)
+            table = sequence_table(kernels, self._table_buffers, self._outgrown, index, handle,
+                                   cu_seqlens, s.N, every)
+            kernels["prepare"](q, k, v, g, beta, cu_seqlens, table, work16, work32, inv,
+                               s.scale, handle)
             # ckpt_every is unused (compiled out) without checkpoints.
             recurrence = "recurrence_split" if splits_recurrences(s, index) else "recurrence"
-            kernels[recurrence](q, k, work16, work32, cu_seqlens, o, initial_state,
+            kernels[recurrence](q, k, work16, work32, cu_seqlens, table, o, initial_state,
                                 state_indices, final_state, checkpoints,
-                                n if checkpointing else 0, handle)
+                                every, handle)
