@@ -55,6 +55,39 @@ def warp_inclusive_sum(value):
 
 
 @cute.jit
+def find_in_sequences(index: Int32, mCuSeqlens, num_batches: Int32, unit: cutlass.Constexpr):
+    """(sequence b, index less the units of the sequences before b, b's unit count) of the
+    index-th unit, sequence b having ceil(len_b / unit) units (tiles, chunks): the whole
+    warp scans the sequences 32 at a time; b == num_batches past the last unit."""
+    lane = cute.arch.lane_idx()
+    batch = num_batches
+    local = Int32(0)
+    count_of = Int32(0)
+    group = Int32(0)
+    base = Int32(0)
+    searching = num_batches > 0
+    while searching:
+        b = group + lane
+        count = Int32(0)
+        if b < num_batches:
+            count = (mCuSeqlens[b + 1] - mCuSeqlens[b] + unit - 1) // unit
+        ends = warp_inclusive_sum(count)
+        total = cute.arch.shuffle_sync(ends, 31)
+        if index < base + total:
+            owner = cute.arch.popc(cute.arch.vote_ballot_sync(index >= base + ends))
+            local = index - base - cute.arch.shuffle_sync(ends - count, owner)
+            count_of = cute.arch.shuffle_sync(count, owner)
+            batch = group + owner
+            searching = False
+        else:
+            base = base + total
+            group = group + 32
+            if group >= num_batches:
+                searching = False
+    return batch, local, count_of
+
+
+@cute.jit
 def wgmma(tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr,
           k_blocks: cutlass.Constexpr = None):
     """acc (+)= A B over the k-blocks of the fragments (the first ``k_blocks`` of them when

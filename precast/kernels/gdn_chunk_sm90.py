@@ -33,8 +33,8 @@ from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import (select_modes, tma_load_tile, tma_store_tile, transposed,
-                             warp_inclusive_sum, wgmma)
+from .attention_sm90 import (find_in_sequences, select_modes, tma_load_tile, tma_store_tile,
+                             transposed, warp_inclusive_sum, wgmma)
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
 from .gdn_seq_table_sm90 import find_in_table, has_table
 
@@ -286,42 +286,14 @@ class GdnChunkPrepareSm90:
         batch = num_batches
         chunk = Int32(0)
         if const_expr(mSeqTable is None):
-            batch, chunk = self.scan_for_chunk(packed, mCuSeqlens, num_batches)
+            batch, chunk, _ = find_in_sequences(packed, mCuSeqlens, num_batches, CHUNK)
         else:
             if has_table(mSeqTable, mCuSeqlens):
                 batch = find_in_table(mSeqTable, 0, num_batches, packed)
                 if batch < num_batches:
                     chunk = packed - mSeqTable[batch]
             else:
-                batch, chunk = self.scan_for_chunk(packed, mCuSeqlens, num_batches)
-        return batch, chunk
-
-    @cute.jit
-    def scan_for_chunk(self, packed: Int32, mCuSeqlens, num_batches: Int32):
-        """find_chunk without a table: O(N / 32) warp steps."""
-        lane = cute.arch.lane_idx()
-        batch = num_batches
-        chunk = Int32(0)
-        base = Int32(0)
-        group = Int32(0)
-        searching = Boolean(num_batches > 0)
-        while searching:
-            b = group + lane
-            count = Int32(0)
-            if b < num_batches:
-                count = (mCuSeqlens[b + 1] - mCuSeqlens[b] + CHUNK - 1) // CHUNK
-            ends = warp_inclusive_sum(count)
-            total = cute.arch.shuffle_sync(ends, 31)
-            if packed < base + total:
-                owner = cute.arch.popc(cute.arch.vote_ballot_sync(packed >= base + ends))
-                batch = group + owner
-                chunk = packed - base - cute.arch.shuffle_sync(ends - count, owner)
-                searching = Boolean(False)
-            else:
-                base = base + total
-                group = group + 32
-                if group >= num_batches:
-                    searching = Boolean(False)
+                batch, chunk, _ = find_in_sequences(packed, mCuSeqlens, num_batches, CHUNK)
         return batch, chunk
 
     @cute.jit

@@ -40,7 +40,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
-                             select_modes, tma_pipeline, warp_inclusive_sum)
+                             find_in_sequences, select_modes, tma_pipeline)
 from .hstu_attention_fwd_sm90 import PRODUCER_REGS, THREADS_PER_WG, WG_ROWS
 
 STREAM_ROWS = 64
@@ -216,9 +216,9 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             # Consecutive CTAs: the heads of one fixed tile, then the sequence's next tile
             # (heaviest first), then the next sequence; CTAs past the last tile get no rows.
             head = cta % heads
-            batch, order, count = self.find_fixed_tile(
+            batch, order, count = find_in_sequences(
                 cta // heads, mCuSeqlensK if const_expr(self.keys_fixed) else mCuSeqlensQ,
-                num_batches)
+                num_batches, self.fixed_rows)
             if batch < num_batches:
                 block = order if const_expr(self.keys_fixed) else count - 1 - order
             else:
@@ -267,39 +267,6 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                          pipe_stream, tidx - THREADS_PER_WG, block, head, span, mdA, mdB,
                          mdQacc, tma_dq, mFunc, window_left, window_right, half_alpha,
                          scale_ds, scale_p)
-
-    @cute.jit
-    def find_fixed_tile(self, tile: Int32, mCuSeqlens, num_batches: Int32):
-        """(sequence, tile of it, its tile count) of the tile-th existing fixed tile,
-        scanning the sequences 32 at a time (warp-collective); sequence == num_batches past
-        the last tile."""
-        lane = cute.arch.lane_idx()
-        R = self.fixed_rows
-        batch = num_batches
-        local = Int32(0)
-        count_of = Int32(0)
-        group = Int32(0)
-        base = Int32(0)
-        searching = num_batches > 0
-        while searching:
-            b = group + lane
-            count = Int32(0)
-            if b < num_batches:
-                count = (mCuSeqlens[b + 1] - mCuSeqlens[b] + R - 1) // R
-            ends = warp_inclusive_sum(count)
-            total = cute.arch.shuffle_sync(ends, 31)
-            if tile < base + total:
-                owner = cute.arch.popc(cute.arch.vote_ballot_sync(tile >= base + ends))
-                local = tile - base - cute.arch.shuffle_sync(ends - count, owner)
-                count_of = cute.arch.shuffle_sync(count, owner)
-                batch = group + owner
-                searching = False
-            else:
-                base = base + total
-                group = group + 32
-                if group >= num_batches:
-                    searching = False
-        return batch, local, count_of
 
     @cute.jit
     def work_span(self, block: Int32, batch: Int32, mCuSeqlensQ, mCuSeqlensK,
