@@ -37,6 +37,8 @@ CASES = {  # name: (sequences, tokens each, q/k heads, v heads)
     "4x8192": (4, 8192, 64, 64),
     "1x32768-hv32": (1, 32768, 16, 32),
     "64x512": (64, 512, 64, 64),
+    # many short sequences: the per-sequence table's case (bench_gdn.py has it too)
+    "1024x64": (1024, 64, 64, 64),
 }
 
 
