@@ -192,7 +192,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     @cute.kernel
     def kernel(self, mmas: tuple, loads: tuple, layouts: tuple, mG: cute.Tensor,
                mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mSeqTable: cute.Tensor,
-               mDQ: cute.Tensor, mDK: cute.Tensor, mDV: cute.Tensor, mDG: cute.Tensor, mDBeta: cute.Tensor,
+               mDQ: cute.Tensor, mDK: cute.Tensor, mDV: cute.Tensor, mDG: cute.Tensor,
+               mDBeta: cute.Tensor,
                out_stores: tuple, num_batches: Int32, scale: Float32):
         C = CHUNK
         tidx, _, _ = cute.arch.thread_idx()

@@ -63,8 +63,8 @@ class GdnStateGradSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mDO: cute.Tensor,
                  mWork16: cute.Tensor, mWork32: cute.Tensor, mCuSeqlens: cute.Tensor,
-                 mSeqTable: cute.Tensor, mDFinal: cute.Tensor, mDStates: cute.Tensor, mDDelta: cute.Tensor,
-                 mDInit: cute.Tensor, stream: cuda.CUstream):
+                 mSeqTable: cute.Tensor, mDFinal: cute.Tensor, mDStates: cute.Tensor,
+                 mDDelta: cute.Tensor, mDInit: cute.Tensor, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K), mDO (T, HO, V); mWork16 / mWork32 as
         gdn_layout.workspace_shapes; mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens:
         none); mDFinal, mDInit (N, HO, V, K) fp32 or None;

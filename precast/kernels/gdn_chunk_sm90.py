@@ -29,7 +29,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
@@ -279,21 +279,18 @@ class GdnChunkPrepareSm90:
         cute.arch.barrier(barrier_id=PREPARE_BARRIER, number_of_threads=THREADS)
 
     @cute.jit
-    def find_chunk(self, packed: Int32, mCuSeqlens, num_batches: Int32, mSeqTable=None):
+    def find_chunk(self, packed: Int32, mCuSeqlens, num_batches: Int32, mSeqTable):
         """(batch, chunk in the sequence) of packed chunk number ``packed``: a search of
         the sequence table when there is one, else each warp scanning the sequences 32 at a
         time; batch == num_batches past the last chunk."""
         batch = num_batches
         chunk = Int32(0)
-        if const_expr(mSeqTable is None):
-            batch, chunk, _ = find_in_sequences(packed, mCuSeqlens, num_batches, CHUNK)
+        if has_table(mSeqTable, mCuSeqlens):
+            batch = find_in_table(mSeqTable, 0, num_batches, packed)
+            if batch < num_batches:
+                chunk = packed - mSeqTable[batch]
         else:
-            if has_table(mSeqTable, mCuSeqlens):
-                batch = find_in_table(mSeqTable, 0, num_batches, packed)
-                if batch < num_batches:
-                    chunk = packed - mSeqTable[batch]
-            else:
-                batch, chunk, _ = find_in_sequences(packed, mCuSeqlens, num_batches, CHUNK)
+            batch, chunk, _ = find_in_sequences(packed, mCuSeqlens, num_batches, CHUNK)
         return batch, chunk
 
     @cute.jit

@@ -200,7 +200,8 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
                       stidx: Int32):
         parts = self.state_role.state_parts(mma_tok, mma_state, sQ, sK, sW, sM, stidx)
         state_row, ckpt_row = self.state_role.load_state(
-            parts, mState0, mStateIdx, mCuSeqlens, ckpt_every, batch, head)
+            parts, mState0, mStateIdx, mCuSeqlens, ckpt_every, batch, head,
+            mCuSeqlens)  # no sequence table: cu_seqlens stands in (load_state scans it)
         for c in cutlass.range(chunks, unroll=1):
             s = c % STAGES
             self.state_role.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)

@@ -82,15 +82,12 @@ def load_factor_row(atom, m_view, s_rows, head: Int32, chunk: Int32, stage: Int3
 
 
 @cute.jit
-def packed_chunk_start(mCuSeqlens: cute.Tensor, batch: Int32, mSeqTable=None):
+def packed_chunk_start(mCuSeqlens: cute.Tensor, batch: Int32, mSeqTable: cute.Tensor):
     """The packed number (stage 1's numbering) of sequence ``batch``'s first chunk: the
     chunks of the sequences before it (from the sequence table when there is one)."""
     first = Int32(0)
-    if const_expr(mSeqTable is not None):
-        if has_table(mSeqTable, mCuSeqlens):
-            first = mSeqTable[batch]
-        else:
-            first = sum_before(mCuSeqlens, batch, Int32(CHUNK))
+    if has_table(mSeqTable, mCuSeqlens):
+        first = mSeqTable[batch]
     else:
         first = sum_before(mCuSeqlens, batch, Int32(CHUNK))
     return first
@@ -255,7 +252,8 @@ class GdnChunkRecurrenceSm90:
                sU_layout: cute.ComposedLayout, sM_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, store_o: cute.CopyAtom, mO_t: cute.Tensor,
                factor_rows: tuple, staged_ckpt, mCuSeqlens: cute.Tensor,
-               mSeqTable: cute.Tensor, mO: cute.Tensor, mState0: cute.Tensor, mStateIdx: cute.Tensor, mFinal: cute.Tensor,
+               mSeqTable: cute.Tensor, mO: cute.Tensor, mState0: cute.Tensor,
+               mStateIdx: cute.Tensor, mFinal: cute.Tensor,
                mCkpt: cute.Tensor, ckpt_every: Int32, num_batches: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         if const_expr(self.from_checkpoints):
@@ -446,9 +444,10 @@ class GdnChunkRecurrenceSm90:
 
     @cute.jit
     def load_state(self, parts, mState0, mStateIdx, mCuSeqlens, ckpt_every: Int32,
-                   batch: Int32, head: Int32, mSeqTable=None):
+                   batch: Int32, head: Int32, mSeqTable):
         """The entering state (or zeros) into the accumulator; returns (its row in
-        mState0, the sequence's first checkpoint row)."""
+        mState0, the sequence's first checkpoint row). mSeqTable: the sequence table, or
+        cu_seqlens standing in for none."""
         acc_state = parts.acc_state
         state_row = batch
         if const_expr(self.pool):
@@ -461,11 +460,8 @@ class GdnChunkRecurrenceSm90:
         ckpt_row = Int32(0)
         if const_expr(self.checkpoints and not self.from_checkpoints):
             # Rows of the checkpoint series before this sequence's: ceil(len / n) each.
-            if const_expr(mSeqTable is not None):
-                if has_table(mSeqTable, mCuSeqlens):
-                    ckpt_row = mSeqTable[mCuSeqlens.shape[0] + batch]
-                else:
-                    ckpt_row = sum_before(mCuSeqlens, batch, ckpt_every)
+            if has_table(mSeqTable, mCuSeqlens):
+                ckpt_row = mSeqTable[mCuSeqlens.shape[0] + batch]
             else:
                 ckpt_row = sum_before(mCuSeqlens, batch, ckpt_every)
         return state_row, ckpt_row

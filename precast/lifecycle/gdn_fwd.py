@@ -334,7 +334,8 @@ def sequence_table(kernels, cache: dict, outgrown: list, index, handle: int, cu_
     if num_seqs <= TABLE_MIN_SEQS or (
             (have is None or have[0].shape[0] < rows) and stream_is_capturing(handle)):
         return cu_seqlens
-    (table,) = stream_buffers("sequence table", cache, outgrown, (index, handle), rows,
+    # (never refused, so no message: a capturing stream without the buffer returned above)
+    (table,) = stream_buffers("GDN", cache, outgrown, (index, handle), rows,
                               (((), torch.int32),), index, handle, "", "")
     kernels["seq_table"](cu_seqlens, table, every, handle)
     return table
