@@ -10,14 +10,17 @@ import sys
 
 import torch
 
-
 from precast import gated_delta_net
 from precast.reference.gated_delta_net import gdn_recurrent_reference, rms_error_ratio
 
+# Also the backward script's batches (tests/gpu_sanitize_gdn_bwd.py).
 BATCHES = {"ragged": [70, 0, 1, 64, 5], "40 sequences": [3, 0, 1, 64, 70] * 8}
 H, K, V = 4, 128, 128
-failures = []
-for what, lens in BATCHES.items():
+
+
+def inputs(lens):
+    """q, k, v, gate, beta, cu_seqlens of one batch, and the generator that made them (the
+    backward script draws its cotangents from it next)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     T = sum(lens)
     q, k = (torch.randn(T, H, K, device="cuda", generator=g).bfloat16() for _ in range(2))
@@ -26,14 +29,26 @@ for what, lens in BATCHES.items():
     beta = torch.rand(T, H, device="cuda", generator=g)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
                       device="cuda")
-    o, final = gated_delta_net(q, k, v, gate, beta, cu, output_final_state=True,
-                               use_qk_l2norm_in_kernel=True)
-    torch.cuda.synchronize()
-    ref = gdn_recurrent_reference(q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True)
-    for name, got, want in (("o", o, ref["o"]), ("final state", final, ref["final_state"])):
-        ratio = rms_error_ratio(got, want)
-        print(f"{what}: {name}: RMS error ratio {ratio:.3g}", flush=True)
-        if not ratio < 2e-2:
-            failures.append(f"{what}: {name}")
-print("all ok" if not failures else "FAILED: " + ", ".join(failures))
-sys.exit(1 if failures else 0)
+    return (q, k, v, gate, beta, cu), g
+
+
+def main() -> int:
+    failures = []
+    for what, lens in BATCHES.items():
+        (q, k, v, gate, beta, cu), _ = inputs(lens)
+        o, final = gated_delta_net(q, k, v, gate, beta, cu, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True)
+        torch.cuda.synchronize()
+        ref = gdn_recurrent_reference(q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True)
+        for name, got, want in (("o", o, ref["o"]),
+                                ("final state", final, ref["final_state"])):
+            ratio = rms_error_ratio(got, want)
+            print(f"{what}: {name}: RMS error ratio {ratio:.3g}", flush=True)
+            if not ratio < 2e-2:
+                failures.append(f"{what}: {name}")
+    print("all ok" if not failures else "FAILED: " + ", ".join(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,29 +6,24 @@ forward with the final state, backward with its gradient):
     compute-sanitizer --tool racecheck python tests/gpu_sanitize_gdn_bwd.py
 
 Ragged lengths with empty and one-token sequences and a partial last chunk, then 40 such
-sequences (more than 32: the kernels read the per-sequence table), through autograd (o, s = gated_delta_net(...); loss.backward()); the gradients are checked against
+sequences (more than 32: the kernels read the per-sequence table; the batches and inputs of
+tests/gpu_sanitize_gdn.py), through autograd (o, s = gated_delta_net(...);
+loss.backward()); the gradients are checked against
 the float64 chunked backward so a silent wrong answer fails too."""
 import sys
 
 import torch
 
+from gpu_sanitize_gdn import BATCHES, H, K, V, inputs
 from precast import gated_delta_net
 from precast.reference.gated_delta_net import rms_error_ratio
 from precast.reference.gdn_backward import gdn_chunked_backward_reference
 
-BATCHES = {"ragged": [70, 0, 1, 64, 5], "40 sequences": [3, 0, 1, 64, 70] * 8}
-H, K, V = 4, 128, 128
 TOL = 4e-2  # RMS error ratio (bf16), the backward's bar
 failures = []
 for what, lens in BATCHES.items():
-    g = torch.Generator(device="cuda").manual_seed(0)
+    (q, k, v, gate, beta, cu), g = inputs(lens)
     T, N = sum(lens), len(lens)
-    q, k = (torch.randn(T, H, K, device="cuda", generator=g).bfloat16() for _ in range(2))
-    v = torch.randn(T, H, V, device="cuda", generator=g).bfloat16()
-    gate = -0.05 * torch.rand(T, H, device="cuda", generator=g)
-    beta = torch.rand(T, H, device="cuda", generator=g)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
-                      device="cuda")
     do = torch.randn(T, H, V, device="cuda", generator=g).bfloat16()
     dfinal = 0.1 * torch.randn(N, H, V, K, device="cuda", generator=g)
 
