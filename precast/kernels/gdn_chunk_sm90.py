@@ -43,13 +43,15 @@ PREPARE_BARRIER = 1
 # 3 CTAs per SM (64 KB of shared memory each at K = V = 128) need <= 170 registers per
 # thread: store_inverse's T took 176 unbounded, which left 2 CTAs per SM (+24 % time).
 CTAS_PER_SM = 3
-INVERT_BARRIER = 2  # the 64 solving threads, before T overwrites A (store_inverse)
+INV_BLOCK = 16  # diagonal blocks of T solved by substitution (see invert)
 L2NORM_EPS = 1e-24
 # A's rows in shared memory (fp32), padded: the score epilogue's stores (eight rows per
 # warp store) fall in distinct banks; rows stay 16-byte aligned for the solver's loads.
 A_ROW_STRIDE = CHUNK + 4
-# Rows of the per-token values in shared memory (sRows): the L2 row scales r_q, r_k.
+# Rows of the per-token values in shared memory (sRows): the L2 row scales r_q, r_k, then
+# (over them, once row_values read them) T's column scales for W and U.
 R_Q, R_K = range(2)
+T_W, T_U = R_Q, R_K
 ROW_VALUES = 2
 
 
@@ -267,8 +269,11 @@ class GdnChunkPrepareSm90:
         self.scores(mma_s, sQ, sK, stage, sA, sGate, sBeta, sRows, out[2], scale, tidx)
         self.sync()
         if tidx < C:
+            # T's column scales replace the row scales of token tidx (read only by it here)
             t_w, t_u = self.row_values(sGate, sBeta, out[3], rows, scale, sRows, tidx)
-            self.invert(sA, sTw[None, None, 0], sTu[None, None, 0], t_w, t_u, tidx, sInv)
+            sRows[T_W, tidx] = t_w
+            sRows[T_U, tidx] = t_u
+        self.invert(sA, sTw[None, None, 0], sTu[None, None, 0], sRows, tidx, sInv)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.sync()
         self.factors(mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out[0], out[1], tidx)
@@ -418,33 +423,101 @@ class GdnChunkPrepareSm90:
         return beta * cute.math.exp(g, fastmath=True) * r_k, beta
 
     @cute.jit
-    def invert(self, sA, sTw, sTu, t_w: Float32, t_u: Float32, j: Int32, sInv=None):
-        """Thread j < 64: column j of T = (I + A)^-1 by forward substitution in fp32, stored
-        as column j of T diag(beta gamma r_k) and T diag(beta) (scales t_w, t_u) in 16
-        bits: the A operands of W and U. Each row's sum runs in four independent partial
-        sums over 16-byte loads of A's row (the same row for every thread: one broadcast
-        load per four terms). ``sInv`` (T itself, 16-bit) overlays A: written once every
-        solving thread has read A."""
+    def invert(self, sA, sTw, sTu, sRows, tidx: Int32, sInv=None):
+        """T = (I + A)^-1 (unit lower triangular) in fp32, in place over A, by the 128
+        threads: the four 16 x 16 diagonal blocks by forward substitution (one column per
+        thread), then the blocks below them by doubling, T_21 = -T_22 (A_21 T_11), at 16 and
+        at 32 rows (four products on all threads). The products' intermediates go to A's
+        upper-right 32 x 32 quarter, which holds zeros nobody reads. Then T diag(t_w) and
+        T diag(t_u) (the column scales in sRows) in 16 bits: the A operands of W and U, and,
+        with ``sInv`` (which overlays A), T itself. One forward substitution over 64 rows on
+        64 threads was half of the CTA's time."""
         C = CHUNK
-        x = cute.make_rmem_tensor(cute.make_layout(C), Float32)
+        B = INV_BLOCK
+        # Diagonal blocks: thread tidx < 64 solves column tidx % 16 of block tidx // 16.
+        x = cute.make_rmem_tensor(cute.make_layout(B), Float32)
         a4 = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-        for i in cutlass.range_constexpr(C):
-            part = [cutlass.select_(j == i, Float32(1.0), Float32(0.0)), Float32(0.0),
-                    Float32(0.0), Float32(0.0)]
-            for l4 in cutlass.range_constexpr(i // 4):
-                cute.autovec_copy(cute.local_tile(sA[i, None], (4,), (l4,)), a4)
-                for u in cutlass.range_constexpr(4):
-                    part[u] = part[u] - a4[u] * x[4 * l4 + u]
-            for l in cutlass.range_constexpr(i // 4 * 4, i):
-                part[0] = part[0] - sA[i, l] * x[l]
-            x[i] = (part[0] + part[1]) + (part[2] + part[3])
+        b0 = tidx // B * B
+        col = tidx % B
+        if tidx < C:
+            for i in cutlass.range_constexpr(B):
+                part = [cutlass.select_(col == i, Float32(1.0), Float32(0.0)), Float32(0.0),
+                        Float32(0.0), Float32(0.0)]
+                for l4 in cutlass.range_constexpr(i // 4):
+                    cute.autovec_copy(cute.local_tile(sA[b0 + i, None], (4,), (b0 // 4 + l4,)),
+                                      a4)
+                    for u in cutlass.range_constexpr(4):
+                        part[u] = part[u] - a4[u] * x[4 * l4 + u]
+                for l in cutlass.range_constexpr(i // 4 * 4, i):
+                    part[0] = part[0] - sA[b0 + i, b0 + l] * x[l]
+                x[i] = (part[0] + part[1]) + (part[2] + part[3])
+        self.sync()  # every solver read its block of A
+        if tidx < C:
+            for i in cutlass.range_constexpr(B):
+                sA[b0 + i, b0 + col] = x[i]
+        # 16-row doubling: pair p (threads 64 p ..) makes block (2p + 1, 2p) through the
+        # scratch block at (p, 2 + p), a row and four columns per thread.
+        pair = tidx // C
+        r = tidx % C // 4
+        c = tidx % 4 * 4
+        lo, hi, scratch = 2 * pair * B, (2 * pair + 1) * B, 2 * B + pair * B
+        self.sync()
+        self.block_product(sA, B, 4, hi + r, lo, lo, lo + c, pair * B + r, scratch + c, False)
+        self.sync()
+        self.block_product(sA, B, 4, hi + r, hi, pair * B, scratch + c, hi + r, lo + c, True)
+        # 32-row doubling: rows 32.. of columns 0..31, a row and eight columns per thread,
+        # through the scratch quarter.
+        r = tidx // 4
+        c = tidx % 4 * 8
+        H = 2 * B
+        self.sync()
+        self.block_product(sA, H, 8, H + r, 0, 0, c, r, H + c, False)
+        self.sync()
+        self.block_product(sA, H, 8, H + r, H, 0, H + c, H + r, c, True)
+        self.sync()
+        # Column j, rows 32 h .. 32 h + 31 (h = tidx // 64) of the scaled 16-bit copies; the
+        # upper triangle is zeros (the scratch quarter holds products).
+        j = tidx % C
+        half = tidx // C * H
+        t = cute.make_rmem_tensor(cute.make_layout(H), Float32)
+        for i in cutlass.range_constexpr(H):
+            t[i] = cutlass.select_(j <= half + i, sA[half + i, j], Float32(0.0))
+        t_w = sRows[T_W, j]
+        t_u = sRows[T_U, j]
         if const_expr(sInv is not None):
-            cute.arch.barrier(barrier_id=INVERT_BARRIER, number_of_threads=C)
-        for i in cutlass.range_constexpr(C):
-            sTw[i, j] = (x[i] * t_w).to(self.dtype)
-            sTu[i, j] = (x[i] * t_u).to(self.dtype)
+            self.sync()  # T overwrites A
+        for i in cutlass.range_constexpr(H):
+            sTw[half + i, j] = (t[i] * t_w).to(self.dtype)
+            sTu[half + i, j] = (t[i] * t_u).to(self.dtype)
             if const_expr(sInv is not None):
-                sInv[i, j] = x[i].to(self.dtype)
+                sInv[half + i, j] = t[i].to(self.dtype)
+
+    @cute.jit
+    def block_product(self, sA, depth: cutlass.Constexpr, width: cutlass.Constexpr,
+                      row: Int32, col0: Int32, row0: Int32, col: Int32, out_row: Int32,
+                      out_col: Int32, negate: cutlass.Constexpr):
+        """sA[out_row, out_col + w] = (-) sum_k sA[row, col0 + k] sA[row0 + k, col + w] for
+        k < depth, w < width: a row of width columns of a product of two blocks of sA.
+        Columns are multiples of 4 (16-byte loads and stores)."""
+        acc = cute.make_rmem_tensor(cute.make_layout(width), Float32)
+        acc.fill(0.0)
+        lhs = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        rhs = cute.make_rmem_tensor(cute.make_layout(width), Float32)
+        for k4 in cutlass.range_constexpr(depth // 4):
+            cute.autovec_copy(cute.local_tile(sA[row, None], (4,), (col0 // 4 + k4,)), lhs)
+            for kk in cutlass.range_constexpr(4):
+                for w4 in cutlass.range_constexpr(width // 4):
+                    cute.autovec_copy(
+                        cute.local_tile(sA[row0 + 4 * k4 + kk, None], (4,), (col // 4 + w4,)),
+                        cute.local_tile(rhs, (4,), (w4,)))
+                for w in cutlass.range_constexpr(width):
+                    acc[w] = acc[w] + lhs[kk] * rhs[w]
+        if const_expr(negate):
+            for w in cutlass.range_constexpr(width):
+                acc[w] = -acc[w]
+        for w4 in cutlass.range_constexpr(width // 4):
+            cute.autovec_copy(cute.local_tile(acc, (4,), (w4,)),
+                              cute.local_tile(sA[out_row, None], (4,), (out_col // 4 + w4,)))
 
     @cute.jit
     def factors(self, mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out_w, out_u, tidx: Int32):
