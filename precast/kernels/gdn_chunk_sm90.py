@@ -8,7 +8,7 @@ Qc Qc^T and Kc Kc^T, so q and k are never rewritten), in-chunk cumulative log ga
 (fp32), gamma = exp(G), beta, and the notation of precast/reference/gated_delta_net.py:
 
     A  = strict_tril(diag(beta r_k) (Gamma * Kc Kc^T) diag(r_k))   (fp32, shared memory)
-    T  = (I + A)^-1                                       (forward substitution, fp32)
+    T  = (I + A)^-1                                (fp32, by 16 x 16 blocks: see invert)
     W  = T diag(beta gamma r_k) Kc,   U = T diag(beta) Vc  (wgmma, fp32 accumulators)
     M  = scale diag(r_q) (Gamma * Qc Kc^T) diag(r_k), causal with the diagonal
     q_f = scale gamma r_q,   k_f = exp(G_L - G) r_k        (zero past the sequence end)
@@ -230,9 +230,10 @@ class GdnChunkPrepareSm90:
             sM = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(),
                                                   swizzle_=sM_layout.inner, dtype=self.dtype),
                                   sM_layout.outer)
-            t_sm = thr_s.partition_C(sM[None, None, 0])
-            for e in cutlass.range_constexpr(cute.size(m16)):
-                t_sm[e] = m16[e]
+            st_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            st = cute.make_tiled_copy_C(st_atom, mma_s).get_slice(tidx)
+            cute.copy(st_atom, st.retile(m16), st.partition_D(sM[None, None, 0]))
             cute.arch.fence_proxy("async.shared", space="cta")
             self.sync()
             if warp == 0:  # the whole warp: each TMA copy elects its issuing lane itself
@@ -264,8 +265,6 @@ class GdnChunkPrepareSm90:
             self.zero_rows(q2, k2, v2, rows, tidx)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.sync()
-        if tidx < cute.arch.WARP_SIZE:
-            self.cumulative_gates(sGate)
         self.scores(mma_s, sQ, sK, stage, sA, sGate, sBeta, sRows, out[2], scale, tidx)
         self.sync()
         if tidx < C:
@@ -350,7 +349,8 @@ class GdnChunkPrepareSm90:
     @cute.jit
     def scores(self, mma_s, sQ, sK, stage, sA, sGate, sBeta, sRows, t_m, scale: Float32,
                tidx: Int32):
-        """K K^T -> A (gated, strictly lower, fp32 in shared memory); Q K^T -> M (gated,
+        """Warp 0: G (cumulative gates, over sGate) beside the first product. K K^T -> A
+        (gated, strictly lower, fp32 in shared memory); Q K^T -> M (gated,
         causal with the diagonal, scaled; 16-bit into ``t_m``, this thread's elements in
         accumulator order); with the L2 norm, r_q and
         r_k from the diagonals of Q Q^T and K K^T into sRows first. Ends with the
@@ -365,6 +365,8 @@ class GdnChunkPrepareSm90:
         acc_qk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
         coords = thr.partition_C(cute.make_identity_tensor((C, C)))
         wgmma(mma_s, acc_kk, tSrKa, tSrKb, False)
+        if tidx < cute.arch.WARP_SIZE:  # G, while the tensor cores work
+            self.cumulative_gates(sGate)
         if const_expr(self.l2norm):
             acc_qq = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
             wgmma(mma_s, acc_qq, tSrQa, tSrQb, False)
@@ -475,22 +477,36 @@ class GdnChunkPrepareSm90:
         self.sync()
         self.block_product(sA, H, 8, H + r, H, 0, H + c, H + r, c, True)
         self.sync()
-        # Column j, rows 32 h .. 32 h + 31 (h = tidx // 64) of the scaled 16-bit copies; the
-        # upper triangle is zeros (the scratch quarter holds products).
-        j = tidx % C
-        half = tidx // C * H
+        # Half a row per thread (a warp: 16 rows, lanes 16.. the right halves, so the eight
+        # lanes of a 16-byte access read distinct banks) of the scaled 16-bit copies, eight
+        # columns at a time (16-byte stores); the upper triangle is zeros (the scratch
+        # quarter holds products).
+        row = tidx // 32 * B + tidx % B
+        c0 = tidx % 32 // B * H
         t = cute.make_rmem_tensor(cute.make_layout(H), Float32)
-        for i in cutlass.range_constexpr(H):
-            t[i] = cutlass.select_(j <= half + i, sA[half + i, j], Float32(0.0))
-        t_w = sRows[T_W, j]
-        t_u = sRows[T_U, j]
+        for v in cutlass.range_constexpr(H // 4):
+            cute.autovec_copy(cute.local_tile(sA[row, None], (4,), (c0 // 4 + v,)),
+                              cute.local_tile(t, (4,), (v,)))
+        for w in cutlass.range_constexpr(H):
+            t[w] = cutlass.select_(c0 + w <= row, t[w], Float32(0.0))
         if const_expr(sInv is not None):
             self.sync()  # T overwrites A
-        for i in cutlass.range_constexpr(H):
-            sTw[half + i, j] = (t[i] * t_w).to(self.dtype)
-            sTu[half + i, j] = (t[i] * t_u).to(self.dtype)
+        scales = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        vals = cute.make_rmem_tensor(cute.make_layout(8), self.dtype)
+        for g in cutlass.range_constexpr(H // 8):
+            outs = [(sTw, T_W), (sTu, T_U)]
             if const_expr(sInv is not None):
-                sInv[half + i, j] = t[i].to(self.dtype)
+                outs.append((sInv, None))
+            for dst, scale_row in outs:
+                if const_expr(scale_row is None):
+                    for e in cutlass.range_constexpr(8):
+                        vals[e] = t[8 * g + e].to(self.dtype)
+                else:
+                    cute.autovec_copy(
+                        cute.local_tile(sRows[scale_row, None], (8,), (c0 // 8 + g,)), scales)
+                    for e in cutlass.range_constexpr(8):
+                        vals[e] = (t[8 * g + e] * scales[e]).to(self.dtype)
+                cute.autovec_copy(vals, cute.local_tile(dst[row, None], (8,), (c0 // 8 + g,)))
 
     @cute.jit
     def block_product(self, sA, depth: cutlass.Constexpr, width: cutlass.Constexpr,
@@ -520,6 +536,17 @@ class GdnChunkPrepareSm90:
                               cute.local_tile(sA[out_row, None], (4,), (out_col // 4 + w4,)))
 
     @cute.jit
+    def store_acc(self, acc, mma, out, tidx: Int32):
+        """A warpgroup's fp32 accumulator of ``mma`` -> 16-bit shared-memory tile ``out``
+        by stmatrix (a 2-byte store per element was most of the epilogues' instructions)."""
+        vals = cute.make_rmem_tensor(acc.layout, self.dtype)
+        vals.store(acc.load().to(self.dtype))
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        st = cute.make_tiled_copy_C(st_atom, mma).get_slice(tidx)
+        cute.copy(st_atom, st.retile(vals), st.partition_D(out))
+
+    @cute.jit
     def factors(self, mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out_w, out_u, tidx: Int32):
         """W = Tw Kc and U = Tu Vc (Kc, Vc read transposed), 16-bit into ``out_w`` and
         ``out_u`` (which may be sV itself: the products are complete before the stores)."""
@@ -535,6 +562,4 @@ class GdnChunkPrepareSm90:
             wgmma(mma, acc, tCrT, tCrX, False)
             warpgroup.wait_group(0)
             self.sync()  # every warp's share of the product read sX (out may overwrite it)
-            t_out = thr.partition_C(out)
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                t_out[e] = acc[e].to(self.dtype)
+            self.store_acc(acc, mma, out, tidx)
