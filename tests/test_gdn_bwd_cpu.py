@@ -576,6 +576,14 @@ def test_sequence_table_not_made_while_capturing(launches):
 
 
 # --- the workspace --------------------------------------------------------------------------------
+def test_make_workspace_defaults_to_the_cuda_device(monkeypatch):
+    """Without a device the workspace goes where execute() needs it (the CUDA device)."""
+    made = []
+    monkeypatch.setattr(torch, "empty", lambda *shape, **kw: made.append(kw["device"]))
+    bwd().make_workspace(T, N)
+    assert made and set(made) == {"cuda"}
+
+
 def test_workspace_shapes():
     op = bwd()
     shapes = op.workspace_shapes(T, N)

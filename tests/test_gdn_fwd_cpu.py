@@ -529,6 +529,15 @@ def test_execute_with_a_workspace_allocates_nothing(launches):
     assert launches.capture_queries == []
 
 
+def test_make_workspace_defaults_to_the_cuda_device(monkeypatch):
+    """Without a device the workspace goes where execute() needs it (the CUDA device), not
+    to torch's default (the CPU), which execute would refuse."""
+    made = []
+    monkeypatch.setattr(torch, "empty", lambda *shape, **kw: made.append(kw["device"]))
+    gdn().make_workspace(T, N)
+    assert made == ["cuda", "cuda"]
+
+
 def test_store_inverse_makes_the_workspace_a_triple(launches, fixed_sources):
     """store_inverse (for a backward that reuses the forward's factors): prepare also
     writes T = (I + A)^-1 into the workspace's third tensor."""

@@ -344,7 +344,8 @@ class GdnBwdSm90(Op):
     def make_workspace(self, total_tokens: int, num_seqs: int, device=None
                        ) -> Dict[str, torch.Tensor]:
         """An uninitialized workspace for execute(workspace=...) (e.g. before capturing a
-        CUDA graph)."""
+        CUDA graph), on ``device`` (default: the current CUDA device, as execute needs)."""
+        device = "cuda" if device is None else device
         return {name: torch.empty(shape, dtype=self.workspace_dtype(name), device=device)
                 for name, shape in self.workspace_shapes(total_tokens, num_seqs).items()}
 

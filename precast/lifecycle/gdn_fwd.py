@@ -505,7 +505,9 @@ class GdnFwdSm90(Op):
 
     def make_workspace(self, total_tokens: int, num_seqs: int, device=None
                        ) -> Tuple[torch.Tensor, ...]:
-        """An uninitialized workspace for execute(workspace=...)."""
+        """An uninitialized workspace for execute(workspace=...), on ``device`` (default:
+        the current CUDA device, as execute needs)."""
+        device = "cuda" if device is None else device
         return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in zip(
             self.workspace_shapes(total_tokens, num_seqs), self.workspace_dtypes()))
 
