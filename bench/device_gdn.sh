@@ -5,6 +5,8 @@
 # backward, benchmarks. Logs under $OUT (the device tool returns at most 8 files); every
 # step under `timeout` so a hung kernel costs that step only.
 #   run: source .gpuhost/prelude.sh && bash bench/device_gdn.sh   (carry .gpuhost, .artifacts)
+# RACECHECK_BATCHES=ragged: the backward racecheck on the small batch only (both batches take
+# ~5 minutes; give them SANITIZER_TIMEOUT=300); SKIP_SANITIZER / SKIP_BENCH skip those steps.
 set -o pipefail
 export PRECAST_CACHE_DIR=${PRECAST_CACHE_DIR:-$PWD/.artifacts/cache}
 OUT=${OUT:-/tmp/precast-out}; mkdir -p "$OUT"
@@ -21,7 +23,7 @@ if [ -z "${SKIP_SANITIZER:-}" ]; then
     echo "memcheck $script exit code: ${PIPESTATUS[0]}" | tee -a "$OUT/gdn.log"
   done
   timeout "${SANITIZER_TIMEOUT:-120}" compute-sanitizer --tool racecheck --error-exitcode 3 \
-    python3 tests/gpu_sanitize_gdn_bwd.py 2>&1 | tail -20 >> "$OUT/sanitize_gdn.log"
+    python3 tests/gpu_sanitize_gdn_bwd.py ${RACECHECK_BATCHES:-} 2>&1 | tail -20 >> "$OUT/sanitize_gdn.log"
   echo "racecheck gpu_sanitize_gdn_bwd exit code: ${PIPESTATUS[0]}" | tee -a "$OUT/gdn.log"
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then

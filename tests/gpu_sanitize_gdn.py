@@ -1,11 +1,12 @@
 """A small Gated DeltaNet forward for compute-sanitizer (run on the GPU host, from
 precompiled artifacts of tests/gpu_plan.toml's bf16 K = V = 128, 4-head, l2norm entry):
 
-    compute-sanitizer --tool memcheck --report-api-errors no python tests/gpu_sanitize_gdn.py
+    compute-sanitizer --tool memcheck --report-api-errors no python tests/gpu_sanitize_gdn.py [BATCH ...]
 
 Ragged lengths with empty and one-token sequences and a partial last chunk, then 40 such
-sequences (more than 32: the kernels read the per-sequence table); each result is checked
-against the float64 recurrence so a silent wrong answer fails too."""
+sequences (more than 32: the kernels read the per-sequence table): batches "ragged" and
+"many", both unless named. Each result is checked against the float64 recurrence so a
+silent wrong answer fails too."""
 import sys
 
 import torch
@@ -14,7 +15,8 @@ from precast import gated_delta_net
 from precast.reference.gated_delta_net import gdn_recurrent_reference, rms_error_ratio
 
 # Also the backward script's batches (tests/gpu_sanitize_gdn_bwd.py).
-BATCHES = {"ragged": [70, 0, 1, 64, 5], "40 sequences": [3, 0, 1, 64, 70] * 8}
+# "many": 40 sequences, more than 32, so the kernels read the per-sequence table
+BATCHES = {"ragged": [70, 0, 1, 64, 5], "many": [3, 0, 1, 64, 70] * 8}
 H, K, V = 4, 128, 128
 
 
@@ -32,9 +34,18 @@ def inputs(lens):
     return (q, k, v, gate, beta, cu), g
 
 
-def main() -> int:
+def chosen_batches(names) -> dict:
+    """The batches named on the command line (all when none): racecheck of the backward
+    over both takes minutes, "ragged" alone well under one."""
+    unknown = [n for n in names if n not in BATCHES]
+    if unknown:
+        raise SystemExit(f"unknown batch {unknown[0]!r}; choose from {', '.join(BATCHES)}")
+    return {n: BATCHES[n] for n in (names or BATCHES)}
+
+
+def main(names=()) -> int:
     failures = []
-    for what, lens in BATCHES.items():
+    for what, lens in chosen_batches(list(names)).items():
         (q, k, v, gate, beta, cu), _ = inputs(lens)
         o, final = gated_delta_net(q, k, v, gate, beta, cu, output_final_state=True,
                                    use_qk_l2norm_in_kernel=True)
@@ -51,4 +62,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -3,25 +3,26 @@ precompiled artifacts of tests/gpu_plan.toml's bf16 K = V = 128, 4-head, l2norm 
 forward with the final state, backward with its gradient):
 
     compute-sanitizer --tool memcheck --report-api-errors no python tests/gpu_sanitize_gdn_bwd.py
-    compute-sanitizer --tool racecheck python tests/gpu_sanitize_gdn_bwd.py
+    compute-sanitizer --tool racecheck python tests/gpu_sanitize_gdn_bwd.py [BATCH ...]
 
 Ragged lengths with empty and one-token sequences and a partial last chunk, then 40 such
 sequences (more than 32: the kernels read the per-sequence table; the batches and inputs of
-tests/gpu_sanitize_gdn.py), through autograd (o, s = gated_delta_net(...);
+tests/gpu_sanitize_gdn.py; racecheck of "ragged" alone takes under a minute, of both
+several), through autograd (o, s = gated_delta_net(...);
 loss.backward()); the gradients are checked against
 the float64 chunked backward so a silent wrong answer fails too."""
 import sys
 
 import torch
 
-from gpu_sanitize_gdn import BATCHES, H, K, V, inputs
+from gpu_sanitize_gdn import H, K, V, chosen_batches, inputs
 from precast import gated_delta_net
 from precast.reference.gated_delta_net import rms_error_ratio
 from precast.reference.gdn_backward import gdn_chunked_backward_reference
 
 TOL = 4e-2  # RMS error ratio (bf16), the backward's bar
 failures = []
-for what, lens in BATCHES.items():
+for what, lens in chosen_batches(sys.argv[1:]).items():
     (q, k, v, gate, beta, cu), g = inputs(lens)
     T, N = sum(lens), len(lens)
     do = torch.randn(T, H, V, device="cuda", generator=g).bfloat16()
