@@ -88,6 +88,17 @@ def find_in_sequences(index: Int32, mCuSeqlens, num_batches: Int32, unit: cutlas
 
 
 @cute.jit
+def store_stmatrix(vals, tiled_mma, tile, tidx: Int32):
+    """A warpgroup's 16-bit fragment ``vals``, in the order of ``tiled_mma``'s accumulator,
+    into the shared-memory tile ``tile`` by stmatrix (eight elements a thread per
+    instruction). ``tidx``: the thread's index in the tiled MMA."""
+    atom = cute.make_copy_atom(
+        cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), vals.element_type)
+    st = cute.make_tiled_copy_C(atom, tiled_mma).get_slice(tidx)
+    cute.copy(atom, st.retile(vals), st.partition_D(tile))
+
+
+@cute.jit
 def wgmma(tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr,
           k_blocks: cutlass.Constexpr = None):
     """acc (+)= A B over the k-blocks of the fragments (the first ``k_blocks`` of them when

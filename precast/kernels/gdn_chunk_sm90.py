@@ -33,8 +33,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import (find_in_sequences, select_modes, tma_load_tile, tma_store_tile,
-                             transposed, warp_inclusive_sum, wgmma)
+from .attention_sm90 import (find_in_sequences, select_modes, store_stmatrix, tma_load_tile,
+                             tma_store_tile, transposed, warp_inclusive_sum, wgmma)
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
 from .gdn_seq_table_sm90 import find_in_table, has_table
 
@@ -230,10 +230,7 @@ class GdnChunkPrepareSm90:
             sM = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(),
                                                   swizzle_=sM_layout.inner, dtype=self.dtype),
                                   sM_layout.outer)
-            st_atom = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-            st = cute.make_tiled_copy_C(st_atom, mma_s).get_slice(tidx)
-            cute.copy(st_atom, st.retile(m16), st.partition_D(sM[None, None, 0]))
+            store_stmatrix(m16, mma_s, sM[None, None, 0], tidx)
             cute.arch.fence_proxy("async.shared", space="cta")
             self.sync()
             if warp == 0:  # the whole warp: each TMA copy elects its issuing lane itself
@@ -541,10 +538,7 @@ class GdnChunkPrepareSm90:
         by stmatrix (a 2-byte store per element was most of the epilogues' instructions)."""
         vals = cute.make_rmem_tensor(acc.layout, self.dtype)
         vals.store(acc.load().to(self.dtype))
-        st_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        st = cute.make_tiled_copy_C(st_atom, mma).get_slice(tidx)
-        cute.copy(st_atom, st.retile(vals), st.partition_D(out))
+        store_stmatrix(vals, mma, out, tidx)
 
     @cute.jit
     def factors(self, mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out_w, out_u, tidx: Int32):

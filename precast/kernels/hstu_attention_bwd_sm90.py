@@ -40,7 +40,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
-                             find_in_sequences, select_modes, tma_pipeline)
+                             find_in_sequences, select_modes, store_stmatrix, tma_pipeline)
 from .hstu_attention_fwd_sm90 import PRODUCER_REGS, THREADS_PER_WG, WG_ROWS
 
 STREAM_ROWS = 64
@@ -635,10 +635,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
     def stage_ds(self, ds_regs, mma_s, sdS, consumer_tidx: Int32):
         """This warpgroup's dS^T rows -> shared memory (stmatrix); then both warpgroups'
         halves must be there before either multiplies."""
-        st_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        st = cute.make_tiled_copy_C(st_atom, mma_s).get_slice(consumer_tidx)
-        cute.copy(st_atom, st.retile(ds_regs), st.partition_D(sdS))
+        store_stmatrix(ds_regs, mma_s, sdS, consumer_tidx)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=DS_READY_BARRIER,
                           number_of_threads=self.nwg * THREADS_PER_WG)

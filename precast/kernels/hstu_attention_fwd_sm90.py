@@ -34,7 +34,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
-                             select_modes, tma_pipeline, warp_inclusive_sum, wgmma)
+                             select_modes, store_stmatrix, tma_pipeline, warp_inclusive_sum,
+                             wgmma)
 
 TILE_M = 128  # query rows of a work tile (two consumer warpgroups of 64)
 WG_ROWS = 64
@@ -748,10 +749,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         wg = consumer_tidx // THREADS_PER_WG
         out = cute.make_rmem_tensor(acc_o.layout, self.dtype)
         out.store((acc_o.load() * out_scale).to(self.dtype))
-        st_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        st = cute.make_tiled_copy_C(st_atom, mma_pv).get_slice(consumer_tidx)
-        cute.copy(st_atom, st.retile(out), st.partition_D(sO))
+        store_stmatrix(out, mma_pv, sO, consumer_tidx)
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=THREADS_PER_WG)
         vec = 128 // self.dtype.width
         per_row = D // vec
