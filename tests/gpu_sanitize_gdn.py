@@ -13,6 +13,7 @@ import torch
 
 from precast import gated_delta_net
 from precast.reference.gated_delta_net import gdn_recurrent_reference, rms_error_ratio
+from precast.reference.offsets import offsets_from_lengths
 
 # Also the backward script's batches (tests/gpu_sanitize_gdn_bwd.py).
 # "many": 40 sequences, more than 32, so the kernels read the per-sequence table
@@ -29,8 +30,7 @@ def inputs(lens):
     v = torch.randn(T, H, V, device="cuda", generator=g).bfloat16()
     gate = -0.05 * torch.rand(T, H, device="cuda", generator=g)
     beta = torch.rand(T, H, device="cuda", generator=g)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
-                      device="cuda")
+    cu = offsets_from_lengths(lens, device="cuda")
     return (q, k, v, gate, beta, cu), g
 
 

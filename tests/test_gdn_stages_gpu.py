@@ -11,6 +11,7 @@ from precast import GdnFwdSm90
 from precast.reference.gated_delta_net import (CHUNK_SIZE, gdn_recurrent_reference,
                                                rms_error_ratio)
 from precast.reference.gdn_workspace import gdn_chunk_workspace_reference
+from precast.reference.offsets import offsets_from_lengths
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -26,8 +27,7 @@ def batch(lens, dtype=torch.bfloat16, seed=0):
     v = torch.randn(T, H, V, device=DEV, generator=g).to(dtype)
     gate = -0.05 * torch.rand(T, H, device=DEV, generator=g)
     beta = torch.rand(T, H, device=DEV, generator=g)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
-                      device=DEV)
+    cu = offsets_from_lengths(lens, device=DEV)
     return q, k, v, gate, beta, cu
 
 

@@ -10,6 +10,7 @@ import torch
 
 from precast.reference.gated_delta_net import gdn_recurrent_reference, l2norm_rows
 from precast.reference.gdn_backward import gdn_chunked_backward_reference
+from precast.reference.offsets import offsets_from_lengths
 
 F64 = dict(dtype=torch.float64)
 
@@ -27,7 +28,7 @@ def problem(lens, hq, hk, hv, K, V, seed, state=True, unit_qk=False):
          "beta": torch.rand(T, HO, generator=g, **F64)}
     if state:
         x["initial_state"] = 0.3 * torch.randn(len(lens), HO, V, K, generator=g, **F64)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    cu = offsets_from_lengths(lens)
     do = torch.randn(T, HO, V, generator=g, **F64)
     dfinal = torch.randn(len(lens), HO, V, K, generator=g, **F64)
     return x, cu, do, dfinal

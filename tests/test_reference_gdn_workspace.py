@@ -9,6 +9,7 @@ import torch
 
 from precast.reference.gated_delta_net import CHUNK_SIZE, gdn_recurrent_reference
 from precast.reference.gdn_workspace import gdn_chunk_workspace_reference
+from precast.reference.offsets import offsets_from_lengths
 
 C = CHUNK_SIZE
 
@@ -54,7 +55,7 @@ def test_stage2_on_the_workspace_reproduces_the_recurrence(lens, hq, hv, k_dim, 
     g = torch.Generator().manual_seed(len(lens))
     T, HO = sum(lens), max(hq, hv)
     f64 = dict(dtype=torch.float64)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    cu = offsets_from_lengths(lens)
     q = torch.randn(T, hq, k_dim, generator=g, **f64)
     k = torch.randn(T, hq, k_dim, generator=g, **f64)
     v = torch.randn(T, hv, v_dim, generator=g, **f64)
