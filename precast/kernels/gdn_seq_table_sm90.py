@@ -13,9 +13,10 @@ The table (2 (N + 1) int32) holds
     [N + 1, 2N + 1]: checkpoint rows before sequence b, ceil(len / every) each (zeros when
                      every is 0).
 One CTA of THREADS threads makes it in ceil((N + 1) / THREADS) steps of a block-wide scan.
-Kernels take the table as an optional tensor: any other length (the op passes cu_seqlens
-itself) means "no table", and they scan as before (the op skips the table for N <= 32, where
-a scan is one warp step, and while a stream captures without the table's buffer).
+Kernels always take a table argument (``has_table``): any other length (the op passes
+cu_seqlens itself) means "no table", and they scan cu_seqlens (the op skips the table for
+N <= 32, where a scan is one warp step, and while a stream captures without the table's
+buffer).
 """
 import cuda.bindings.driver as cuda
 
