@@ -45,7 +45,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import select_modes, tma_load_tile, tma_store_tile, transposed, wgmma
-from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90
+from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90, block_chunk_head, chunk_grid
 from .gdn_layout import CHUNK, gradients_in_place
 
 WGS = 2  # warpgroup 0: the q side; warpgroup 1: the WY side
@@ -186,7 +186,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                                         (mDV, lay_v, V, self.final_outputs[2])))
         self.kernel(mmas, loads, (lay_k, lay_v, lay_c, lay_s), mG, mBeta, mCuSeqlens,
                     mSeqTable, mDQ, mDK, mDV, mDG, mDBeta, out_stores, num_batches, scale).launch(
-            grid=[chunks, self.heads, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=chunk_grid(chunks, self.heads), block=[THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -197,7 +197,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                out_stores: tuple, num_batches: Int32, scale: Float32):
         C = CHUNK
         tidx, _, _ = cute.arch.thread_idx()
-        packed, head, _ = cute.arch.block_idx()
+        packed, head = block_chunk_head()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         batch, chunk = self.find_chunk(packed, mCuSeqlens, num_batches, mSeqTable)
         if batch < num_batches:
