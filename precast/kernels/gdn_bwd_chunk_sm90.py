@@ -436,7 +436,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         u = self.loaded(t_u, acc)
         for e in cutlass.range_constexpr(cute.size(acc)):
             acc[e] = u[e].to(Float32) - acc[e]
-        self.store_16(acc, t_u)
+        self.store_16(acc, mma_kk_v, stage0(sU))
 
     @cute.jit
     def q_side(self, mmas, tiles, storage, sRows, sDG, bars, mDQ, staged_dq, acc_dk,
@@ -473,7 +473,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             e_rows[h] = e_rows[h] + x
             e_cols[sl] = e_cols[sl] + x
             acc_c[e] = scale * dmp * gamma_ij
-        self.store_16(acc_c, t_m)
+        self.store_16(acc_c, mma_kk_c, stage0(sM))
         self.flush_e(e_rows, e_cols, dg_part, storage)
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
         thr_k = mma_kmn_k.get_slice(wtidx)
@@ -491,7 +491,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.state_dot(sS, sDS, storage, wtidx)
         warpgroup.wait_group(0)
         self.store_grad(thr_k, mDQ, acc_k, t_q, R_Q, self.final_outputs[0], sRows, rows_of,
-                        first, rows, head, staged_dq, 0)
+                        first, rows, head, staged_dq, 0, mma_kmn_k)
         # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms, finish_dk)
         self.ss(mma_kmn_k, acc_dk, stage0(sDelta), stage0_t(sDS, V, K), False)
         warpgroup.wait_group(0)
@@ -526,7 +526,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             acc_dk[e] = acc_dk[e] + dk_wy[e * 128 + wtidx]
         self.store_grad(thr_k, mDK, acc_dk, t_kk, R_K, self.final_outputs[1], sRows,
                         self.row_context(sRows, wtidx)["rows_of"], first, rows, head,
-                        staged_dk, 0)
+                        staged_dk, 0, mmas[2])
 
     @cute.jit
     def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, staged_dv,
@@ -557,7 +557,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.ss(mma_kmn_k, acc_k, stage0(sDD), stage0_t(sS, V, K), False)
         warpgroup.wait_group(0)
         cute.arch.mbarrier_wait(bars + W_FREE, 0)
-        self.store_16(acc_k, thr_k.partition_C(stage0(sW)), negate=True)
+        self.store_16(acc_k, mma_kmn_k, stage0(sW), negate=True)
         self.wg_sync(1, fence=True)
         # ---- dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma)
         thr_c = mma_kk_c.get_slice(wtidx)
@@ -573,7 +573,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             sl = col_slot(e)
             acc_c[e] = beta_c[sl] * (acc_c[e] + acc_t2[e] * eg_c[sl])
-        self.store_16(acc_c, thr_c.partition_C(stage0(sdT)))
+        self.store_16(acc_c, mma_kk_c, stage0(sdT))
         # ---- dv = diag(beta) T^T dDelta;  dbeta += rowsum(T^T dDelta * V)
         thr_v = mma_mnmn_v.get_slice(wtidx)
         acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
@@ -583,7 +583,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.row_dots_then_scale(acc_v, t_vv, beta_r)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
-        self.store_out(thr_v, mDV, acc_v, rows_of, first, rows, head, staged_dv, 1)
+        self.store_out(thr_v, mDV, acc_v, rows_of, first, rows, head, staged_dv, 1,
+                       mma_mnmn_v)
         self.wg_sync(1, fence=True)  # dT written
         # ---- dBk = T^T dW: dk_n = diag(beta gamma) dBk ...; t = rowsum(dBk Kn)
         self.ss(mma_mnmn_k, acc_dk, stage0_t(sT, C, C), stage0_t(sdW, C, K), False)
@@ -595,7 +596,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             db_part[h] = db_part[h] + t_i
             dg_part[h] = dg_part[h] + t_i * beta_r[h]
         # ---- dA = strict_tril(-(T^T dT) T^T); P = Kn Kn^T
-        self.store_16(acc_c, thr_c.partition_C(stage0(sX2)))
+        self.store_16(acc_c, mma_kk_c, stage0(sX2))
         self.wg_sync(1, fence=True)
         self.ss(mma_kk_c, acc_t2, stage0(sX2), stage0(sT), False)
         self.ss(mma_kk_c, acc_c, stage0(sK), stage0(sK), False)
@@ -618,7 +619,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
-        self.store_16(acc_t2, thr_c.partition_C(stage0(sP)))
+        self.store_16(acc_t2, mma_kk_c, stage0(sP))
         self.flush_e(e_rows, e_cols, dg_part, storage)
         self.wg_sync(1, fence=True)
         # ---- dk_n += dP Kn + dP^T Kn, to warpgroup 0 (over S, once it is free)
@@ -652,15 +653,19 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         return frag
 
     @cute.jit
-    def store_16(self, acc, t_s, negate: cutlass.Constexpr = False):
-        """An fp32 accumulator (or its negation) into 16-bit shared memory in accumulator
-        order: paired stores."""
+    def store_16(self, acc, mma, tile, negate: cutlass.Constexpr = False):
+        """A warpgroup's fp32 accumulator of ``mma`` (or its negation) into the 16-bit
+        shared-memory tile ``tile`` by stmatrix (eight elements a thread per instruction;
+        paired stores took four)."""
         frag = cute.make_rmem_tensor(acc.layout, self.dtype)
         if const_expr(negate):
             frag.store((-acc.load()).to(self.dtype))
         else:
             frag.store(acc.load().to(self.dtype))
-        cute.autovec_copy(frag, t_s)
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        st = cute.make_tiled_copy_C(st_atom, mma).get_slice(cute.arch.thread_idx()[0] % 128)
+        cute.copy(st_atom, st.retile(frag), st.partition_D(tile))
 
     def wg_sync(self, wg: int, fence: bool = False):
         """One warpgroup's barrier; with ``fence``, its shared-memory writes are made
@@ -760,7 +765,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
     @cute.jit
     def store_grad(self, thr, mOut, acc, t_xn, r_row: int, final: cutlass.Constexpr, sRows,
-                   rows_of, first: Int32, rows: Int32, head: Int32, staged, wg: int):
+                   rows_of, first: Int32, rows: Int32, head: Int32, staged, wg: int, mma):
         """dq or dk: when ``final`` (written in place) with the L2 norm, the Jacobian
         dx = r (dx_n - (x_n . dx_n) x_n) (x_n from shared memory, t_xn; only the first
         term where the clamp is active) before the store. ``acc`` is reused."""
@@ -776,11 +781,11 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             for e in cutlass.range_constexpr(cute.size(acc)):
                 h = row_half(e)
                 acc[e] = r_of[h] * (acc[e] - coef[h] * xn[e].to(Float32))
-        self.store_out(thr, mOut, acc, rows_of, first, rows, head, staged, wg)
+        self.store_out(thr, mOut, acc, rows_of, first, rows, head, staged, wg, mma)
 
     @cute.jit
     def store_out(self, thr, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32,
-                  staged, wg: int):
+                  staged, wg: int, mma):
         """store_rows, but a whole chunk with ``staged`` (staged_outputs) goes through its
         shared-memory tile: warpgroup ``wg``'s threads write their elements, its first warp
         issues the TMA store (waited for before the CTA exits)."""
@@ -789,9 +794,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         else:
             if rows == CHUNK:
                 atom, m_t, s_tile = staged
-                out = cute.make_rmem_tensor(acc.layout, self.dtype)
-                out.store(acc.load().to(self.dtype))
-                cute.autovec_copy(out, thr.partition_C(stage0(s_tile)))
+                self.store_16(acc, mma, stage0(s_tile))
                 self.wg_sync(wg, fence=True)
                 if cute.arch.thread_idx()[0] % 128 < cute.arch.WARP_SIZE:
                     cols = cute.size(s_tile, mode=[1])
