@@ -432,8 +432,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         acc = cute.make_rmem_tensor(thr.partition_shape_C((C, V)), Float32)
         self.ss(mma_kk_v, acc, stage0(sW), stage0(sS), False)
         warpgroup.wait_group(0)
-        t_u = thr.partition_C(stage0(sU))
-        u = self.loaded(t_u, acc)
+        u = self.loaded(mma_kk_v, stage0(sU), acc)
         for e in cutlass.range_constexpr(cute.size(acc)):
             acc[e] = u[e].to(Float32) - acc[e]
         self.store_16(acc, mma_kk_v, stage0(sU))
@@ -461,8 +460,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         warpgroup.wait_group(0)
         e_cols = [Float32(0.0)] * len(cols_of)
         e_rows = [Float32(0.0), Float32(0.0)]
-        t_m = thr_c.partition_C(stage0(sM))
-        m16 = self.loaded(t_m, acc_c)
+        m16 = self.loaded(mma_kk_c, stage0(sM), acc_c)
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             h, sl = row_half(e), col_slot(e)
             seen = cols_of[sl] <= rows_of[h]
@@ -478,11 +476,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
         thr_k = mma_kmn_k.get_slice(wtidx)
         acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
-        t_q = thr_k.partition_C(stage0(sQ))
-        t_kk = thr_k.partition_C(stage0(sK))
         self.ss(mma_kmn_k, acc_k, stage0(sDO), stage0_t(sS, V, K), False)
         warpgroup.wait_group(0)
-        part = self.row_dots_then_scale(acc_k, t_q, [scale * x for x in eg_r])
+        part = self.row_dots_then_scale(acc_k, mma_kmn_k, stage0(sQ), [scale * x for x in eg_r])
         for h in cutlass.range_constexpr(2):
             dg_part[h] = dg_part[h] + part[h] * scale * eg_r[h]
         self.wg_sync(0, fence=True)  # dQK written
@@ -490,14 +486,14 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS'
         self.state_dot(sS, sDS, storage, wtidx)
         warpgroup.wait_group(0)
-        self.store_grad(thr_k, mDQ, acc_k, t_q, R_Q, self.final_outputs[0], sRows, rows_of,
-                        first, rows, head, staged_dq, 0, mma_kmn_k)
+        self.store_grad(thr_k, mDQ, acc_k, stage0(sQ), R_Q, self.final_outputs[0], sRows,
+                        rows_of, first, rows, head, staged_dq, 0, mma_kmn_k)
         # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms, finish_dk)
         self.ss(mma_kmn_k, acc_dk, stage0(sDelta), stage0_t(sDS, V, K), False)
         warpgroup.wait_group(0)
         # S and dS' are read (by this warpgroup; warpgroup 1 reads neither)
         cute.arch.mbarrier_arrive(bars + STATES_FREE)
-        part = self.row_dots_then_scale(acc_dk, t_kk, d_r)
+        part = self.row_dots_then_scale(acc_dk, mma_kmn_k, stage0(sK), d_r)
         dd_sum = Float32(0.0)  # sum of dd over this thread's rows (leaders only count)
         for h in cutlass.range_constexpr(2):
             dd = part[h] * d_r[h]
@@ -520,11 +516,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         barrier alone it reported hazards.)"""
         cute.arch.mbarrier_wait(bars + DK_READY, 0)
         thr_k = mmas[2].get_slice(wtidx)
-        t_kk = thr_k.partition_C(stage0(tiles[1]))
         dk_wy = self.dk_exchange(storage, acc_dk)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[e] = acc_dk[e] + dk_wy[e * 128 + wtidx]
-        self.store_grad(thr_k, mDK, acc_dk, t_kk, R_K, self.final_outputs[1], sRows,
+        self.store_grad(thr_k, mDK, acc_dk, stage0(tiles[1]), R_K, self.final_outputs[1], sRows,
                         self.row_context(sRows, wtidx)["rows_of"], first, rows, head,
                         staged_dk, 0, mmas[2])
 
@@ -553,7 +548,6 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # ---- dW = -dDelta S^T (over W)
         thr_k = mma_kmn_k.get_slice(wtidx)
         acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
-        t_kk = thr_k.partition_C(stage0(sK))
         self.ss(mma_kmn_k, acc_k, stage0(sDD), stage0_t(sS, V, K), False)
         warpgroup.wait_group(0)
         cute.arch.mbarrier_wait(bars + W_FREE, 0)
@@ -577,10 +571,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # ---- dv = diag(beta) T^T dDelta;  dbeta += rowsum(T^T dDelta * V)
         thr_v = mma_mnmn_v.get_slice(wtidx)
         acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
-        t_vv = thr_v.partition_C(stage0(sV))
         self.ss(mma_mnmn_v, acc_v, stage0_t(sT, C, C), stage0_t(sDD, C, V), False)
         warpgroup.wait_group(0)
-        part = self.row_dots_then_scale(acc_v, t_vv, beta_r)
+        part = self.row_dots_then_scale(acc_v, mma_mnmn_v, stage0(sV), beta_r)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
         self.store_out(thr_v, mDV, acc_v, rows_of, first, rows, head, staged_dv, 1,
@@ -590,7 +583,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.ss(mma_mnmn_k, acc_dk, stage0_t(sT, C, C), stage0_t(sdW, C, K), False)
         self.ss(mma_mnmn_c, acc_c, stage0_t(sT, C, C), stage0_t(sdT, C, C), False)  # T^T dT
         warpgroup.wait_group(0)
-        part = self.row_dots_then_scale(acc_dk, t_kk, [b * x for b, x in zip(beta_r, eg_r)])
+        part = self.row_dots_then_scale(acc_dk, mma_kmn_k, stage0(sK),
+                                        [b * x for b, x in zip(beta_r, eg_r)])
         for h in cutlass.range_constexpr(2):
             t_i = part[h] * eg_r[h]
             db_part[h] = db_part[h] + t_i
@@ -645,11 +639,15 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
               thr.make_fragment_B(thr.partition_B(sB)), accumulate)
 
     @cute.jit
-    def loaded(self, t_s, acc):
-        """This thread's 16-bit shared-memory elements ``t_s`` (accumulator order) in
-        registers: paired loads."""
+    def loaded(self, mma, tile, acc):
+        """This thread's elements of the 16-bit shared-memory tile ``tile`` in the order of
+        its accumulator ``acc`` of ``mma``, by ldmatrix (eight elements a thread per
+        instruction; paired loads took four)."""
         frag = cute.make_rmem_tensor(acc.layout, self.dtype)
-        cute.autovec_copy(t_s, frag)
+        ld_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        ld = cute.make_tiled_copy_C(ld_atom, mma).get_slice(cute.arch.thread_idx()[0] % 128)
+        cute.copy(ld_atom, ld.partition_S(tile), ld.retile(frag))
         return frag
 
     @cute.jit
@@ -700,11 +698,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 col_e[warp, 8 * (slot // 2) + 2 * lane + slot % 2] = x
 
     @cute.jit
-    def row_dots_then_scale(self, acc, t_x, factors):
+    def row_dots_then_scale(self, acc, mma, tile, factors):
         """The sums over each of the thread's two accumulator rows of acc * x (x: its
-        16-bit shared-memory elements ``t_x``, in accumulator order), over the row's 4
-        threads; acc's rows are then multiplied by ``factors`` (one per row)."""
-        x16 = self.loaded(t_x, acc)
+        elements of the 16-bit shared-memory tile ``tile``, in the order of acc, an
+        accumulator of ``mma``), over the row's 4 threads; acc's rows are then multiplied
+        by ``factors`` (one per row)."""
+        x16 = self.loaded(mma, tile, acc)
         part = [Float32(0.0), Float32(0.0)]
         for e in cutlass.range_constexpr(cute.size(acc)):
             h = row_half(e)
@@ -764,13 +763,13 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                     t_g[e] = out[e]
 
     @cute.jit
-    def store_grad(self, thr, mOut, acc, t_xn, r_row: int, final: cutlass.Constexpr, sRows,
+    def store_grad(self, thr, mOut, acc, x_tile, r_row: int, final: cutlass.Constexpr, sRows,
                    rows_of, first: Int32, rows: Int32, head: Int32, staged, wg: int, mma):
         """dq or dk: when ``final`` (written in place) with the L2 norm, the Jacobian
-        dx = r (dx_n - (x_n . dx_n) x_n) (x_n from shared memory, t_xn; only the first
+        dx = r (dx_n - (x_n . dx_n) x_n) (x_n from shared memory, x_tile; only the first
         term where the clamp is active) before the store. ``acc`` is reused."""
         if const_expr(final and self.l2norm):
-            xn = self.loaded(t_xn, acc)
+            xn = self.loaded(mma, x_tile, acc)
             part = [Float32(0.0), Float32(0.0)]
             for e in cutlass.range_constexpr(cute.size(acc)):
                 h = row_half(e)
