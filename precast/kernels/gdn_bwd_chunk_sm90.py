@@ -44,7 +44,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import select_modes, tma_load_tile, tma_store_tile, transposed, wgmma
+from .attention_sm90 import (load_ldmatrix, select_modes, tma_load_tile, tma_store_tile,
+                             transposed, wgmma)
 from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90, block_chunk_head, chunk_grid
 from .gdn_layout import CHUNK, gradients_in_place
 
@@ -435,7 +436,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         u = self.loaded(mma_kk_v, stage0(sU), acc)
         for e in cutlass.range_constexpr(cute.size(acc)):
             acc[e] = u[e].to(Float32) - acc[e]
-        self.store_16(acc, mma_kk_v, stage0(sU))
+        self.store_acc(acc, mma_kk_v, stage0(sU), wtidx)
 
     @cute.jit
     def q_side(self, mmas, tiles, storage, sRows, sDG, bars, mDQ, staged_dq, acc_dk,
@@ -471,7 +472,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             e_rows[h] = e_rows[h] + x
             e_cols[sl] = e_cols[sl] + x
             acc_c[e] = scale * dmp * gamma_ij
-        self.store_16(acc_c, mma_kk_c, stage0(sM))
+        self.store_acc(acc_c, mma_kk_c, stage0(sM), wtidx)
         self.flush_e(e_rows, e_cols, dg_part, storage)
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
         thr_k = mma_kmn_k.get_slice(wtidx)
@@ -551,7 +552,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.ss(mma_kmn_k, acc_k, stage0(sDD), stage0_t(sS, V, K), False)
         warpgroup.wait_group(0)
         cute.arch.mbarrier_wait(bars + W_FREE, 0)
-        self.store_16(acc_k, mma_kmn_k, stage0(sW), negate=True)
+        self.store_acc(acc_k, mma_kmn_k, stage0(sW), wtidx, negate=True)
         self.wg_sync(1, fence=True)
         # ---- dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma)
         thr_c = mma_kk_c.get_slice(wtidx)
@@ -567,7 +568,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             sl = col_slot(e)
             acc_c[e] = beta_c[sl] * (acc_c[e] + acc_t2[e] * eg_c[sl])
-        self.store_16(acc_c, mma_kk_c, stage0(sdT))
+        self.store_acc(acc_c, mma_kk_c, stage0(sdT), wtidx)
         # ---- dv = diag(beta) T^T dDelta;  dbeta += rowsum(T^T dDelta * V)
         thr_v = mma_mnmn_v.get_slice(wtidx)
         acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
@@ -590,7 +591,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             db_part[h] = db_part[h] + t_i
             dg_part[h] = dg_part[h] + t_i * beta_r[h]
         # ---- dA = strict_tril(-(T^T dT) T^T); P = Kn Kn^T
-        self.store_16(acc_c, mma_kk_c, stage0(sX2))
+        self.store_acc(acc_c, mma_kk_c, stage0(sX2), wtidx)
         self.wg_sync(1, fence=True)
         self.ss(mma_kk_c, acc_t2, stage0(sX2), stage0(sT), False)
         self.ss(mma_kk_c, acc_c, stage0(sK), stage0(sK), False)
@@ -613,7 +614,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
-        self.store_16(acc_t2, mma_kk_c, stage0(sP))
+        self.store_acc(acc_t2, mma_kk_c, stage0(sP), wtidx)
         self.flush_e(e_rows, e_cols, dg_part, storage)
         self.wg_sync(1, fence=True)
         # ---- dk_n += dP Kn + dP^T Kn, to warpgroup 0 (over S, once it is free)
@@ -644,26 +645,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         its accumulator ``acc`` of ``mma``, by ldmatrix (eight elements a thread per
         instruction; paired loads took four)."""
         frag = cute.make_rmem_tensor(acc.layout, self.dtype)
-        ld_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        ld = cute.make_tiled_copy_C(ld_atom, mma).get_slice(cute.arch.thread_idx()[0] % 128)
-        cute.copy(ld_atom, ld.partition_S(tile), ld.retile(frag))
+        load_ldmatrix(mma, tile, frag, cute.arch.thread_idx()[0] % 128)
         return frag
-
-    @cute.jit
-    def store_16(self, acc, mma, tile, negate: cutlass.Constexpr = False):
-        """A warpgroup's fp32 accumulator of ``mma`` (or its negation) into the 16-bit
-        shared-memory tile ``tile`` by stmatrix (eight elements a thread per instruction;
-        paired stores took four)."""
-        frag = cute.make_rmem_tensor(acc.layout, self.dtype)
-        if const_expr(negate):
-            frag.store((-acc.load()).to(self.dtype))
-        else:
-            frag.store(acc.load().to(self.dtype))
-        st_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        st = cute.make_tiled_copy_C(st_atom, mma).get_slice(cute.arch.thread_idx()[0] % 128)
-        cute.copy(st_atom, st.retile(frag), st.partition_D(tile))
 
     def wg_sync(self, wg: int, fence: bool = False):
         """One warpgroup's barrier; with ``fence``, its shared-memory writes are made
@@ -793,7 +776,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         else:
             if rows == CHUNK:
                 atom, m_t, s_tile = staged
-                self.store_16(acc, mma, stage0(s_tile))
+                self.store_acc(acc, mma, stage0(s_tile), cute.arch.thread_idx()[0] % 128)
                 self.wg_sync(wg, fence=True)
                 if cute.arch.thread_idx()[0] % 128 < cute.arch.WARP_SIZE:
                     cols = cute.size(s_tile, mode=[1])
