@@ -99,6 +99,16 @@ def store_stmatrix(vals, tiled_mma, tile, tidx: Int32):
 
 
 @cute.jit
+def load_ldmatrix(tiled_mma, tile, vals, tidx: Int32):
+    """store_stmatrix's inverse: the shared-memory tile ``tile`` into the 16-bit fragment
+    ``vals`` (in the order of ``tiled_mma``'s accumulator) by ldmatrix."""
+    atom = cute.make_copy_atom(
+        cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), vals.element_type)
+    ld = cute.make_tiled_copy_C(atom, tiled_mma).get_slice(tidx)
+    cute.copy(atom, ld.partition_S(tile), ld.retile(vals))
+
+
+@cute.jit
 def wgmma(tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr,
           k_blocks: cutlass.Constexpr = None):
     """acc (+)= A B over the k-blocks of the fragments (the first ``k_blocks`` of them when

@@ -44,8 +44,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import select_modes, tma_load_tile, tma_store_tile, transposed, wgmma
-from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90
+from .attention_sm90 import (load_ldmatrix, select_modes, tma_load_tile, tma_store_tile,
+                             transposed, wgmma)
+from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90, block_chunk_head, chunk_grid
 from .gdn_layout import CHUNK, gradients_in_place
 
 WGS = 2  # warpgroup 0: the q side; warpgroup 1: the WY side
@@ -186,7 +187,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                                         (mDV, lay_v, V, self.final_outputs[2])))
         self.kernel(mmas, loads, (lay_k, lay_v, lay_c, lay_s), mG, mBeta, mCuSeqlens,
                     mSeqTable, mDQ, mDK, mDV, mDG, mDBeta, out_stores, num_batches, scale).launch(
-            grid=[chunks, self.heads, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=chunk_grid(chunks, self.heads), block=[THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -197,7 +198,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                out_stores: tuple, num_batches: Int32, scale: Float32):
         C = CHUNK
         tidx, _, _ = cute.arch.thread_idx()
-        packed, head, _ = cute.arch.block_idx()
+        packed, head = block_chunk_head()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         batch, chunk = self.find_chunk(packed, mCuSeqlens, num_batches, mSeqTable)
         if batch < num_batches:
@@ -432,11 +433,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         acc = cute.make_rmem_tensor(thr.partition_shape_C((C, V)), Float32)
         self.ss(mma_kk_v, acc, stage0(sW), stage0(sS), False)
         warpgroup.wait_group(0)
-        t_u = thr.partition_C(stage0(sU))
-        u = self.loaded(t_u, acc)
+        u = self.loaded(mma_kk_v, stage0(sU), acc)
         for e in cutlass.range_constexpr(cute.size(acc)):
             acc[e] = u[e].to(Float32) - acc[e]
-        self.store_16(acc, t_u)
+        self.store_acc(acc, mma_kk_v, stage0(sU), wtidx)
 
     @cute.jit
     def q_side(self, mmas, tiles, storage, sRows, sDG, bars, mDQ, staged_dq, acc_dk,
@@ -461,8 +461,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         warpgroup.wait_group(0)
         e_cols = [Float32(0.0)] * len(cols_of)
         e_rows = [Float32(0.0), Float32(0.0)]
-        t_m = thr_c.partition_C(stage0(sM))
-        m16 = self.loaded(t_m, acc_c)
+        m16 = self.loaded(mma_kk_c, stage0(sM), acc_c)
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             h, sl = row_half(e), col_slot(e)
             seen = cols_of[sl] <= rows_of[h]
@@ -473,16 +472,14 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             e_rows[h] = e_rows[h] + x
             e_cols[sl] = e_cols[sl] + x
             acc_c[e] = scale * dmp * gamma_ij
-        self.store_16(acc_c, t_m)
+        self.store_acc(acc_c, mma_kk_c, stage0(sM), wtidx)
         self.flush_e(e_rows, e_cols, dg_part, storage)
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
         thr_k = mma_kmn_k.get_slice(wtidx)
         acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
-        t_q = thr_k.partition_C(stage0(sQ))
-        t_kk = thr_k.partition_C(stage0(sK))
         self.ss(mma_kmn_k, acc_k, stage0(sDO), stage0_t(sS, V, K), False)
         warpgroup.wait_group(0)
-        part = self.row_dots_then_scale(acc_k, t_q, [scale * x for x in eg_r])
+        part = self.row_dots_then_scale(acc_k, mma_kmn_k, stage0(sQ), [scale * x for x in eg_r])
         for h in cutlass.range_constexpr(2):
             dg_part[h] = dg_part[h] + part[h] * scale * eg_r[h]
         self.wg_sync(0, fence=True)  # dQK written
@@ -490,14 +487,14 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS'
         self.state_dot(sS, sDS, storage, wtidx)
         warpgroup.wait_group(0)
-        self.store_grad(thr_k, mDQ, acc_k, t_q, R_Q, self.final_outputs[0], sRows, rows_of,
-                        first, rows, head, staged_dq, 0)
+        self.store_grad(thr_k, mDQ, acc_k, stage0(sQ), R_Q, self.final_outputs[0], sRows,
+                        rows_of, first, rows, head, staged_dq, 0, mma_kmn_k)
         # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms, finish_dk)
         self.ss(mma_kmn_k, acc_dk, stage0(sDelta), stage0_t(sDS, V, K), False)
         warpgroup.wait_group(0)
         # S and dS' are read (by this warpgroup; warpgroup 1 reads neither)
         cute.arch.mbarrier_arrive(bars + STATES_FREE)
-        part = self.row_dots_then_scale(acc_dk, t_kk, d_r)
+        part = self.row_dots_then_scale(acc_dk, mma_kmn_k, stage0(sK), d_r)
         dd_sum = Float32(0.0)  # sum of dd over this thread's rows (leaders only count)
         for h in cutlass.range_constexpr(2):
             dd = part[h] * d_r[h]
@@ -520,13 +517,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         barrier alone it reported hazards.)"""
         cute.arch.mbarrier_wait(bars + DK_READY, 0)
         thr_k = mmas[2].get_slice(wtidx)
-        t_kk = thr_k.partition_C(stage0(tiles[1]))
         dk_wy = self.dk_exchange(storage, acc_dk)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[e] = acc_dk[e] + dk_wy[e * 128 + wtidx]
-        self.store_grad(thr_k, mDK, acc_dk, t_kk, R_K, self.final_outputs[1], sRows,
+        self.store_grad(thr_k, mDK, acc_dk, stage0(tiles[1]), R_K, self.final_outputs[1], sRows,
                         self.row_context(sRows, wtidx)["rows_of"], first, rows, head,
-                        staged_dk, 0)
+                        staged_dk, 0, mmas[2])
 
     @cute.jit
     def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, staged_dv,
@@ -553,11 +549,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # ---- dW = -dDelta S^T (over W)
         thr_k = mma_kmn_k.get_slice(wtidx)
         acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
-        t_kk = thr_k.partition_C(stage0(sK))
         self.ss(mma_kmn_k, acc_k, stage0(sDD), stage0_t(sS, V, K), False)
         warpgroup.wait_group(0)
         cute.arch.mbarrier_wait(bars + W_FREE, 0)
-        self.store_16(acc_k, thr_k.partition_C(stage0(sW)), negate=True)
+        self.store_acc(acc_k, mma_kmn_k, stage0(sW), wtidx, negate=True)
         self.wg_sync(1, fence=True)
         # ---- dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma)
         thr_c = mma_kk_c.get_slice(wtidx)
@@ -573,29 +568,30 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         for e in cutlass.range_constexpr(cute.size(acc_c)):
             sl = col_slot(e)
             acc_c[e] = beta_c[sl] * (acc_c[e] + acc_t2[e] * eg_c[sl])
-        self.store_16(acc_c, thr_c.partition_C(stage0(sdT)))
+        self.store_acc(acc_c, mma_kk_c, stage0(sdT), wtidx)
         # ---- dv = diag(beta) T^T dDelta;  dbeta += rowsum(T^T dDelta * V)
         thr_v = mma_mnmn_v.get_slice(wtidx)
         acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
-        t_vv = thr_v.partition_C(stage0(sV))
         self.ss(mma_mnmn_v, acc_v, stage0_t(sT, C, C), stage0_t(sDD, C, V), False)
         warpgroup.wait_group(0)
-        part = self.row_dots_then_scale(acc_v, t_vv, beta_r)
+        part = self.row_dots_then_scale(acc_v, mma_mnmn_v, stage0(sV), beta_r)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
-        self.store_out(thr_v, mDV, acc_v, rows_of, first, rows, head, staged_dv, 1)
+        self.store_out(thr_v, mDV, acc_v, rows_of, first, rows, head, staged_dv, 1,
+                       mma_mnmn_v)
         self.wg_sync(1, fence=True)  # dT written
         # ---- dBk = T^T dW: dk_n = diag(beta gamma) dBk ...; t = rowsum(dBk Kn)
         self.ss(mma_mnmn_k, acc_dk, stage0_t(sT, C, C), stage0_t(sdW, C, K), False)
         self.ss(mma_mnmn_c, acc_c, stage0_t(sT, C, C), stage0_t(sdT, C, C), False)  # T^T dT
         warpgroup.wait_group(0)
-        part = self.row_dots_then_scale(acc_dk, t_kk, [b * x for b, x in zip(beta_r, eg_r)])
+        part = self.row_dots_then_scale(acc_dk, mma_kmn_k, stage0(sK),
+                                        [b * x for b, x in zip(beta_r, eg_r)])
         for h in cutlass.range_constexpr(2):
             t_i = part[h] * eg_r[h]
             db_part[h] = db_part[h] + t_i
             dg_part[h] = dg_part[h] + t_i * beta_r[h]
         # ---- dA = strict_tril(-(T^T dT) T^T); P = Kn Kn^T
-        self.store_16(acc_c, thr_c.partition_C(stage0(sX2)))
+        self.store_acc(acc_c, mma_kk_c, stage0(sX2), wtidx)
         self.wg_sync(1, fence=True)
         self.ss(mma_kk_c, acc_t2, stage0(sX2), stage0(sT), False)
         self.ss(mma_kk_c, acc_c, stage0(sK), stage0(sK), False)
@@ -618,7 +614,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
-        self.store_16(acc_t2, thr_c.partition_C(stage0(sP)))
+        self.store_acc(acc_t2, mma_kk_c, stage0(sP), wtidx)
         self.flush_e(e_rows, e_cols, dg_part, storage)
         self.wg_sync(1, fence=True)
         # ---- dk_n += dP Kn + dP^T Kn, to warpgroup 0 (over S, once it is free)
@@ -644,23 +640,13 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
               thr.make_fragment_B(thr.partition_B(sB)), accumulate)
 
     @cute.jit
-    def loaded(self, t_s, acc):
-        """This thread's 16-bit shared-memory elements ``t_s`` (accumulator order) in
-        registers: paired loads."""
+    def loaded(self, mma, tile, acc):
+        """This thread's elements of the 16-bit shared-memory tile ``tile`` in the order of
+        its accumulator ``acc`` of ``mma``, by ldmatrix (eight elements a thread per
+        instruction; paired loads took four)."""
         frag = cute.make_rmem_tensor(acc.layout, self.dtype)
-        cute.autovec_copy(t_s, frag)
+        load_ldmatrix(mma, tile, frag, cute.arch.thread_idx()[0] % 128)
         return frag
-
-    @cute.jit
-    def store_16(self, acc, t_s, negate: cutlass.Constexpr = False):
-        """An fp32 accumulator (or its negation) into 16-bit shared memory in accumulator
-        order: paired stores."""
-        frag = cute.make_rmem_tensor(acc.layout, self.dtype)
-        if const_expr(negate):
-            frag.store((-acc.load()).to(self.dtype))
-        else:
-            frag.store(acc.load().to(self.dtype))
-        cute.autovec_copy(frag, t_s)
 
     def wg_sync(self, wg: int, fence: bool = False):
         """One warpgroup's barrier; with ``fence``, its shared-memory writes are made
@@ -695,11 +681,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 col_e[warp, 8 * (slot // 2) + 2 * lane + slot % 2] = x
 
     @cute.jit
-    def row_dots_then_scale(self, acc, t_x, factors):
+    def row_dots_then_scale(self, acc, mma, tile, factors):
         """The sums over each of the thread's two accumulator rows of acc * x (x: its
-        16-bit shared-memory elements ``t_x``, in accumulator order), over the row's 4
-        threads; acc's rows are then multiplied by ``factors`` (one per row)."""
-        x16 = self.loaded(t_x, acc)
+        elements of the 16-bit shared-memory tile ``tile``, in the order of acc, an
+        accumulator of ``mma``), over the row's 4 threads; acc's rows are then multiplied
+        by ``factors`` (one per row)."""
+        x16 = self.loaded(mma, tile, acc)
         part = [Float32(0.0), Float32(0.0)]
         for e in cutlass.range_constexpr(cute.size(acc)):
             h = row_half(e)
@@ -759,13 +746,13 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                     t_g[e] = out[e]
 
     @cute.jit
-    def store_grad(self, thr, mOut, acc, t_xn, r_row: int, final: cutlass.Constexpr, sRows,
-                   rows_of, first: Int32, rows: Int32, head: Int32, staged, wg: int):
+    def store_grad(self, thr, mOut, acc, x_tile, r_row: int, final: cutlass.Constexpr, sRows,
+                   rows_of, first: Int32, rows: Int32, head: Int32, staged, wg: int, mma):
         """dq or dk: when ``final`` (written in place) with the L2 norm, the Jacobian
-        dx = r (dx_n - (x_n . dx_n) x_n) (x_n from shared memory, t_xn; only the first
+        dx = r (dx_n - (x_n . dx_n) x_n) (x_n from shared memory, x_tile; only the first
         term where the clamp is active) before the store. ``acc`` is reused."""
         if const_expr(final and self.l2norm):
-            xn = self.loaded(t_xn, acc)
+            xn = self.loaded(mma, x_tile, acc)
             part = [Float32(0.0), Float32(0.0)]
             for e in cutlass.range_constexpr(cute.size(acc)):
                 h = row_half(e)
@@ -776,11 +763,11 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             for e in cutlass.range_constexpr(cute.size(acc)):
                 h = row_half(e)
                 acc[e] = r_of[h] * (acc[e] - coef[h] * xn[e].to(Float32))
-        self.store_out(thr, mOut, acc, rows_of, first, rows, head, staged, wg)
+        self.store_out(thr, mOut, acc, rows_of, first, rows, head, staged, wg, mma)
 
     @cute.jit
     def store_out(self, thr, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32,
-                  staged, wg: int):
+                  staged, wg: int, mma):
         """store_rows, but a whole chunk with ``staged`` (staged_outputs) goes through its
         shared-memory tile: warpgroup ``wg``'s threads write their elements, its first warp
         issues the TMA store (waited for before the CTA exits)."""
@@ -789,9 +776,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         else:
             if rows == CHUNK:
                 atom, m_t, s_tile = staged
-                out = cute.make_rmem_tensor(acc.layout, self.dtype)
-                out.store(acc.load().to(self.dtype))
-                cute.autovec_copy(out, thr.partition_C(stage0(s_tile)))
+                self.store_acc(acc, mma, stage0(s_tile), cute.arch.thread_idx()[0] % 128)
                 self.wg_sync(wg, fence=True)
                 if cute.arch.thread_idx()[0] % 128 < cute.arch.WARP_SIZE:
                     cols = cute.size(s_tile, mode=[1])

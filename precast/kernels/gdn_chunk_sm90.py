@@ -53,6 +53,22 @@ A_ROW_STRIDE = CHUNK + 4
 R_Q, R_K = range(2)
 T_W, T_U = R_Q, R_K
 ROW_VALUES = 2
+GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y (and z)
+
+
+def chunk_grid(chunks, heads: int):
+    """Grid of the per-(chunk, head) kernels, heads fastest: the CTAs resident together
+    then read whole token rows of q, k, v (every head's 256-byte piece of a row, adjacent in
+    memory) instead of one head's piece of rows 16 KB apart. Chunks run over y, then z."""
+    return [heads, cutlass.min(chunks, GRID_Y_MAX), (chunks + GRID_Y_MAX - 1) // GRID_Y_MAX]
+
+
+@cute.jit
+def block_chunk_head():
+    """(packed chunk, head) of this CTA in chunk_grid (chunks past the workspace's rows
+    find no sequence and exit)."""
+    head, y, z = cute.arch.block_idx()
+    return y + z * GRID_Y_MAX, head
 
 
 
@@ -125,7 +141,7 @@ class GdnChunkPrepareSm90:
                     sQK_layout, sV_layout, sT_layout, sM_layout, mG, mBeta, mCuSeqlens,
                     mSeqTable, stores[0][1], stores[0][0], stores[1][0], stores[2][0], mWork32,
                     store_inv, num_batches, scale).launch(
-            grid=[chunks, self.heads, 1], block=[THREADS, 1, 1], stream=stream,
+            grid=chunk_grid(chunks, self.heads), block=[THREADS, 1, 1], stream=stream,
             min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=-1)
 
     def own_tu_elems(self, sT_layout) -> int:
@@ -178,7 +194,7 @@ class GdnChunkPrepareSm90:
                num_batches: Int32, scale: Float32):
         C = CHUNK
         tidx, _, _ = cute.arch.thread_idx()
-        packed, head, _ = cute.arch.block_idx()
+        packed, head = block_chunk_head()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         batch, chunk = self.find_chunk(packed, mCuSeqlens, num_batches, mSeqTable)
         if batch < num_batches:
@@ -533,11 +549,15 @@ class GdnChunkPrepareSm90:
                               cute.local_tile(sA[out_row, None], (4,), (out_col // 4 + w4,)))
 
     @cute.jit
-    def store_acc(self, acc, mma, out, tidx: Int32):
-        """A warpgroup's fp32 accumulator of ``mma`` -> 16-bit shared-memory tile ``out``
-        by stmatrix (a 2-byte store per element was most of the epilogues' instructions)."""
+    def store_acc(self, acc, mma, out, tidx: Int32, negate: cutlass.Constexpr = False):
+        """A warpgroup's fp32 accumulator of ``mma`` (or its negation) -> 16-bit
+        shared-memory tile ``out`` by stmatrix (a 2-byte store per element was most of the
+        epilogues' instructions)."""
         vals = cute.make_rmem_tensor(acc.layout, self.dtype)
-        vals.store(acc.load().to(self.dtype))
+        if const_expr(negate):
+            vals.store((-acc.load()).to(self.dtype))
+        else:
+            vals.store(acc.load().to(self.dtype))
         store_stmatrix(vals, mma, out, tidx)
 
     @cute.jit
