@@ -90,6 +90,56 @@ def _check_and_time_attention() -> None:
           f"{rate / 1e12:>9.1f}{rate / mm:>9.2f}{err_bwd:>13.1e}")
 
 
+def _check_and_time_gdn() -> None:
+    import torch
+
+    from .benchmarking import do_bench
+    from .linear_attention import gated_delta_net, gated_delta_net_backward
+    from .reference.gated_delta_net import (forward_flops, gdn_recurrent_reference,
+                                            rms_error_ratio)
+    from .reference.gdn_backward import gdn_chunked_backward_reference
+    from .reference.offsets import offsets_from_lengths
+
+    heads, dim = 64, 128  # the default plan's Gated DeltaNet entries
+
+    def batch(lens, seed=0):
+        """bf16 q, k, v, float32 log gates, bf16 beta, offsets and an output gradient."""
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        T = sum(lens)
+
+        def randn(*shape):
+            return torch.randn(*shape, device="cuda", generator=gen)
+        q, k, v, do = (randn(T, heads, dim).bfloat16() for _ in range(4))
+        g = torch.nn.functional.logsigmoid(randn(T, heads))
+        beta = torch.sigmoid(randn(T, heads)).bfloat16()
+        return q, k, v, g, beta, offsets_from_lengths(lens, device="cuda"), do
+
+    print(f"\n{'op':<26}{'case':>22}{'us':>9}{'M tokens/s':>11}{'TFLOP/s':>9}"
+          f"{'rms err ratio':>15}")
+    options = dict(use_qk_l2norm_in_kernel=True)
+    lens = [497, 16, 1, 480, 0, 253]  # ragged, with empty and 1-token sequences
+    q, k, v, g, beta, cu, do = batch(lens)
+    o, _ = gated_delta_net(q, k, v, g, beta, cu, output_final_state=True, **options)
+    err_f = rms_error_ratio(o, gdn_recurrent_reference(q, k, v, g, beta, cu, **options)["o"])
+    grads = gated_delta_net_backward(q, k, v, g, beta, cu, do, **options)
+    refs = gdn_chunked_backward_reference(q, k, v, g, beta, cu, do, **options)
+    err_b = max(rms_error_ratio(got, refs[name])
+                for name, got in zip(("dq", "dk", "dv", "dg", "dbeta"), grads))
+    seqs, seqlen = 4, 8192
+    q, k, v, g, beta, cu, do = batch([seqlen] * seqs)
+    case = f"{seqs} x {seqlen}, {heads} heads"
+    flops = forward_flops([seqlen] * seqs, heads, dim, dim)
+    fwd_us = do_bench(lambda: gated_delta_net(q, k, v, g, beta, cu, output_final_state=True,
+                                              **options)) * 1e3
+    bwd_us = do_bench(lambda: gated_delta_net_backward(q, k, v, g, beta, cu, do,
+                                                       **options)) * 1e3
+    tokens = seqs * seqlen
+    for name, us, rate, err in (
+            ("gated_delta_net", fwd_us, f"{flops / (fwd_us * 1e-6) / 1e12:>9.1f}", err_f),
+            ("gated_delta_net_backward", bwd_us, f"{'':>9}", err_b)):
+        print(f"{name:<26}{case:>22}{us:>9.1f}{tokens / us:>11.2f}{rate}{err:>15.1e}")
+
+
 def run(plan: Path, arch=None, jobs=None) -> int:
     from .lifecycle.arch import device_arch
     from .lifecycle.cache import default_cache_dir, dsl_available
@@ -120,6 +170,7 @@ def run(plan: Path, arch=None, jobs=None) -> int:
         return 1
     _check_and_time()
     _check_and_time_attention()
+    _check_and_time_gdn()
     return 0
 
 
