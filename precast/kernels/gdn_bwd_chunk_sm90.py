@@ -56,7 +56,9 @@ WARPS = THREADS // 32
 WG_BARRIER = (1, 2)
 # mbarriers: the two load groups, then the warpgroups' signals to each other (all 128
 # threads of one arrive; mbarrier arrive/wait order the shared-memory accesses around them)
-FIRST_LOADS, REST_LOADS, W_FREE, STATES_FREE, DK_READY, LATE_LOADS = range(6)
+FIRST_LOADS, REST_LOADS, W_FREE, STATES_FREE, DK_READY, LATE_LOADS, QK_LOADS = range(7)
+# QK_LOADS: Q and K, issued first: warpgroup 1 scans the gates and normalizes their rows
+# while warpgroup 0 waits for W, U, S and computes Delta (FIRST_LOADS)
 # LATE_LOADS: V, T and dS', which no side needs before its second step: they arrive while
 # the rows are normalized and the first products run (full chunks; a partial chunk waits for
 # them before zeroing its tail rows)
@@ -140,9 +142,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cpasync.make_tiled_tma_atom(g2s, blk(mDStates), one(lay_s), (V, K)),
             cpasync.make_tiled_tma_atom(g2s, blk(mDDelta), one(lay_v), (C, V)))
         size = lambda layout: cute.size_in_bytes(dt, one(layout))  # noqa: E731
-        # W, U, S first (Delta needs only them), then the rest, V, T, dS' last
+        # Q, K (the row normalization), then W, U, S (Delta), then the rest, V, T, dS' last
+        self.qk_bytes = 2 * size(lay_k)
         self.first_bytes = size(lay_k) + size(lay_v) + size(lay_s)
-        self.rest_bytes = 2 * size(lay_k) + 2 * size(lay_v) + size(lay_c)
+        self.rest_bytes = 2 * size(lay_v) + size(lay_c)
         self.late_bytes = size(lay_v) + size(lay_c) + size(lay_s)
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
 
@@ -154,7 +157,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
         @cute.struct
         class SharedStorage:
-            bars: cute.struct.MemRange[cutlass.Int64, 6]
+            bars: cute.struct.MemRange[cutlass.Int64, 7]
             rows: cute.struct.MemRange[Float32, ROW_VALUES * C]
             dg: cute.struct.MemRange[Float32, WGS * C]
             dbeta: cute.struct.MemRange[Float32, WGS * C]
@@ -222,12 +225,14 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 cute.arch.mbarrier_init(bars + STATES_FREE, 128)
                 cute.arch.mbarrier_init(bars + DK_READY, 128)
                 cute.arch.mbarrier_init(bars + LATE_LOADS, 1)
+                cute.arch.mbarrier_init(bars + QK_LOADS, 1)
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if warp == 0:
                 self.load_all(loads, tiles, bars, start, chunk, packed, head)
+            # by warpgroup 1 (its threads 0..63), which scans them
             self.load_gates(mG, mBeta, sRows[R_G, None], sRows[R_BETA, None], first, rows,
-                            head, tidx)
+                            head, (tidx + 128) % THREADS)
             staged = self.staged_outputs(out_stores, tiles, storage, lay_k)
             self.gradients(mmas, tiles, layouts, storage, sRows, bars, mDQ, mDK, mDV, mDG,
                            mDBeta, staged, first, rows, head, scale, tidx)
@@ -254,11 +259,18 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     @cute.jit
     def load_all(self, loads, tiles, bars, start: Int32, chunk: Int32, packed: Int32,
                  head: Int32):
-        """Warp 0: the chunk's tiles by TMA, W, U, S onto FIRST_LOADS, V, T, dS' onto
-        LATE_LOADS, the rest onto REST_LOADS (issued in that order but LATE last)."""
+        """Warp 0: the chunk's tiles by TMA, issued in the order of the barriers they
+        arrive on: Q, K (QK_LOADS), W, U, S (FIRST_LOADS), dO, dDelta, M (REST_LOADS),
+        V, T, dS' (LATE_LOADS)."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
         lq, lk, lv, ldo, lw, lu, lm, linv, ls, lds, ldd = loads
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + QK_LOADS, self.qk_bytes)
+        for (atom, m), s, h in ((lq, sQ, head // self.q_group), (lk, sK, head // self.k_group)):
+            g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, K),
+                                (chunk, 0))
+            tma_load_tile(atom, g, s, 0, bars + QK_LOADS)
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bars + FIRST_LOADS, self.first_bytes)
         for (atom, m), s, col, shape in ((lw, sW, 0, (C, K)), (lu, sU, K, (C, V)),
@@ -269,9 +281,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cute.arch.mbarrier_arrive_and_expect_tx(bars + REST_LOADS, self.rest_bytes)
             cute.arch.mbarrier_arrive_and_expect_tx(bars + LATE_LOADS, self.late_bytes)
         for (atom, m), s, h, cols, bar in (
-                (ldo, sDO, head, V, REST_LOADS), (lq, sQ, head // self.q_group, K, REST_LOADS),
-                (lk, sK, head // self.k_group, K, REST_LOADS),
-                (lv, sV, head // self.v_group, V, LATE_LOADS)):
+                (ldo, sDO, head, V, REST_LOADS), (lv, sV, head // self.v_group, V, LATE_LOADS)):
             g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
                                 (chunk, 0))
             tma_load_tile(atom, g, s, 0, bars + bar)
@@ -288,48 +298,57 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                                (0, 0))
 
     @cute.jit
-    def zero_tail(self, tiles, rows: Int32, tidx: Int32):
+    def zero_tail(self, tiles, rows: Int32, tidx: Int32, threads: int):
         """Rows past the sequence end (the next sequence's tokens, or TMA's zero fill) of
-        the token tiles Q, K, V and dO: zeros, so that they reach no real row's gradient."""
-        K, V, C = self.k_dim, self.v_dim, CHUNK
-        for t, cols in ((tiles[0], K), (tiles[1], K), (tiles[2], V), (tiles[3], V)):
-            for idx in cutlass.range(tidx, C * cols, THREADS, unroll=1):
+        the given token tiles: zeros, so that they reach no real row's gradient."""
+        C = CHUNK
+        for t in tiles:
+            cols = cute.size(t, mode=[1])
+            for idx in cutlass.range(tidx, C * cols, threads, unroll=1):
                 if idx // cols >= rows:
                     t[idx // cols, idx % cols, 0] = self.dtype(0.0)
 
     @cute.jit
-    def normalize_rows(self, sQ, sK, sRows, tidx: Int32):
-        """r_q, r_k into sRows (rsqrt of the clamped squared norms with the L2 norm, else
-        ones), with the L2 norm also whether its projection applies (not where the clamp
-        is active), then Q and K scaled to Qn, Kn in place; 16-byte accesses, two threads
-        per row for the norms. Ends synchronized."""
+    def prepare_rows(self, tiles, sRows, bars, rows: Int32, wtidx: Int32):
+        """Warpgroup 1, while warpgroup 0 computes Delta: Q and K's tail rows zeroed (a
+        partial chunk), G = the gates' prefix sums, then the rows normalized. Ends with its
+        writes fenced for the tensor cores; the CTA barrier after publishes them."""
+        cute.arch.mbarrier_wait(bars + QK_LOADS, 0)
+        if rows < CHUNK:
+            self.zero_tail(tiles[:2], rows, wtidx, 128)
+        self.wg_sync(1)  # the tails, and g and beta (load_gates) written
+        if wtidx < cute.arch.WARP_SIZE:
+            self.cumulative_gates(sRows[R_G, None])
+        self.normalize_rows(tiles[0], tiles[1], sRows, wtidx)
+        cute.arch.fence_proxy("async.shared", space="cta")
+
+    @cute.jit
+    def normalize_rows(self, sQ, sK, sRows, wtidx: Int32):
+        """One warpgroup: r_q, r_k into sRows (rsqrt of the clamped squared norms with the
+        L2 norm, else ones), with the L2 norm also whether its projection applies (not
+        where the clamp is active), then Q and K scaled to Qn, Kn in place; 16-byte
+        accesses, a thread per row for the norms."""
         K, C = self.k_dim, CHUNK
         if const_expr(self.l2norm):
             vecs = K // 8
-            row = tidx // 2  # rows 0..63 of Q, then of K
             x8 = cute.make_rmem_tensor(cute.make_layout((1, 8)), self.dtype)
-            acc = Float32(0.0)
-            if row < C:
-                for v in cutlass.range_constexpr(vecs // 2):
-                    cute.autovec_copy(cute.local_tile(stage0(sQ), (1, 8),
-                                                      (row, (tidx % 2) * (vecs // 2) + v)), x8)
-                    for u in cutlass.range_constexpr(8):
-                        acc = acc + x8[u].to(Float32) * x8[u].to(Float32)
-            else:
-                for v in cutlass.range_constexpr(vecs // 2):
-                    cute.autovec_copy(cute.local_tile(stage0(sK), (1, 8),
-                                                      (row - C, (tidx % 2) * (vecs // 2) + v)),
-                                      x8)
-                    for u in cutlass.range_constexpr(8):
-                        acc = acc + x8[u].to(Float32) * x8[u].to(Float32)
-            acc = acc + cute.arch.shuffle_sync_bfly(acc, 1)
-            if tidx % 2 == 0:
-                sRows[R_Q + row // C, row % C] = cute.math.rsqrt(
-                    cutlass.max(acc, Float32(L2NORM_EPS)))
-                sRows[R_QP + row // C, row % C] = cutlass.select_(
-                    acc < Float32(L2NORM_EPS), Float32(0.0), Float32(1.0))
-            cute.arch.sync_threads()
-            for idx in cutlass.range(tidx, 2 * C * vecs, THREADS, unroll=2):
+            # eight partial sums: no chain of K dependent adds
+            part = [Float32(0.0)] * 8
+            for v in cutlass.range_constexpr(vecs):
+                if wtidx < C:
+                    cute.autovec_copy(cute.local_tile(stage0(sQ), (1, 8), (wtidx, v)), x8)
+                else:
+                    cute.autovec_copy(cute.local_tile(stage0(sK), (1, 8), (wtidx - C, v)), x8)
+                for u in cutlass.range_constexpr(8):
+                    part[u] = part[u] + x8[u].to(Float32) * x8[u].to(Float32)
+            acc = ((part[0] + part[1]) + (part[2] + part[3])) + (
+                (part[4] + part[5]) + (part[6] + part[7]))
+            sRows[R_Q + wtidx // C, wtidx % C] = cute.math.rsqrt(
+                cutlass.max(acc, Float32(L2NORM_EPS)))
+            sRows[R_QP + wtidx // C, wtidx % C] = cutlass.select_(
+                acc < Float32(L2NORM_EPS), Float32(0.0), Float32(1.0))
+            self.wg_sync(1)
+            for idx in cutlass.range(wtidx, 2 * C * vecs, 128, unroll=4):
                 r = idx // vecs
                 v = idx - r * vecs
                 if r < C:
@@ -337,10 +356,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 else:
                     self.scale_vector(sK, r - C, v, sRows[R_K, r - C], x8)
         else:
-            if tidx < 2 * C:
-                sRows[R_Q + tidx // C, tidx % C] = Float32(1.0)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()
+            sRows[R_Q + wtidx // C, wtidx % C] = Float32(1.0)
 
     @cute.jit
     def scale_vector(self, s, row: Int32, v: Int32, factor: Float32, x8):
@@ -362,14 +378,14 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         if wg == 0:  # Delta = U - W S (into sU) needs only the first tiles
             cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)
             self.delta(mmas[0], tiles, tidx % 128)
+        else:
+            self.prepare_rows(tiles, sRows, bars, rows, tidx % 128)
         cute.arch.mbarrier_wait(bars + REST_LOADS, 0)
         if rows < C:
-            cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # zero_tail writes V too
-            self.zero_tail(tiles, rows, tidx)
+            cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)
+            self.zero_tail((tiles[2], tiles[3]), rows, tidx, THREADS)  # V, dO
+            cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
-        if tidx < cute.arch.WARP_SIZE:
-            self.cumulative_gates(sRows[R_G, None])
-        self.normalize_rows(tiles[0], tiles[1], sRows, tidx)
         sDG = storage.dg.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
         sDB = storage.dbeta.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
         # dk's accumulator, one for both sides: warpgroup 1's terms go through shared
