@@ -400,24 +400,27 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         if wg == 0:
             self.finish_dk(mmas, tiles, storage, sRows, bars, mDK, staged[1], acc_dk, first,
                            rows, head, tidx % 128)
-        if tidx < C:
-            col_e = storage.col_e.get_tensor(cute.make_layout((WARPS, C), stride=(C, 1)))
-            total = sDG[0, tidx] + sDG[1, tidx]
-            for w in cutlass.range_constexpr(WARPS):
-                total = total - col_e[w, tidx]
-            if tidx == C - 1:
-                red = storage.reduce.get_tensor(cute.make_layout(REDUCE_SLOTS))
-                states = Float32(0.0)
-                for w in cutlass.range_constexpr(4):
-                    states = states + red[w]
-                gl = states * cute.math.exp(sRows[R_G, C - 1], fastmath=True)
-                for w in cutlass.range_constexpr(4):
-                    gl = gl + red[4 + w]
-                total = total + gl
-            sDG[0, tidx] = total
-        cute.arch.sync_threads()
-        if tidx < cute.arch.WARP_SIZE:  # dg = reverse cumsum of dG; rows past the end skipped
-            self.write_gate_grads(sDG[0, None], sDB[1, None], mDG, mDBeta, first, rows, head)
+        else:  # meanwhile warpgroup 1: dG's totals, then dg and dbeta
+            wtidx = tidx - 128
+            if wtidx < C:
+                col_e = storage.col_e.get_tensor(cute.make_layout((WARPS, C), stride=(C, 1)))
+                total = sDG[0, wtidx] + sDG[1, wtidx]
+                for w in cutlass.range_constexpr(WARPS):
+                    total = total - col_e[w, wtidx]
+                if wtidx == C - 1:
+                    red = storage.reduce.get_tensor(cute.make_layout(REDUCE_SLOTS))
+                    states = Float32(0.0)
+                    for w in cutlass.range_constexpr(4):
+                        states = states + red[w]
+                    gl = states * cute.math.exp(sRows[R_G, C - 1], fastmath=True)
+                    for w in cutlass.range_constexpr(4):
+                        gl = gl + red[4 + w]
+                    total = total + gl
+                sDG[0, wtidx] = total
+            self.wg_sync(1)
+            if wtidx < cute.arch.WARP_SIZE:  # dg = reverse cumsum of dG; past the end skipped
+                self.write_gate_grads(sDG[0, None], sDB[1, None], mDG, mDBeta, first, rows,
+                                      head)
 
     def row_context(self, sRows, wtidx):
         """This thread's accumulator rows (row_lo, row_lo + 8), its 16 columns of a 64-wide
@@ -802,7 +805,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     @cute.jit
     def write_gate_grads(self, sDG, sDB, mDG, mDBeta, first: Int32, rows: Int32,
                          head: Int32):
-        """Warp 0: dg_i = sum_{l >= i} dG_l (two rows per lane) and dbeta, real rows only."""
+        """One warp: dg_i = sum_{l >= i} dG_l (two rows per lane) and dbeta, real rows only."""
         lane = cute.arch.lane_idx()
         a = sDG[2 * lane]
         b = sDG[2 * lane + 1]
