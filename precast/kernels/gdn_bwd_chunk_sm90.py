@@ -57,8 +57,8 @@ WG_BARRIER = (1, 2)
 # mbarriers: the two load groups, then the warpgroups' signals to each other (all 128
 # threads of one arrive; mbarrier arrive/wait order the shared-memory accesses around them)
 FIRST_LOADS, REST_LOADS, W_FREE, STATES_FREE, DK_READY, LATE_LOADS, QK_LOADS = range(7)
-# QK_LOADS: Q and K, issued first: warpgroup 1 scans the gates and normalizes their rows
-# while warpgroup 0 waits for W, U, S and computes Delta (FIRST_LOADS)
+# QK_LOADS: Q and K, issued first: the warpgroups normalize their rows (warpgroup 0 Q while
+# W, U, S are on their way for Delta, FIRST_LOADS; warpgroup 1 K, then the gate scan)
 # LATE_LOADS: V, T and dS', which no side needs before its second step: they arrive while
 # the rows are normalized and the first products run (full chunks; a partial chunk waits for
 # them before zeroing its tail rows)
@@ -309,54 +309,44 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                     t[idx // cols, idx % cols, 0] = self.dtype(0.0)
 
     @cute.jit
-    def prepare_rows(self, tiles, sRows, bars, rows: Int32, wtidx: Int32):
-        """Warpgroup 1, while warpgroup 0 computes Delta: Q and K's tail rows zeroed (a
-        partial chunk), G = the gates' prefix sums, then the rows normalized. Ends with its
-        writes fenced for the tensor cores; the CTA barrier after publishes them."""
-        cute.arch.mbarrier_wait(bars + QK_LOADS, 0)
-        if rows < CHUNK:
-            self.zero_tail(tiles[:2], rows, wtidx, 128)
-        self.wg_sync(1)  # the tails, and g and beta (load_gates) written
-        if wtidx < cute.arch.WARP_SIZE:
-            self.cumulative_gates(sRows[R_G, None])
-        self.normalize_rows(tiles[0], tiles[1], sRows, wtidx)
-        cute.arch.fence_proxy("async.shared", space="cta")
-
-    @cute.jit
-    def normalize_rows(self, sQ, sK, sRows, wtidx: Int32):
-        """One warpgroup: r_q, r_k into sRows (rsqrt of the clamped squared norms with the
-        L2 norm, else ones), with the L2 norm also whether its projection applies (not
-        where the clamp is active), then Q and K scaled to Qn, Kn in place; 16-byte
-        accesses, a thread per row for the norms."""
+    def normalize_tile(self, s, sRows, r_slot: int, wg: int, bars, rows: Int32, wtidx: Int32):
+        """One warpgroup, on its own tile (warpgroup 0: Q, 1: K) once Q and K have landed:
+        tail rows zeroed (a partial chunk); the row scales into sRows[r_slot] (rsqrt of the
+        clamped squared norms with the L2 norm, else ones) and, with the L2 norm, whether
+        its projection applies (not where the clamp is active) into the matching
+        projection slot; then the rows scaled in place. 16-byte accesses, two threads per
+        row for the norms. Ends with its writes fenced for the tensor cores (the CTA
+        barrier after publishes them)."""
         K, C = self.k_dim, CHUNK
+        cute.arch.mbarrier_wait(bars + QK_LOADS, 0)
+        if rows < C:
+            self.zero_tail((s,), rows, wtidx, 128)
+        self.wg_sync(wg)  # the tails (and, on warpgroup 1, g and beta) written
         if const_expr(self.l2norm):
             vecs = K // 8
+            row = wtidx // 2
             x8 = cute.make_rmem_tensor(cute.make_layout((1, 8)), self.dtype)
-            # eight partial sums: no chain of K dependent adds
-            part = [Float32(0.0)] * 8
-            for v in cutlass.range_constexpr(vecs):
-                if wtidx < C:
-                    cute.autovec_copy(cute.local_tile(stage0(sQ), (1, 8), (wtidx, v)), x8)
-                else:
-                    cute.autovec_copy(cute.local_tile(stage0(sK), (1, 8), (wtidx - C, v)), x8)
+            part = [Float32(0.0)] * 8  # no chain of K / 2 dependent adds
+            for v in cutlass.range_constexpr(vecs // 2):
+                cute.autovec_copy(cute.local_tile(stage0(s), (1, 8),
+                                                  (row, (wtidx % 2) * (vecs // 2) + v)), x8)
                 for u in cutlass.range_constexpr(8):
                     part[u] = part[u] + x8[u].to(Float32) * x8[u].to(Float32)
             acc = ((part[0] + part[1]) + (part[2] + part[3])) + (
                 (part[4] + part[5]) + (part[6] + part[7]))
-            sRows[R_Q + wtidx // C, wtidx % C] = cute.math.rsqrt(
-                cutlass.max(acc, Float32(L2NORM_EPS)))
-            sRows[R_QP + wtidx // C, wtidx % C] = cutlass.select_(
-                acc < Float32(L2NORM_EPS), Float32(0.0), Float32(1.0))
-            self.wg_sync(1)
-            for idx in cutlass.range(wtidx, 2 * C * vecs, 128, unroll=4):
+            acc = acc + cute.arch.shuffle_sync_bfly(acc, 1)
+            if wtidx % 2 == 0:
+                sRows[r_slot, row] = cute.math.rsqrt(cutlass.max(acc, Float32(L2NORM_EPS)))
+                sRows[r_slot + R_QP - R_Q, row] = cutlass.select_(
+                    acc < Float32(L2NORM_EPS), Float32(0.0), Float32(1.0))
+            self.wg_sync(wg)
+            for idx in cutlass.range(wtidx, C * vecs, 128, unroll=4):
                 r = idx // vecs
-                v = idx - r * vecs
-                if r < C:
-                    self.scale_vector(sQ, r, v, sRows[R_Q, r], x8)
-                else:
-                    self.scale_vector(sK, r - C, v, sRows[R_K, r - C], x8)
+                self.scale_vector(s, r, idx - r * vecs, sRows[r_slot, r], x8)
         else:
-            sRows[R_Q + wtidx // C, wtidx % C] = Float32(1.0)
+            if wtidx < C:
+                sRows[r_slot, wtidx] = Float32(1.0)
+        cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
     def scale_vector(self, s, row: Int32, v: Int32, factor: Float32, x8):
@@ -375,11 +365,17 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         warpgroup 0 and the WY side on warpgroup 1, then dg and dbeta from both."""
         C = CHUNK
         wg = tidx // 128
-        if wg == 0:  # Delta = U - W S (into sU) needs only the first tiles
+        # Q and K land first: each warpgroup normalizes one of them, warpgroup 0 while W, U
+        # and S are still on their way (then Delta = U - W S into sU), warpgroup 1 before
+        # scanning the gates
+        if wg == 0:
+            self.normalize_tile(tiles[0], sRows, R_Q, 0, bars, rows, tidx % 128)
             cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)
             self.delta(mmas[0], tiles, tidx % 128)
         else:
-            self.prepare_rows(tiles, sRows, bars, rows, tidx % 128)
+            self.normalize_tile(tiles[1], sRows, R_K, 1, bars, rows, tidx % 128)
+            if tidx < 128 + cute.arch.WARP_SIZE:
+                self.cumulative_gates(sRows[R_G, None])
         cute.arch.mbarrier_wait(bars + REST_LOADS, 0)
         if rows < C:
             cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)
@@ -404,24 +400,27 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         if wg == 0:
             self.finish_dk(mmas, tiles, storage, sRows, bars, mDK, staged[1], acc_dk, first,
                            rows, head, tidx % 128)
-        if tidx < C:
-            col_e = storage.col_e.get_tensor(cute.make_layout((WARPS, C), stride=(C, 1)))
-            total = sDG[0, tidx] + sDG[1, tidx]
-            for w in cutlass.range_constexpr(WARPS):
-                total = total - col_e[w, tidx]
-            if tidx == C - 1:
-                red = storage.reduce.get_tensor(cute.make_layout(REDUCE_SLOTS))
-                states = Float32(0.0)
-                for w in cutlass.range_constexpr(4):
-                    states = states + red[w]
-                gl = states * cute.math.exp(sRows[R_G, C - 1], fastmath=True)
-                for w in cutlass.range_constexpr(4):
-                    gl = gl + red[4 + w]
-                total = total + gl
-            sDG[0, tidx] = total
-        cute.arch.sync_threads()
-        if tidx < cute.arch.WARP_SIZE:  # dg = reverse cumsum of dG; rows past the end skipped
-            self.write_gate_grads(sDG[0, None], sDB[1, None], mDG, mDBeta, first, rows, head)
+        else:  # meanwhile warpgroup 1: dG's totals, then dg and dbeta
+            wtidx = tidx - 128
+            if wtidx < C:
+                col_e = storage.col_e.get_tensor(cute.make_layout((WARPS, C), stride=(C, 1)))
+                total = sDG[0, wtidx] + sDG[1, wtidx]
+                for w in cutlass.range_constexpr(WARPS):
+                    total = total - col_e[w, wtidx]
+                if wtidx == C - 1:
+                    red = storage.reduce.get_tensor(cute.make_layout(REDUCE_SLOTS))
+                    states = Float32(0.0)
+                    for w in cutlass.range_constexpr(4):
+                        states = states + red[w]
+                    gl = states * cute.math.exp(sRows[R_G, C - 1], fastmath=True)
+                    for w in cutlass.range_constexpr(4):
+                        gl = gl + red[4 + w]
+                    total = total + gl
+                sDG[0, wtidx] = total
+            self.wg_sync(1)
+            if wtidx < cute.arch.WARP_SIZE:  # dg = reverse cumsum of dG; past the end skipped
+                self.write_gate_grads(sDG[0, None], sDB[1, None], mDG, mDBeta, first, rows,
+                                      head)
 
     def row_context(self, sRows, wtidx):
         """This thread's accumulator rows (row_lo, row_lo + 8), its 16 columns of a 64-wide
@@ -806,7 +805,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     @cute.jit
     def write_gate_grads(self, sDG, sDB, mDG, mDBeta, first: Int32, rows: Int32,
                          head: Int32):
-        """Warp 0: dg_i = sum_{l >= i} dG_l (two rows per lane) and dbeta, real rows only."""
+        """One warp: dg_i = sum_{l >= i} dG_l (two rows per lane) and dbeta, real rows only."""
         lane = cute.arch.lane_idx()
         a = sDG[2 * lane]
         b = sDG[2 * lane + 1]
