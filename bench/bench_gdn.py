@@ -25,11 +25,10 @@ import sys
 
 import torch
 
-from common import copy_bandwidth, do_bench, environment, write_json
+from common import copy_bandwidth, do_bench, environment, gdn_inputs, write_json
 
 from precast import GdnFwdSm90, gated_delta_net
 from precast.reference.gated_delta_net import forward_flops, rms_error_ratio
-from precast.reference.offsets import offsets_from_lengths
 
 
 CASES = {  # name: (sequences, tokens each, q/k heads, v heads)
@@ -43,17 +42,7 @@ DIM = 128
 
 
 def make_inputs(batch: int, seqlen: int, qk_heads: int, v_heads: int, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    tokens = batch * seqlen
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen)
-    q, k = (randn(tokens, qk_heads, DIM).to(torch.bfloat16) for _ in range(2))
-    v = randn(tokens, v_heads, DIM).to(torch.bfloat16)
-    g = torch.nn.functional.logsigmoid(randn(tokens, v_heads))  # float32 log decays
-    beta = torch.sigmoid(randn(tokens, v_heads)).to(torch.bfloat16)
-    cu = offsets_from_lengths([seqlen] * batch, device="cuda")
-    return q, k, v, g, beta, cu
+    return gdn_inputs([seqlen] * batch, qk_heads, v_heads, DIM, seed)
 
 
 def io_bytes(q, k, v, g, beta, batch: int) -> int:

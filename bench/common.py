@@ -7,11 +7,11 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from precast.benchmarking import (copy_bandwidth, do_bench, environment, lmsd_inputs,  # noqa: E402
-                                  lmsd_traffic_bytes, matmul_rate)
+from precast.benchmarking import (copy_bandwidth, do_bench, environment, gdn_inputs,  # noqa: E402
+                                  lmsd_inputs, lmsd_traffic_bytes, matmul_rate)
 
-__all__ = ["copy_bandwidth", "do_bench", "environment", "lmsd_inputs", "lmsd_traffic_bytes",
-           "matmul_rate", "write_json"]
+__all__ = ["copy_bandwidth", "do_bench", "environment", "gdn_inputs", "lmsd_inputs",
+           "lmsd_traffic_bytes", "matmul_rate", "write_json"]
 
 
 def write_json(name: str, payload: dict) -> None:

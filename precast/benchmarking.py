@@ -60,6 +60,23 @@ def lmsd_inputs(rows: int, dim: int, dtype=torch.bfloat16, device="cuda"):
     return x, u, weight, bias
 
 
+def gdn_inputs(lens, qk_heads: int, v_heads: int, dim: int = 128, seed: int = 0,
+               device="cuda"):
+    """Random Gated DeltaNet inputs (q, k, v, g, beta, cu_seqlens) for sequences of the
+    given lengths: bf16 q, k, v (K = V = dim), float32 log decays, bf16 beta."""
+    from .reference.offsets import offsets_from_lengths
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tokens = sum(lens)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+    q, k = (randn(tokens, qk_heads, dim).to(torch.bfloat16) for _ in range(2))
+    v = randn(tokens, v_heads, dim).to(torch.bfloat16)
+    g = torch.nn.functional.logsigmoid(randn(tokens, v_heads))
+    beta = torch.sigmoid(randn(tokens, v_heads)).to(torch.bfloat16)
+    return q, k, v, g, beta, offsets_from_lengths(lens, device=device)
+
+
 def lmsd_traffic_bytes(rows: int, dim: int, direction: str, itemsize: int = 2,
                        segments: int = 3, dropout: bool = True) -> int:
     """Fewest bytes an LMSD pass must move: forward reads x, u and writes y (+ mask);

@@ -93,26 +93,18 @@ def _check_and_time_attention() -> None:
 def _check_and_time_gdn() -> None:
     import torch
 
-    from .benchmarking import do_bench
+    from .benchmarking import do_bench, gdn_inputs
     from .linear_attention import gated_delta_net, gated_delta_net_backward
     from .reference.gated_delta_net import (forward_flops, gdn_recurrent_reference,
                                             rms_error_ratio)
     from .reference.gdn_backward import gdn_chunked_backward_reference
-    from .reference.offsets import offsets_from_lengths
 
     heads, dim = 64, 128  # the default plan's Gated DeltaNet entries
 
-    def batch(lens, seed=0):
-        """bf16 q, k, v, float32 log gates, bf16 beta, offsets and an output gradient."""
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        T = sum(lens)
-
-        def randn(*shape):
-            return torch.randn(*shape, device="cuda", generator=gen)
-        q, k, v, do = (randn(T, heads, dim).bfloat16() for _ in range(4))
-        g = torch.nn.functional.logsigmoid(randn(T, heads))
-        beta = torch.sigmoid(randn(T, heads)).bfloat16()
-        return q, k, v, g, beta, offsets_from_lengths(lens, device="cuda"), do
+    def batch(lens):
+        """gdn_inputs with an output gradient."""
+        q, k, v, g, beta, cu = gdn_inputs(lens, heads, heads, dim)
+        return q, k, v, g, beta, cu, torch.randn_like(v)
 
     print(f"\n{'op':<26}{'case':>22}{'us':>9}{'M tokens/s':>11}{'TFLOP/s':>9}"
           f"{'rms err ratio':>15}")

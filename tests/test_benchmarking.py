@@ -1,0 +1,24 @@
+"""The benchmark input helpers shared by bench/ and `precast quickstart` (CPU)."""
+import torch
+
+from precast.benchmarking import gdn_inputs
+
+
+def test_gdn_inputs_shapes_dtypes_and_offsets():
+    lens = [5, 0, 1, 3]
+    q, k, v, g, beta, cu = gdn_inputs(lens, qk_heads=2, v_heads=4, dim=16, device="cpu")
+    assert q.shape == k.shape == (9, 2, 16) and v.shape == (9, 4, 16)
+    assert g.shape == beta.shape == (9, 4)
+    assert q.dtype == k.dtype == v.dtype == beta.dtype == torch.bfloat16
+    assert g.dtype == torch.float32
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 5, 5, 6, 9]
+    assert bool((g < 0).all()) and bool(((beta > 0) & (beta <= 1)).all())  # log decays, gates
+    assert all(t.abs().sum() > 0 for t in (q, k, v))  # never zeros
+
+
+def test_gdn_inputs_follow_the_seed():
+    a = gdn_inputs([7], 1, 1, dim=8, seed=3, device="cpu")
+    b = gdn_inputs([7], 1, 1, dim=8, seed=3, device="cpu")
+    c = gdn_inputs([7], 1, 1, dim=8, seed=4, device="cpu")
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0])
