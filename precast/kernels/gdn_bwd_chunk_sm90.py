@@ -502,8 +502,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS'
         self.state_dot(sS, sDS, storage, wtidx)
         warpgroup.wait_group(0)
-        self.store_grad(thr_k, mDQ, acc_k, stage0(sQ), R_Q, self.final_outputs[0], sRows,
-                        rows_of, first, rows, head, staged_dq, 0, mma_kmn_k)
+        self.store_grad(mma_kmn_k, mDQ, acc_k, stage0(sQ), R_Q, self.final_outputs[0], sRows,
+                        rows_of, first, rows, head, staged_dq, 0)
         # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms, finish_dk)
         self.ss(mma_kmn_k, acc_dk, stage0(sDelta), stage0_t(sDS, V, K), False)
         warpgroup.wait_group(0)
@@ -531,13 +531,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         hand-off in the form compute-sanitizer racecheck follows: through a CTA or named
         barrier alone it reported hazards.)"""
         cute.arch.mbarrier_wait(bars + DK_READY, 0)
-        thr_k = mmas[2].get_slice(wtidx)
         dk_wy = self.dk_exchange(storage, acc_dk)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[e] = acc_dk[e] + dk_wy[e * 128 + wtidx]
-        self.store_grad(thr_k, mDK, acc_dk, stage0(tiles[1]), R_K, self.final_outputs[1], sRows,
-                        self.row_context(sRows, wtidx)["rows_of"], first, rows, head,
-                        staged_dk, 0, mmas[2])
+        self.store_grad(mmas[2], mDK, acc_dk, stage0(tiles[1]), R_K, self.final_outputs[1],
+                        sRows, self.row_context(sRows, wtidx)["rows_of"], first, rows, head,
+                        staged_dk, 0)
 
     @cute.jit
     def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, staged_dv,
@@ -592,8 +591,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.row_dots_then_scale(acc_v, mma_mnmn_v, stage0(sV), beta_r)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
-        self.store_out(thr_v, mDV, acc_v, rows_of, first, rows, head, staged_dv, 1,
-                       mma_mnmn_v)
+        self.store_out(mma_mnmn_v, mDV, acc_v, rows_of, first, rows, head, staged_dv, 1)
         self.wg_sync(1, fence=True)  # dT written
         # ---- dBk = T^T dW: dk_n = diag(beta gamma) dBk ...; t = rowsum(dBk Kn)
         self.ss(mma_mnmn_k, acc_dk, stage0_t(sT, C, C), stage0_t(sdW, C, K), False)
@@ -744,13 +742,13 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.warp_reduce_to(storage, wtidx // cute.arch.WARP_SIZE, acc)
 
     @cute.jit
-    def store_rows(self, thr, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32):
-        """Accumulator rows < ``rows`` into mOut[first + row, head, :] (converted to mOut's
-        dtype)."""
+    def store_rows(self, mma, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32):
+        """Accumulator ``acc`` of ``mma``, rows < ``rows``, into mOut[first + row, head, :]
+        (converted to mOut's dtype)."""
         C = CHUNK
         g = cute.local_tile(cute.domain_offset((first, 0), mOut[None, head, None]),
                             (C, cute.size(mOut, mode=[2])), (0, 0))
-        t_g = thr.partition_C(g)
+        t_g = mma.get_slice(cute.arch.thread_idx()[0] % 128).partition_C(g)
         out = cute.make_rmem_tensor(acc.layout, mOut.element_type)
         out.store(acc.load().to(mOut.element_type))
         if rows == C:  # adjacent column pairs leave as one store
@@ -761,8 +759,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                     t_g[e] = out[e]
 
     @cute.jit
-    def store_grad(self, thr, mOut, acc, x_tile, r_row: int, final: cutlass.Constexpr, sRows,
-                   rows_of, first: Int32, rows: Int32, head: Int32, staged, wg: int, mma):
+    def store_grad(self, mma, mOut, acc, x_tile, r_row: int, final: cutlass.Constexpr, sRows,
+                   rows_of, first: Int32, rows: Int32, head: Int32, staged, wg: int):
         """dq or dk: when ``final`` (written in place) with the L2 norm, the Jacobian
         dx = r (dx_n - (x_n . dx_n) x_n) (x_n from shared memory, x_tile; only the first
         term where the clamp is active) before the store. ``acc`` is reused."""
@@ -778,16 +776,16 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             for e in cutlass.range_constexpr(cute.size(acc)):
                 h = row_half(e)
                 acc[e] = r_of[h] * (acc[e] - coef[h] * xn[e].to(Float32))
-        self.store_out(thr, mOut, acc, rows_of, first, rows, head, staged, wg, mma)
+        self.store_out(mma, mOut, acc, rows_of, first, rows, head, staged, wg)
 
     @cute.jit
-    def store_out(self, thr, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32,
-                  staged, wg: int, mma):
+    def store_out(self, mma, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32,
+                  staged, wg: int):
         """store_rows, but a whole chunk with ``staged`` (staged_outputs) goes through its
         shared-memory tile: warpgroup ``wg``'s threads write their elements, its first warp
         issues the TMA store (waited for before the CTA exits)."""
         if const_expr(staged is None):
-            self.store_rows(thr, mOut, acc, rows_of, first, rows, head)
+            self.store_rows(mma, mOut, acc, rows_of, first, rows, head)
         else:
             if rows == CHUNK:
                 atom, m_t, s_tile = staged
@@ -800,7 +798,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                         (0, 0)))
                     cute.arch.cp_async_bulk_commit_group()
             else:
-                self.store_rows(thr, mOut, acc, rows_of, first, rows, head)
+                self.store_rows(mma, mOut, acc, rows_of, first, rows, head)
 
     @cute.jit
     def write_gate_grads(self, sDG, sDB, mDG, mDBeta, first: Int32, rows: Int32,
