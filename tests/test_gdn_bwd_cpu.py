@@ -336,21 +336,20 @@ def test_execute_launches_every_stage_in_order(launches):
     assert same(states[:6], [q, k, prep[7], prep[8], cu, cu])
     assert states[6:10] == (None, None, None, None) and states[11:] == (64, 7)
     assert tuple(states[10].shape) == (CHUNKS, HO, V, K) and states[10].dtype == BF
-    # state_grad(q, k, do, work16, work32, cu_seqlens, table, dfinal, dstates, ddelta, dinit,
-    # stream)
+    # state_grad(q, k, do, work16, work32, cu_seqlens, table, dfinal, dstates, dinit, stream)
     assert same(sgrad[:7], [q, k, do, prep[7], prep[8], cu, cu]) and sgrad[7] is None
     assert tuple(sgrad[8].shape) == (CHUNKS, HO, V, K) and sgrad[8].dtype == BF
-    assert tuple(sgrad[9].shape) == (CHUNKS, HO, 64, V) and sgrad[10:] == (None, 7)
+    assert sgrad[9:] == (None, 7)
     # chunk_grad(q, k, v, g, beta, cu_seqlens, table, do, work16, work32, inv, states,
-    # dstates, ddelta, dq32, dk32, dv (v's heads are not grouped: final there), dg, dbeta,
-    # scale, stream)
-    assert same(cgrad[:14], [q, k, v, g, beta, cu, cu, do, prep[7], prep[8], prep[9],
-                             states[10], sgrad[8], sgrad[9]])
-    assert [(tuple(t.shape), t.dtype) for t in cgrad[14:16]] == [
-        ((T, HO, K), F32), ((T, HO, K), F32)] and cgrad[16] is a["dv"]
-    assert same(cgrad[17:19], [a["dg"], a["dbeta"]]) and cgrad[19:] == (0.5, 7)
+    # dstates, dq32, dk32, dv (v's heads are not grouped: final there), dg, dbeta, scale,
+    # stream)
+    assert same(cgrad[:13], [q, k, v, g, beta, cu, cu, do, prep[7], prep[8], prep[9],
+                             states[10], sgrad[8]])
+    assert [(tuple(t.shape), t.dtype) for t in cgrad[13:15]] == [
+        ((T, HO, K), F32), ((T, HO, K), F32)] and cgrad[15] is a["dv"]
+    assert same(cgrad[16:18], [a["dg"], a["dbeta"]]) and cgrad[18:] == (0.5, 7)
     # finish(q, k, dq32, dk32, no dv32, dq, dk, dv, stream)
-    assert same(fin[:4], [q, k, *cgrad[14:16]]) and fin[4] is None
+    assert same(fin[:4], [q, k, *cgrad[13:15]]) and fin[4] is None
     assert same(fin[5:8], [a["dq"], a["dk"], a["dv"]]) and fin[-1] == 7
     # the op's buffers, made once on the launch stream before the launches
     assert kinds(launches)[-5:] == ["launch"] * 5 and "launch" not in kinds(launches)[:-5]
@@ -386,7 +385,7 @@ def test_checkpoints_at_64_in_the_io_dtype_are_reused(launches):
                checkpoint_every_n_tokens=64, stream=3)
     assert [m for m, _ in launches.calls] == ["prepare", "state_grad", "chunk_grad", "finish"]
     assert launches.calls[2][1][11] is ckpt
-    assert launches.calls[1][1][10] is ds0  # a float32 initial state: written in place
+    assert launches.calls[1][1][9] is ds0  # a float32 initial state: written in place
     assert all("states" not in key and "o" not in key for key in op._workspaces)
 
 
@@ -435,10 +434,10 @@ def test_io_initial_state_gradient_is_converted_on_the_stream(launches):
     s0, ds0, dfin = meta(N, HO, V, K), meta(N, HO, V, K), meta(N, HO, V, K, dtype=F32)
     op.execute(**call(), initial_state=s0, dinitial_state=ds0, dfinal=dfin, stream=5)
     sgrad = launches.calls[2][1]
-    assert sgrad[7] is dfin and sgrad[10].dtype == F32
-    assert tuple(sgrad[10].shape) == (N, HO, V, K)
+    assert sgrad[7] is dfin and sgrad[9].dtype == F32
+    assert tuple(sgrad[9].shape) == (N, HO, V, K)
     assert launches.calls[1][1][7] is s0
-    assert launches.events[-3:] == [("stream", 5, None), ("copy", ds0, sgrad[10]),
+    assert launches.events[-3:] == [("stream", 5, None), ("copy", ds0, sgrad[9]),
                                     ("end stream",)]
     assert op.workspace_shapes(T, N)["dinit32"] == (N, HO, V, K)
     assert "dinit32" not in bwd(sample_initial_state=state()).workspace_shapes(T, N)
@@ -463,7 +462,7 @@ def test_scale_is_a_runtime_value(launches):
     op.execute(**call(), stream=1)
     op.execute(**call(), stream=1, scale=0.25)
     assert [c[10] for m, c in launches.calls if m == "prepare"] == [0.5, 0.25]
-    assert [c[19] for m, c in launches.calls if m == "chunk_grad"] == [0.5, 0.25]
+    assert [c[18] for m, c in launches.calls if m == "chunk_grad"] == [0.5, 0.25]
     bwd().check_support().execute(**call(), stream=1)
     assert launches.calls[-5][1][10] == 1 / math.sqrt(K)
 
@@ -589,12 +588,12 @@ def test_workspace_shapes():
     shapes = op.workspace_shapes(T, N)
     assert shapes == {"work16": (CHUNKS, HO, 64, K + V + 64), "work32": (CHUNKS, HO, 136),
                       "inv": (CHUNKS, HO, 64, 64), "dstates": (CHUNKS, HO, V, K),
-                      "ddelta": (CHUNKS, HO, 64, V), "states": (CHUNKS, HO, V, K),
+                      "states": (CHUNKS, HO, V, K),
                       "dq32": (T, HO, K), "dk32": (T, HO, K)}  # v: no grouped heads
     assert op.workspace_shapes(0, 3)["inv"][0] == 3
     assert op.workspace_shapes(65, 2)["dq32"][0] == 65
     assert {n: op.workspace_dtype(n) for n in shapes} == {
-        **{n: BF for n in ("work16", "inv", "dstates", "ddelta", "states")},
+        **{n: BF for n in ("work16", "inv", "dstates", "states")},
         **{n: F32 for n in ("work32", "dq32", "dk32")}}
     ws = op.make_workspace(T, N, device="meta")
     assert {n: (tuple(t.shape), t.dtype) for n, t in ws.items()} == {
@@ -625,8 +624,8 @@ def test_execute_with_a_workspace_allocates_nothing(launches):
     (_, prep), (_, states), (_, sgrad), (_, cgrad), _ = launches.calls
     assert same(prep[7:10], [ws["work16"], ws["work32"], ws["inv"]])
     assert states[6] is None and states[10] is ws["states"]
-    assert sgrad[8] is ws["dstates"] and sgrad[9] is ws["ddelta"]
-    assert same(cgrad[14:17], [ws["dq32"], ws["dk32"], args["dv"]])
+    assert sgrad[8] is ws["dstates"] and cgrad[12] is ws["dstates"]
+    assert same(cgrad[13:16], [ws["dq32"], ws["dk32"], args["dv"]])
     # reusing checkpoints, states may be left out
     ckpt = meta(CHUNKS, HO, V, K)
     del ws["states"]
@@ -691,8 +690,8 @@ WORKSPACE_RULES = [
      r"workspace: unknown entries \['extra'\]"),
     ("dtype", lambda ws: {**ws, "dq32": meta(T, HO, K)}, TypeError,
      r"workspace\['dq32'\]: dtype bfloat16 is not supported; expected float32"),
-    ("rows", lambda ws: {**ws, "ddelta": meta(CHUNKS - 1, HO, 64, V)}, ValueError,
-     r"workspace\['ddelta'\]: extent 5 on axis 0"),
+    ("rows", lambda ws: {**ws, "dstates": meta(CHUNKS - 1, HO, V, K)}, ValueError,
+     r"workspace\['dstates'\]: extent 5 on axis 0"),
     ("padded", lambda ws: {**ws, "inv": meta(CHUNKS, HO, 64, 72)[..., :64]}, ValueError,
      r"workspace\['inv'\]: must be contiguous"),
 ]
@@ -790,8 +789,8 @@ def test_gradients_may_not_alias(on_cpu):
     with pytest.raises(ValueError, match="dq overlaps dk in memory"):
         op.execute(**{**a, "dk": a["dq"]}, stream=1)
     ws = workspace(op, device="cpu")
-    inside = ws["ddelta"].reshape(-1)[:T * HO * V].view(T, HO, V)
-    with pytest.raises(ValueError, match=r"workspace\['ddelta'\] overlaps do in memory"):
+    inside = ws["dstates"].reshape(-1)[:T * HO * V].view(T, HO, V)
+    with pytest.raises(ValueError, match=r"workspace\['dstates'\] overlaps do in memory"):
         op.execute(**{**a, "do": inside}, workspace=ws, stream=1)
     factors = keeping_forward().make_workspace(T, N, device="cpu")
     inside = factors[2].reshape(-1)[:T * HV * V].view(T, HV, V)
@@ -940,21 +939,21 @@ def test_kernel_builder_arguments():
     assert states[10].element_type == cutlass.Float16
     assert states[7].element_type == cutlass.Float16  # the io initial state
     _, sgrad = built["state_grad"]
-    assert len(sgrad) == 12 and sgrad[7] is None  # no dfinal
+    assert len(sgrad) == 11 and sgrad[7] is None  # no dfinal
     assert sgrad[5].element_type == sgrad[6].element_type == cutlass.Int32
     assert tuple(sgrad[2].shape[1:]) == (8, 128)  # do
-    assert tuple(sgrad[9].shape[1:]) == (8, 64, 128)
-    assert sgrad[10].element_type == cutlass.Float32
+    assert tuple(sgrad[8].shape[1:]) == (8, 128, 64)  # dstates
+    assert sgrad[9].element_type == cutlass.Float32
     _, cgrad = built["chunk_grad"]
-    assert len(cgrad) == 21 and None not in cgrad
+    assert len(cgrad) == 20 and None not in cgrad
     assert cgrad[5].element_type == cgrad[6].element_type == cutlass.Int32
-    assert [tuple(t.shape[1:]) for t in cgrad[14:17]] == [(8, 64), (8, 64), (8, 128)]
+    assert [tuple(t.shape[1:]) for t in cgrad[13:16]] == [(8, 64), (8, 64), (8, 128)]
     # q is grouped (2 heads for 8 output heads): fp32 per output head; k and v have a head
     # per output head: written final, in the io dtype
-    assert [t.element_type for t in cgrad[14:17]] == [cutlass.Float32, cutlass.Float16,
+    assert [t.element_type for t in cgrad[13:16]] == [cutlass.Float32, cutlass.Float16,
                                                       cutlass.Float16]
-    assert cgrad[17].element_type == cutlass.BFloat16
-    assert cgrad[18].element_type == cutlass.Float32
+    assert cgrad[16].element_type == cutlass.BFloat16
+    assert cgrad[17].element_type == cutlass.Float32
     _, fin = built["finish"]
     assert len(fin) == 9 and fin[3] is None and fin[4] is None  # no dk32, dv32
     assert [tuple(t.shape[1:]) for t in fin[5:8]] == [(2, 64), (8, 64), (8, 128)]

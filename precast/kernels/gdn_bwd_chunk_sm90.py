@@ -5,17 +5,20 @@ Verified on an H200 (2026-11-30) by tests/test_gdn_bwd_gpu.py.
 One CTA of two warpgroups per (64-token chunk, output head), after the forward's stage 1 with
 store_inverse (W, U, M, T = (I + A)^-1), the states entering every chunk (S, V x K as
 stored), and the reverse recurrence (gdn_bwd_recurrence_sm90: dS', the gradient of the
-state leaving the chunk, and dDelta). Every formula of precast/reference/gdn_backward.py's
+state leaving the chunk). Every formula of precast/reference/gdn_backward.py's
 _chunk_backward that does not involve the recurrence runs here, each product a wgmma on
-16-bit tiles in shared memory. The warpgroups take different products: warpgroup 0 the q
-side (Delta, dM', dq, dk's Delta and dQK^T terms), warpgroup 1 the WY side (dW, dT, dv,
-dBk, dA, dP and their dk terms); mbarriers and a CTA barrier order the shared-memory
+16-bit tiles in shared memory (one with an operand from registers). The warpgroups take
+different products: warpgroup 0 the q side (Delta, dM', dq, dk's Delta and dQK^T terms),
+warpgroup 1 the WY side (dDelta, dW, dT, dv, dBk, dA, dP and their dk terms); mbarriers and
+a CTA barrier order the shared-memory
 tiles one hands to the other. q and k rows are normalized in shared memory first. With Qn,
 Kn the L2-normalized rows (diag(r_q) Q, diag(r_k) K; r = 1 without the norm),
 gamma = exp(G), d = exp(G_L - G), Gamma_ij = exp(G_i - G_j) (j <= i) and M as stage 1
 stores it (scale Gamma * Qn Kn^T, causal):
 
     Delta = U - W S                       dM' = tril(dO Delta^T)      dQK = scale dM' * Gamma
+    dDelta = M^T dO + diag(d) Kn dS'^T    (as the reverse recurrence has it; recomputed here
+                                           instead of stored there)
     dq_n  = diag(scale gamma) dO S^T + dQK Kn
     dW    = -dDelta S^T                   dT  = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma)
     dv    = diag(beta) T^T dDelta         dBk = T^T dW      dA = strict_tril(-T^T dT T^T)
@@ -44,8 +47,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import (load_ldmatrix, select_modes, tma_load_tile, tma_store_tile,
-                             transposed, wgmma)
+from .attention_sm90 import (acc_as_operand_a, load_ldmatrix, select_modes, tma_load_tile,
+                             tma_store_tile, transposed, wgmma)
 from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90, block_chunk_head, chunk_grid
 from .gdn_layout import CHUNK, gradients_in_place
 
@@ -56,14 +59,15 @@ WARPS = THREADS // 32
 WG_BARRIER = (1, 2)
 # mbarriers: the two load groups, then the warpgroups' signals to each other (all 128
 # threads of one arrive; mbarrier arrive/wait order the shared-memory accesses around them)
-FIRST_LOADS, REST_LOADS, W_FREE, STATES_FREE, DK_READY, LATE_LOADS, QK_LOADS = range(7)
+FIRST_LOADS, REST_LOADS, W_FREE, STATES_FREE, DK_READY, LATE_LOADS, QK_LOADS, M_READ = range(8)
 # QK_LOADS: Q and K, issued first: the warpgroups normalize their rows (warpgroup 0 Q while
 # W, U, S are on their way for Delta, FIRST_LOADS; warpgroup 1 K, then the gate scan)
 # LATE_LOADS: V, T and dS', which no side needs before its second step: they arrive while
 # the rows are normalized and the first products run (full chunks; a partial chunk waits for
 # them before zeroing its tail rows)
 # W_FREE: warpgroup 0 read W (Delta), so dW may go there; STATES_FREE: warpgroup 0 read S
-# and dS', so warpgroup 1's dk terms may go there; DK_READY: they are there
+# and dS', so warpgroup 1's dk terms may go there; DK_READY: they are there; M_READ:
+# warpgroup 1's M^T dO (dDelta) has read M, so warpgroup 0's dQK may go over it
 # per-token values in shared memory (rows of sRows): G, beta, the row scales r_q, r_k and
 # whether the L2 norm's projection term applies (0 where the norm's clamp is active)
 R_G, R_BETA, R_Q, R_K, R_QP, R_KP = range(6)
@@ -110,13 +114,13 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
                  mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mSeqTable: cute.Tensor,
                  mDO: cute.Tensor, mWork16: cute.Tensor, mWork32: cute.Tensor, mInv: cute.Tensor,
-                 mStates: cute.Tensor, mDStates: cute.Tensor, mDDelta: cute.Tensor,
+                 mStates: cute.Tensor, mDStates: cute.Tensor,
                  mDQ: cute.Tensor, mDK: cute.Tensor, mDV: cute.Tensor, mDG: cute.Tensor,
                  mDBeta: cute.Tensor, scale: Float32, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K), mV (T, HV, V), mDO (T, HO, V); mG, mBeta, mDG,
         mDBeta (T, HO); mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none);
         mWork16 / mWork32 as gdn_layout.workspace_shapes; mInv (chunks,
-        HO, 64, 64); mStates, mDStates (chunks, HO, V, K); mDDelta (chunks, HO, 64, V);
+        HO, 64, 64); mStates, mDStates (chunks, HO, V, K);
         mDQ, mDK, mDV: each the final gradient in the io dtype (strided like its input) where
         gdn_layout.gradients_in_place says so, else fp32 (T, HO, K or V) per output head."""
         dt = self.dtype
@@ -139,13 +143,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cpasync.make_tiled_tma_atom(g2s, blk(mWork16), one(lay_c), (C, C)),
             cpasync.make_tiled_tma_atom(g2s, blk(mInv), one(lay_c), (C, C)),
             cpasync.make_tiled_tma_atom(g2s, blk(mStates), one(lay_s), (V, K)),
-            cpasync.make_tiled_tma_atom(g2s, blk(mDStates), one(lay_s), (V, K)),
-            cpasync.make_tiled_tma_atom(g2s, blk(mDDelta), one(lay_v), (C, V)))
+            cpasync.make_tiled_tma_atom(g2s, blk(mDStates), one(lay_s), (V, K)))
         size = lambda layout: cute.size_in_bytes(dt, one(layout))  # noqa: E731
         # Q, K (the row normalization), then W, U, S (Delta), then the rest, V, T, dS' last
         self.qk_bytes = 2 * size(lay_k)
         self.first_bytes = size(lay_k) + size(lay_v) + size(lay_s)
-        self.rest_bytes = 2 * size(lay_v) + size(lay_c)
+        self.rest_bytes = size(lay_v) + size(lay_c)
         self.late_bytes = size(lay_v) + size(lay_c) + size(lay_s)
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
 
@@ -153,11 +156,14 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             return sm90_utils.make_trivial_tiled_mma(dt, dt, a, b, Float32, (1, 1, 1), (C, n))
         mmas = (mma(k_major, k_major, V), mma(k_major, k_major, C), mma(k_major, mn_major, K),
                 mma(mn_major, mn_major, K), mma(mn_major, mn_major, V),
-                mma(mn_major, mn_major, C))
+                mma(mn_major, mn_major, C),
+                # A from registers: diag(d) Kn, scaled after ldmatrix
+                sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, Float32, (1, 1, 1),
+                                                  (C, V), warpgroup.OperandSource.RMEM))
 
         @cute.struct
         class SharedStorage:
-            bars: cute.struct.MemRange[cutlass.Int64, 7]
+            bars: cute.struct.MemRange[cutlass.Int64, 8]
             rows: cute.struct.MemRange[Float32, ROW_VALUES * C]
             dg: cute.struct.MemRange[Float32, WGS * C]
             dbeta: cute.struct.MemRange[Float32, WGS * C]
@@ -226,6 +232,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 cute.arch.mbarrier_init(bars + DK_READY, 128)
                 cute.arch.mbarrier_init(bars + LATE_LOADS, 1)
                 cute.arch.mbarrier_init(bars + QK_LOADS, 1)
+                cute.arch.mbarrier_init(bars + M_READ, 128)
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if warp == 0:
@@ -260,11 +267,11 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     def load_all(self, loads, tiles, bars, start: Int32, chunk: Int32, packed: Int32,
                  head: Int32):
         """Warp 0: the chunk's tiles by TMA, issued in the order of the barriers they
-        arrive on: Q, K (QK_LOADS), W, U, S (FIRST_LOADS), dO, dDelta, M (REST_LOADS),
+        arrive on: Q, K (QK_LOADS), W, U, S (FIRST_LOADS), dO, M (REST_LOADS),
         V, T, dS' (LATE_LOADS)."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
-        lq, lk, lv, ldo, lw, lu, lm, linv, ls, lds, ldd = loads
+        lq, lk, lv, ldo, lw, lu, lm, linv, ls, lds = loads
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bars + QK_LOADS, self.qk_bytes)
         for (atom, m), s, h in ((lq, sQ, head // self.q_group), (lk, sK, head // self.k_group)):
@@ -286,7 +293,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                                 (chunk, 0))
             tma_load_tile(atom, g, s, 0, bars + bar)
         for (atom, m), s, col, shape, bar in (
-                (ldd, sDD, 0, (C, V), REST_LOADS), (lm, sM, K + V, (C, C), REST_LOADS),
+                (lm, sM, K + V, (C, C), REST_LOADS),
                 (linv, sT, 0, (C, C), LATE_LOADS), (lds, sDS, 0, (V, K), LATE_LOADS)):
             tma_load_tile(atom, self.block_tile(m, packed, head, col, shape), s, 0, bars + bar)
 
@@ -461,7 +468,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         and dQK^T Qn terms into ``acc_dk`` (finish_dk adds warpgroup 1's); dG's q-side
         terms."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
-        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas
+        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c, mma_rs_v = mmas
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
         ctx = self.row_context(sRows, wtidx)
         rows_of, cols_of, g_r, eg_r, d_r = (ctx[n] for n in ("rows_of", "cols_of", "g_r",
@@ -487,6 +494,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             e_rows[h] = e_rows[h] + x
             e_cols[sl] = e_cols[sl] + x
             acc_c[e] = scale * dmp * gamma_ij
+        cute.arch.mbarrier_wait(bars + M_READ, 0)
         self.store_acc(acc_c, mma_kk_c, stage0(sM), wtidx)
         self.flush_e(e_rows, e_cols, dg_part, storage)
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
@@ -548,7 +556,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         shared memory); dbeta and dG's WY-side terms."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         dt = self.dtype
-        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas
+        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c, mma_rs_v = mmas
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
         lay_c = layouts[2]
         ctx = self.row_context(sRows, wtidx)
@@ -560,6 +568,23 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         sdW = sW
         dg_part = [Float32(0.0), Float32(0.0)]
         db_part = [Float32(0.0), Float32(0.0)]
+        # ---- dDelta = M^T dO + diag(d) Kn dS'^T (into sDD): M^T dO first, so that
+        # warpgroup 0 may write dQK over M as soon as possible (M_READ)
+        thr_v = mma_mnmn_v.get_slice(wtidx)
+        acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
+        self.ss(mma_mnmn_v, acc_v, stage0_t(sM, C, C), stage0_t(sDO, C, V), False)
+        kd = self.loaded(mma_kmn_k, stage0(sK), acc_dk)
+        for e in cutlass.range_constexpr(cute.size(kd)):
+            kd[e] = (kd[e].to(Float32) * ctx["d_r"][row_half(e)]).to(dt)
+        warpgroup.wait_group(0)
+        cute.arch.mbarrier_arrive(bars + M_READ)
+        cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS' (and V and T)
+        thr_rs = mma_rs_v.get_slice(wtidx)
+        wgmma(mma_rs_v, acc_v, cute.make_tensor(kd.iterator, acc_as_operand_a(kd.layout)),
+              thr_rs.make_fragment_B(thr_rs.partition_B(stage0(sDS))), True)
+        warpgroup.wait_group(0)
+        self.store_acc(acc_v, mma_mnmn_v, stage0(sDD), wtidx)
+        self.wg_sync(1, fence=True)
         # ---- dW = -dDelta S^T (over W)
         thr_k = mma_kmn_k.get_slice(wtidx)
         acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
@@ -572,7 +597,6 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         thr_c = mma_kk_c.get_slice(wtidx)
         acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
         acc_t2 = cute.make_rmem_tensor(acc_c.layout, Float32)
-        cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # V and T
         self.ss(mma_kk_c, acc_c, stage0(sDD), stage0(sV), False)
         self.ss(mma_kk_c, acc_t2, stage0(sdW), stage0(sK), False)
         g_c = [sRows[R_G, j] for j in cols_of]
@@ -584,8 +608,6 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             acc_c[e] = beta_c[sl] * (acc_c[e] + acc_t2[e] * eg_c[sl])
         self.store_acc(acc_c, mma_kk_c, stage0(sdT), wtidx)
         # ---- dv = diag(beta) T^T dDelta;  dbeta += rowsum(T^T dDelta * V)
-        thr_v = mma_mnmn_v.get_slice(wtidx)
-        acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
         self.ss(mma_mnmn_v, acc_v, stage0_t(sT, C, C), stage0_t(sDD, C, V), False)
         warpgroup.wait_group(0)
         part = self.row_dots_then_scale(acc_v, mma_mnmn_v, stage0(sV), beta_r)

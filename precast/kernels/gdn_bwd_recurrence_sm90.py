@@ -12,10 +12,11 @@ and M the scaled, gated, causal Q K^T as stage 1 stores them):
     dDelta^T = (D K^T) diag(k_f) + dO^T M                 (V x 64)
     D       <- exp(G_L) D + dO^T diag(q_f) Q - dDelta^T W  (the gradient entering the chunk)
 
-Every chunk's D (the gradient *leaving* it, 16-bit) goes to ``dstates`` and its dDelta
-(64 tokens x V, 16-bit) to ``ddelta``, both by TMA stores from staging tiles, at the
-chunk's packed number (stage 1's numbering); the gradient entering the first chunk goes to
-the initial state's gradient (fp32). Rows of a partial last chunk past the sequence end have
+Every chunk's D (the gradient *leaving* it, 16-bit) goes to ``dstates`` by a TMA store from
+a staging tile, at the chunk's packed number (stage 1's numbering); the gradient entering
+the first chunk goes to the initial state's gradient (fp32). dDelta is not stored: the
+chunk kernel (gdn_bwd_chunk_sm90) recomputes it from dS' and the chunk's own tiles, which
+costs less than writing and reading it. Rows of a partial last chunk past the sequence end have
 q_f = k_f = 0 and zero rows of M, so they add nothing (do rows there belong to the next
 sequence or to TMA's zero fill and must only be finite).
 """
@@ -64,17 +65,16 @@ class GdnStateGradSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mDO: cute.Tensor,
                  mWork16: cute.Tensor, mWork32: cute.Tensor, mCuSeqlens: cute.Tensor,
                  mSeqTable: cute.Tensor, mDFinal: cute.Tensor, mDStates: cute.Tensor,
-                 mDDelta: cute.Tensor, mDInit: cute.Tensor, stream: cuda.CUstream):
+                 mDInit: cute.Tensor, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K), mDO (T, HO, V); mWork16 / mWork32 as
         gdn_layout.workspace_shapes; mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens:
         none); mDFinal, mDInit (N, HO, V, K) fp32 or None;
-        mDStates (chunks, HO, V, K) and mDDelta (chunks, HO, 64, V) in the io dtype."""
+        mDStates (chunks, HO, V, K) in the io dtype."""
         dt = self.dtype
         K, C, Vc = self.k_dim, CHUNK, self.v_rows
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, STAGES)
         sDO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, STAGES)
         sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, STAGES)
-        sDD_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, 1)
         sDS_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, Vc, K), dt, 1)
         one = lambda layout: cute.slice_(layout, (None, None, 0))  # noqa: E731
         g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
@@ -89,8 +89,6 @@ class GdnStateGradSm90:
                                                     one(sDO_layout), (C, Vc))
         store_ds, mDS_t = cpasync.make_tiled_tma_atom(
             s2g, select_modes(mDStates, [2, 3, 1, 0]), one(sDS_layout), (Vc, K))
-        store_dd, mDD_t = cpasync.make_tiled_tma_atom(
-            s2g, select_modes(mDDelta, [2, 3, 1, 0]), one(sDD_layout), (C, Vc))
         tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(mWork32, STAGES)
         self.stage_bytes = (3 * cute.size_in_bytes(dt, one(sK_layout))
                             + cute.size_in_bytes(dt, one(sDO_layout))
@@ -116,7 +114,6 @@ class GdnStateGradSm90:
             sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sDO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDO_layout)], 1024]
             sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
-            sDD: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDD_layout)], 1024]
             sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDS_layout)], 1024]
             sF: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sF_layout)], 128]
 
@@ -124,19 +121,18 @@ class GdnStateGradSm90:
         num_batches = mCuSeqlens.shape[0] - 1
         loads = ((tma_q, mQ_t), (tma_k, mK_t), (tma_w, mW_w), (tma_m, mW_m), (tma_do, mDO_t),
                  (tma_f, mF_t))
-        stores = ((store_ds, mDS_t), (store_dd, mDD_t))
-        self.kernel((mma_tok, mma_tok_ss, mma_state, mma_state_ss), loads, stores,
-                    (sK_layout, sDO_layout, sM_layout, sDD_layout, sDS_layout, sF_layout),
+        self.kernel((mma_tok, mma_tok_ss, mma_state, mma_state_ss), loads, (store_ds, mDS_t),
+                    (sK_layout, sDO_layout, sM_layout, sDS_layout, sF_layout),
                     mCuSeqlens, mSeqTable, mDFinal, mDInit, num_batches).launch(
             grid=[self.heads, cutlass.max(num_batches, 1), self.v_splits],
             block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(self, mmas: tuple, loads: tuple, stores: tuple, layouts: tuple,
+    def kernel(self, mmas: tuple, loads: tuple, store: tuple, layouts: tuple,
                mCuSeqlens: cute.Tensor, mSeqTable: cute.Tensor, mDFinal: cute.Tensor,
                mDInit: cute.Tensor, num_batches: Int32):
-        sK_layout, sDO_layout, sM_layout, sDD_layout, sDS_layout, sF_layout = layouts
+        sK_layout, sDO_layout, sM_layout, sDS_layout, sF_layout = layouts
         tidx, _, _ = cute.arch.thread_idx()
         head, batch, split = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -150,7 +146,6 @@ class GdnStateGradSm90:
             (storage.sQ, sK_layout), (storage.sK, sK_layout), (storage.sW, sK_layout),
             (storage.sM, sM_layout), (storage.sDO, sDO_layout))) + (
                 storage.sF.get_tensor(sF_layout),)
-        sDD = storage.sDD.get_tensor(sDD_layout.outer, swizzle=sDD_layout.inner)
         sDS = storage.sDS.get_tensor(sDS_layout.outer, swizzle=sDS_layout.inner)
 
         start = mCuSeqlens[batch]
@@ -164,7 +159,7 @@ class GdnStateGradSm90:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume(mmas, tiles, (sDD, sDS), stores, pipe, mDFinal, mDInit,
+            self.consume(mmas, tiles, sDS, store, pipe, mDFinal, mDInit,
                          batch, head, first_chunk, chunks, tidx - THREADS_PER_WG, split)
 
     @cute.jit
@@ -201,13 +196,12 @@ class GdnStateGradSm90:
                           number_of_threads=self.nwg * THREADS_PER_WG)
 
     @cute.jit
-    def consume(self, mmas, tiles, staging, stores, pipe, mDFinal, mDInit,
+    def consume(self, mmas, tiles, sDS, store, pipe, mDFinal, mDInit,
                 batch: Int32, head: Int32, first_chunk: Int32, chunks: Int32,
                 consumer_tidx: Int32, split: Int32):
         mma_tok, mma_tok_ss, mma_state, mma_state_ss = mmas
         sQ, sK, sW, sM, sDO, sF = tiles
-        sDD, sDS = staging
-        (store_ds, mDS_t), (store_dd, mDD_t) = stores
+        store_ds, mDS_t = store
         K, C, rows = self.k_dim, CHUNK, self.v_rows
         wg = consumer_tidx // THREADS_PER_WG
         issuer = consumer_tidx < cute.arch.WARP_SIZE  # the warp that issues the TMA stores
@@ -230,10 +224,8 @@ class GdnStateGradSm90:
         neg_dd16 = cute.make_rmem_tensor(acc_dd.layout, self.dtype)
         tXrS = cute.make_tensor(state16.iterator, acc_as_operand_a(acc_state.layout))
         tSrD = cute.make_tensor(neg_dd16.iterator, acc_as_operand_a(acc_dd.layout))
-        # staging views in accumulator order: D (V rows x K) and dDelta^T (V rows x tokens)
+        # the staging view of D (V rows x K) in accumulator order
         t_ds = thr_state.partition_C(sDS[None, None, 0])
-        t_dd = thr_tok.partition_C(cute.composition(
-            sDD[None, None, 0], cute.make_ordered_layout((rows, C), order=(1, 0))))
         by_token = cute.make_layout((rows, C), stride=(0, 1))
 
         acc_state.fill(0.0)
@@ -248,7 +240,7 @@ class GdnStateGradSm90:
             s = state.index
             factors = sF[0, None, s]  # [q_f | k_f | G_L]
             pipe.consumer_wait(state)
-            if issuer:  # the previous chunk's stores have read the staging tiles
+            if issuer:  # the previous chunk's store has read the staging tile
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             self.consumer_sync()
             # Q's rows times q_f (the contraction of dO^T diag(q_f) Q runs over tokens)
@@ -276,22 +268,14 @@ class GdnStateGradSm90:
             t_kf = thr_tok.partition_C(cute.make_tensor(
                 cute.domain_offset((K_FACTORS,), factors).iterator, by_token))
             for e in cutlass.range_constexpr(cute.size(acc_dd)):
-                dd = acc_dd[e] * t_kf[e] + acc_dm[e]
-                t_dd[e] = dd.to(self.dtype)
-                neg_dd16[e] = (-dd).to(self.dtype)
+                neg_dd16[e] = (-(acc_dd[e] * t_kf[e] + acc_dm[e])).to(self.dtype)
             # D -= dDelta^T W
             wgmma(mma_state, acc_state, tSrD, tSrW[None, None, None, s], True)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            self.consumer_sync()
-            if issuer:
-                tma_store_tile(store_dd, sDD, cute.local_tile(
-                    mDD_t[None, None, head, chunk], (C, rows), (0, split)))
-                cute.arch.cp_async_bulk_commit_group()
             warpgroup.wait_group(0)
             cute.arch.sync_warp()
             pipe.consumer_release(state)
             state = advanced(state)
-        if issuer:  # the last stores have read the staging tiles before the CTA exits
+        if issuer:  # the last store has read the staging tile before the CTA exits
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         if const_expr(self.init_grad):
             dst = self.state_view(thr_state, mDInit, batch, head, split)

@@ -20,9 +20,10 @@ gdn_rules.check_gdn_gradients'. Five kernels run in order on one stream:
   forward's state arithmetic is the same); io-dtype ones start each segment from the
   rounded state;
 * "state_grad" (gdn_bwd_recurrence_sm90.py): one CTA per (sequence, output head) walks the
-  chunks last to first with dS: the gradient of the state leaving each chunk, dDelta, and
-  the initial state's gradient;
-* "chunk_grad" (gdn_bwd_chunk_sm90.py): one CTA per (chunk, output head): dg and dbeta,
+  chunks last to first with dS: the gradient of the state leaving each chunk, and the
+  initial state's gradient;
+* "chunk_grad" (gdn_bwd_chunk_sm90.py): one CTA per (chunk, output head) (dDelta
+  recomputed there from dS, not stored by state_grad): dg and dbeta,
   and each of dq, dk, dv final where that input has a head per output head
   (gdn_layout.gradients_in_place), else in fp32 per output head;
 * "finish" (gdn_bwd_finish_sm90.py, only with grouped heads): sums each input head's output
@@ -92,7 +93,6 @@ WORKSPACE = {
     "work32": ("chunks", "float32"),  # and factor rows
     "inv": ("chunks", "io"),  # T = (I + A)^-1, (chunks, HO, 64, 64)
     "dstates": ("chunks", "io"),  # gradient of the state leaving each chunk, (.., V, K)
-    "ddelta": ("chunks", "io"),  # dDelta, (chunks, HO, 64, V)
     "states": ("chunks", "io"),  # states entering each chunk (not with reused checkpoints)
     # grouped heads' gradients (gdn_layout.gradients_in_place): per output head, w.r.t. the
     # normalized rows
@@ -105,7 +105,7 @@ RECOMPUTE_ONLY = ("states",)
 # Groups of the op's own workspace, made (and grown) together: the same row count; each
 # call makes the members it needs (_needed).
 GRADS32 = ("dq32", "dk32", "dv32")
-OWN_GROUPS = (("work16", "work32", "inv", "dstates", "ddelta"), GRADS32, ("states",),
+OWN_GROUPS = (("work16", "work32", "inv", "dstates"), GRADS32, ("states",),
               ("dinit32",))
 
 
@@ -265,7 +265,7 @@ class GdnBwdSm90(Op):
                     fake_tokens(io, tokens, s.HO, s.V), *_fake_workspace(s, chunks),
                     _fake_offsets(), _fake_offsets(),
                     _fake_state(torch.float32, s) if final_grad else None,
-                    _fake_state(s.dtype, s), _fake_rows(s.dtype, chunks, (s.HO, CHUNK_SIZE, s.V)),
+                    _fake_state(s.dtype, s),
                     _fake_state(torch.float32, s) if init_grad else None, fake_stream())
             return kernel, args
 
@@ -284,7 +284,6 @@ class GdnBwdSm90(Op):
                     fake_tokens(io, tokens, s.HO, s.V), *_fake_workspace(s, chunks),
                     _fake_rows(s.dtype, chunks, (s.HO, CHUNK_SIZE, CHUNK_SIZE)),
                     _fake_state(s.dtype, s), _fake_state(s.dtype, s),
-                    _fake_rows(s.dtype, chunks, (s.HO, CHUNK_SIZE, s.V)),
                     *_fake_grads32(s, tokens, finals="io"), _fake_gate(s.g_dtype, tokens, s.HO),
                     _fake_gate(s.beta_dtype, tokens, s.HO), scalar(cutlass.Float32, 1.0),
                     fake_stream())
@@ -316,7 +315,7 @@ class GdnBwdSm90(Op):
     def workspace_shapes(self, total_tokens: int, num_seqs: int) -> Dict[str, Tuple[int, ...]]:
         """Shapes of the buffers ``execute(workspace=...)`` takes for T tokens in N sequences
         (a dict name -> tensor, all contiguous, dtypes as WORKSPACE says; make_workspace
-        allocates one): the forward's work16, work32 and inv, dstates, ddelta, states with
+        allocates one): the forward's work16, work32 and inv, dstates, states with
         T // 64 + N chunk rows, dq32, dk32, dv32 with T rows for those of q, k, v whose heads
         are grouped (gdn_layout.gradients_in_place) and, with an
         initial state in the io dtype, dinit32 [N, HO, V, K]. "states" is not used when the
@@ -326,10 +325,9 @@ class GdnBwdSm90(Op):
         T = check_int("total_tokens", total_tokens, lo=0)
         N = check_int("num_seqs", num_seqs, lo=0)
         work16, work32, inv = forward_shapes(T, N, s.HO, s.K, s.V)
-        chunks, C = work16[0], CHUNK_SIZE
+        chunks = work16[0]
         shapes = {"work16": work16, "work32": work32, "inv": inv,
-                  "dstates": (chunks, s.HO, s.V, s.K), "ddelta": (chunks, s.HO, C, s.V),
-                  "states": (chunks, s.HO, s.V, s.K)}
+                  "dstates": (chunks, s.HO, s.V, s.K), "states": (chunks, s.HO, s.V, s.K)}
         finals = gradients_in_place(s.HQ, s.HK, s.HV)
         for name, dim, final in zip(GRADS32, (s.K, s.K, s.V), finals):
             if not final:
@@ -539,10 +537,10 @@ class GdnBwdSm90(Op):
                 kernels[states_pass](q, k, *work, cu_seqlens, table, None, *states_args,
                                      handle)
             kernels["state_grad" + split](q, k, do, *work, cu_seqlens, table, dfinal,
-                                          ws["dstates"], ws["ddelta"], dinit, handle)
+                                          ws["dstates"], dinit, handle)
             kernels["chunk_grad"](q, k, v, g, beta, cu_seqlens, table, do, *work, ws["inv"],
                                   states,
-                                  ws["dstates"], ws["ddelta"], *grads, dg, dbeta, s.scale,
+                                  ws["dstates"], *grads, dg, dbeta, s.scale,
                                   handle)
             if "finish" in kernels:
                 kernels["finish"](q, k, *(ws.get(name) for name in GRADS32), dq, dk, dv,
