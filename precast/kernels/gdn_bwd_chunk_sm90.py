@@ -47,8 +47,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import (acc_as_operand_a, load_ldmatrix, select_modes, tma_load_tile,
-                             tma_store_tile, transposed, wgmma)
+from .attention_sm90 import (acc_as_operand_a, load_ldmatrix, select_modes, store_stmatrix,
+                             tma_load_tile, tma_store_tile, transposed, wgmma)
 from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90, block_chunk_head, chunk_grid
 from .gdn_layout import CHUNK, gradients_in_place
 
@@ -152,14 +152,18 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.late_bytes = size(lay_v) + size(lay_c) + size(lay_s)
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
 
-        def mma(a, b, n):  # a (64, n) product of one warpgroup
-            return sm90_utils.make_trivial_tiled_mma(dt, dt, a, b, Float32, (1, 1, 1), (C, n))
+        rmem = warpgroup.OperandSource.RMEM
+
+        def mma(a, b, n, a_source=warpgroup.OperandSource.SMEM):  # (64, n), one warpgroup
+            return sm90_utils.make_trivial_tiled_mma(dt, dt, a, b, Float32, (1, 1, 1), (C, n),
+                                                     a_source)
         mmas = (mma(k_major, k_major, V), mma(k_major, k_major, C), mma(k_major, mn_major, K),
                 mma(mn_major, mn_major, K), mma(mn_major, mn_major, V),
                 mma(mn_major, mn_major, C),
-                # A from registers: diag(d) Kn, scaled after ldmatrix
-                sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, Float32, (1, 1, 1),
-                                                  (C, V), warpgroup.OperandSource.RMEM))
+                # A from registers: diag(d) Kn (scaled after ldmatrix) for dDelta, then
+                # dDelta itself for dW and dT, and dW for dT
+                mma(k_major, k_major, V, rmem), mma(k_major, mn_major, K, rmem),
+                mma(k_major, k_major, C, rmem))
 
         @cute.struct
         class SharedStorage:
@@ -468,7 +472,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         and dQK^T Qn terms into ``acc_dk`` (finish_dk adds warpgroup 1's); dG's q-side
         terms."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
-        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c, mma_rs_v = mmas
+        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas[:6]
+        mma_rs_v, mma_rs_k, mma_rs_c = mmas[6:]
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
         ctx = self.row_context(sRows, wtidx)
         rows_of, cols_of, g_r, eg_r, d_r = (ctx[n] for n in ("rows_of", "cols_of", "g_r",
@@ -556,7 +561,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         shared memory); dbeta and dG's WY-side terms."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         dt = self.dtype
-        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c, mma_rs_v = mmas
+        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas[:6]
+        mma_rs_v, mma_rs_k, mma_rs_c = mmas[6:]
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
         lay_c = layouts[2]
         ctx = self.row_context(sRows, wtidx)
@@ -568,8 +574,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         sdW = sW
         dg_part = [Float32(0.0), Float32(0.0)]
         db_part = [Float32(0.0), Float32(0.0)]
-        # ---- dDelta = M^T dO + diag(d) Kn dS'^T (into sDD): M^T dO first, so that
-        # warpgroup 0 may write dQK over M as soon as possible (M_READ)
+        # ---- dDelta = M^T dO + diag(d) Kn dS'^T: M^T dO first, so that warpgroup 0 may
+        # write dQK over M as soon as possible (M_READ). dDelta and dW then feed the next
+        # products from registers, while their 16-bit copies go to shared memory (sDD, sW)
+        # for the later products that take them as B operands.
         thr_v = mma_mnmn_v.get_slice(wtidx)
         acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
         self.ss(mma_mnmn_v, acc_v, stage0_t(sM, C, C), stage0_t(sDO, C, V), False)
@@ -583,22 +591,29 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         wgmma(mma_rs_v, acc_v, cute.make_tensor(kd.iterator, acc_as_operand_a(kd.layout)),
               thr_rs.make_fragment_B(thr_rs.partition_B(stage0(sDS))), True)
         warpgroup.wait_group(0)
-        self.store_acc(acc_v, mma_mnmn_v, stage0(sDD), wtidx)
-        self.wg_sync(1, fence=True)
-        # ---- dW = -dDelta S^T (over W)
-        thr_k = mma_kmn_k.get_slice(wtidx)
+        dd16 = cute.make_rmem_tensor(acc_v.layout, dt)
+        dd16.store(acc_v.load().to(dt))
+        dd_a = cute.make_tensor(dd16.iterator, acc_as_operand_a(dd16.layout))
+        # ---- dW = -dDelta S^T (into sW once warpgroup 0 has read W)
+        thr_k = mma_rs_k.get_slice(wtidx)
         acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
-        self.ss(mma_kmn_k, acc_k, stage0(sDD), stage0_t(sS, V, K), False)
+        wgmma(mma_rs_k, acc_k, dd_a, thr_k.make_fragment_B(thr_k.partition_B(
+            stage0_t(sS, V, K))), False)
+        store_stmatrix(dd16, mma_mnmn_v, stage0(sDD), wtidx)
         warpgroup.wait_group(0)
-        cute.arch.mbarrier_wait(bars + W_FREE, 0)
-        self.store_acc(acc_k, mma_kmn_k, stage0(sW), wtidx, negate=True)
-        self.wg_sync(1, fence=True)
+        dw16 = cute.make_rmem_tensor(acc_k.layout, dt)
+        dw16.store((-acc_k.load()).to(dt))
         # ---- dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma)
-        thr_c = mma_kk_c.get_slice(wtidx)
+        thr_c = mma_rs_c.get_slice(wtidx)
         acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
         acc_t2 = cute.make_rmem_tensor(acc_c.layout, Float32)
-        self.ss(mma_kk_c, acc_c, stage0(sDD), stage0(sV), False)
-        self.ss(mma_kk_c, acc_t2, stage0(sdW), stage0(sK), False)
+        wgmma(mma_rs_c, acc_c, dd_a, thr_c.make_fragment_B(thr_c.partition_B(stage0(sV))),
+              False)
+        wgmma(mma_rs_c, acc_t2, cute.make_tensor(dw16.iterator, acc_as_operand_a(dw16.layout)),
+              thr_c.make_fragment_B(thr_c.partition_B(stage0(sK))), False)
+        cute.arch.mbarrier_wait(bars + W_FREE, 0)
+        store_stmatrix(dw16, mma_kmn_k, stage0(sW), wtidx)
+        self.wg_sync(1, fence=True)  # dDelta and dW written
         g_c = [sRows[R_G, j] for j in cols_of]
         beta_c = [sRows[R_BETA, j] for j in cols_of]
         warpgroup.wait_group(0)
