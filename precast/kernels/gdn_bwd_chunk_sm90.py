@@ -374,38 +374,50 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                   tidx: Int32):
         """Every product and reduction of the chunk (module docstring), the q side on
         warpgroup 0 and the WY side on warpgroup 1, then dg and dbeta from both."""
-        C = CHUNK
+        C, V = CHUNK, self.v_dim
         wg = tidx // 128
+        sDG = storage.dg.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
+        sDB = storage.dbeta.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
+        # dk's accumulator, one for both sides: warpgroup 1's terms go through shared
+        # memory to warpgroup 0, which adds them after the second CTA barrier below
+        acc_dk = cute.make_rmem_tensor(
+            mmas[2].get_slice(tidx % 128).partition_shape_C((C, self.k_dim)), Float32)
         # Q and K land first: each warpgroup normalizes one of them, warpgroup 0 while W, U
         # and S are still on their way (then Delta = U - W S into sU), warpgroup 1 before
-        # scanning the gates
+        # scanning the gates and issuing dDelta's M^T dO. Rows of a partial chunk past the
+        # sequence end: warpgroup 0 zeroes V's, warpgroup 1 dO's (before M^T dO reads it).
         if wg == 0:
             self.normalize_tile(tiles[0], sRows, R_Q, 0, bars, rows, tidx % 128)
             cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)
             self.delta(mmas[0], tiles, tidx % 128)
-        else:
-            self.normalize_tile(tiles[1], sRows, R_K, 1, bars, rows, tidx % 128)
-            if tidx < 128 + cute.arch.WARP_SIZE:
-                self.cumulative_gates(sRows[R_G, None])
-        cute.arch.mbarrier_wait(bars + REST_LOADS, 0)
-        if rows < C:
-            cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)
-            self.zero_tail((tiles[2], tiles[3]), rows, tidx, THREADS)  # V, dO
+            if rows < C:
+                cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)
+                self.zero_tail((tiles[2],), rows, tidx, 128)
+            # Delta's (and V's zeros') generic-proxy stores, before wgmmas read them
             cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()
-        sDG = storage.dg.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
-        sDB = storage.dbeta.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
-        # dk's accumulator, one for both sides: warpgroup 1's terms go through shared
-        # memory to warpgroup 0, which adds them after the CTA barrier below
-        acc_dk = cute.make_rmem_tensor(
-            mmas[2].get_slice(tidx % 128).partition_shape_C((C, self.k_dim)), Float32)
-        if wg == 0:
+            cute.arch.mbarrier_wait(bars + REST_LOADS, 0)
+            cute.arch.sync_threads()
             cute.arch.mbarrier_arrive(bars + W_FREE)
             self.q_side(mmas, tiles, storage, sRows, sDG, bars, mDQ, staged[0], acc_dk, first,
                         rows, head, scale, tidx % 128)
         else:
+            wtidx = tidx - 128
+            self.normalize_tile(tiles[1], sRows, R_K, 1, bars, rows, wtidx)
+            if wtidx < cute.arch.WARP_SIZE:
+                self.cumulative_gates(sRows[R_G, None])
+            cute.arch.mbarrier_wait(bars + REST_LOADS, 0)
+            if rows < C:
+                self.zero_tail((tiles[3],), rows, wtidx, 128)
+                self.wg_sync(1, fence=True)
+            # dDelta's first term, M^T dO, while warpgroup 0 computes Delta
+            mma_mnmn_v = mmas[4]
+            thr_v = mma_mnmn_v.get_slice(wtidx)
+            acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
+            self.ss(mma_mnmn_v, acc_v, stage0_t(tiles[6], C, C), stage0_t(tiles[3], C, V),
+                    False)
+            cute.arch.sync_threads()
             self.wy_side(mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, staged[2],
-                         acc_dk, first, rows, head, tidx % 128)
+                         acc_dk, acc_v, first, rows, head, wtidx)
         # dG's partial sums are written (every thread meets this barrier at one instruction)
         cute.arch.sync_threads()
         if wg == 0:
@@ -499,8 +511,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             e_rows[h] = e_rows[h] + x
             e_cols[sl] = e_cols[sl] + x
             acc_c[e] = scale * dmp * gamma_ij
+        # dQK: the A operand of dq's second product from registers; its copy in shared
+        # memory (over M, once warpgroup 1 has read M) is dQK^T's, for dk
+        dqk16 = cute.make_rmem_tensor(acc_c.layout, self.dtype)
+        dqk16.store(acc_c.load().to(self.dtype))
         cute.arch.mbarrier_wait(bars + M_READ, 0)
-        self.store_acc(acc_c, mma_kk_c, stage0(sM), wtidx)
+        store_stmatrix(dqk16, mma_kk_c, stage0(sM), wtidx)
         self.flush_e(e_rows, e_cols, dg_part, storage)
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
         thr_k = mma_kmn_k.get_slice(wtidx)
@@ -510,8 +526,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.row_dots_then_scale(acc_k, mma_kmn_k, stage0(sQ), [scale * x for x in eg_r])
         for h in cutlass.range_constexpr(2):
             dg_part[h] = dg_part[h] + part[h] * scale * eg_r[h]
-        self.wg_sync(0, fence=True)  # dQK written
-        self.ss(mma_kmn_k, acc_k, stage0(sX), stage0_t(sK, C, K), True)
+        thr_rs = mma_rs_k.get_slice(wtidx)
+        wgmma(mma_rs_k, acc_k, cute.make_tensor(dqk16.iterator, acc_as_operand_a(dqk16.layout)),
+              thr_rs.make_fragment_B(thr_rs.partition_B(stage0_t(sK, C, K))), True)
         cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS'
         self.state_dot(sS, sDS, storage, wtidx)
         warpgroup.wait_group(0)
@@ -530,6 +547,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             dd_sum = dd_sum + dd
         self.warp_reduce_to(storage, 4 + wtidx // 32,
                             cutlass.select_(ctx["leader"], dd_sum, Float32(0.0)))
+        self.wg_sync(0, fence=True)  # dQK written (long ago)
         self.ss(mma_mnmn_k, acc_dk, stage0_t(sX, C, C), stage0_t(sQ, C, K), True)
         if ctx["leader"]:
             for h in cutlass.range_constexpr(2):
@@ -553,7 +571,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
     @cute.jit
     def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, staged_dv,
-                acc_dk, first: Int32, rows: Int32, head: Int32, wtidx: Int32):
+                acc_dk, acc_v, first: Int32, rows: Int32, head: Int32, wtidx: Int32):
         """Warpgroup 1: dW = -dDelta S^T (over W, once warpgroup 0 read W);
         dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma); dv = diag(beta) T^T dDelta;
         dBk = T^T dW; dA = strict_tril(-(T^T dT) T^T); dP = diag(beta) (dA Gamma), E's
@@ -574,13 +592,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         sdW = sW
         dg_part = [Float32(0.0), Float32(0.0)]
         db_part = [Float32(0.0), Float32(0.0)]
-        # ---- dDelta = M^T dO + diag(d) Kn dS'^T: M^T dO first, so that warpgroup 0 may
-        # write dQK over M as soon as possible (M_READ). dDelta and dW then feed the next
-        # products from registers, while their 16-bit copies go to shared memory (sDD, sW)
-        # for the later products that take them as B operands.
-        thr_v = mma_mnmn_v.get_slice(wtidx)
-        acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
-        self.ss(mma_mnmn_v, acc_v, stage0_t(sM, C, C), stage0_t(sDO, C, V), False)
+        # ---- dDelta = M^T dO (issued before the CTA barrier, in acc_v) + diag(d) Kn dS'^T;
+        # once M^T dO has read M, warpgroup 0 may write dQK over it (M_READ). dDelta and dW
+        # then feed the next products from registers, while their 16-bit copies go to
+        # shared memory (sDD, sW) for the later products that take them as B operands.
         kd = self.loaded(mma_kmn_k, stage0(sK), acc_dk)
         for e in cutlass.range_constexpr(cute.size(kd)):
             kd[e] = (kd[e].to(Float32) * ctx["d_r"][row_half(e)]).to(dt)
