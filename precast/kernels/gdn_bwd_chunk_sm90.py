@@ -7,11 +7,11 @@ store_inverse (W, U, M, T = (I + A)^-1), the states entering every chunk (S, V x
 stored), and the reverse recurrence (gdn_bwd_recurrence_sm90: dS', the gradient of the
 state leaving the chunk). Every formula of precast/reference/gdn_backward.py's
 _chunk_backward that does not involve the recurrence runs here, each product a wgmma on
-16-bit tiles in shared memory (one with an operand from registers). The warpgroups take
-different products: warpgroup 0 the q side (Delta, dM', dq, dk's Delta and dQK^T terms),
-warpgroup 1 the WY side (dDelta, dW, dT, dv, dBk, dA, dP and their dk terms); mbarriers and
-a CTA barrier order the shared-memory
-tiles one hands to the other. q and k rows are normalized in shared memory first. With Qn,
+16-bit tiles in shared memory (a few take their A operand from registers). The warpgroups
+take different products: warpgroup 0 the q side (Delta, dM', dq, dk's Delta and dQK^T
+terms), warpgroup 1 the WY side (dDelta, dW, dT, dv, dBk, dA, dP and their dk terms);
+mbarriers and a CTA barrier order the shared-memory tiles one hands to the other. q and k
+rows are normalized in shared memory first. With Qn,
 Kn the L2-normalized rows (diag(r_q) Q, diag(r_k) K; r = 1 without the norm),
 gamma = exp(G), d = exp(G_L - G), Gamma_ij = exp(G_i - G_j) (j <= i) and M as stage 1
 stores it (scale Gamma * Qn Kn^T, causal):
@@ -410,7 +410,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 self.zero_tail((tiles[3],), rows, wtidx, 128)
                 self.wg_sync(1, fence=True)
             # dDelta's first term, M^T dO, while warpgroup 0 computes Delta
-            mma_mnmn_v = mmas[4]
+            mma_mnmn_v = mmas[4]  # (64, V), both operands MN-major
             thr_v = mma_mnmn_v.get_slice(wtidx)
             acc_v = cute.make_rmem_tensor(thr_v.partition_shape_C((C, V)), Float32)
             self.ss(mma_mnmn_v, acc_v, stage0_t(tiles[6], C, C), stage0_t(tiles[3], C, V),
@@ -547,7 +547,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             dd_sum = dd_sum + dd
         self.warp_reduce_to(storage, 4 + wtidx // 32,
                             cutlass.select_(ctx["leader"], dd_sum, Float32(0.0)))
-        self.wg_sync(0, fence=True)  # dQK written (long ago)
+        self.wg_sync(0, fence=True)  # dQK's shared copy written (dq took it from registers)
         self.ss(mma_mnmn_k, acc_dk, stage0_t(sX, C, C), stage0_t(sQ, C, K), True)
         if ctx["leader"]:
             for h in cutlass.range_constexpr(2):
@@ -572,7 +572,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     @cute.jit
     def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, staged_dv,
                 acc_dk, acc_v, first: Int32, rows: Int32, head: Int32, wtidx: Int32):
-        """Warpgroup 1: dW = -dDelta S^T (over W, once warpgroup 0 read W);
+        """Warpgroup 1: dDelta = M^T dO (issued by the caller into ``acc_v``) + diag(d) Kn
+        dS'^T; dW = -dDelta S^T (over W, once warpgroup 0 read W);
         dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma); dv = diag(beta) T^T dDelta;
         dBk = T^T dW; dA = strict_tril(-(T^T dT) T^T); dP = diag(beta) (dA Gamma), E's
         second term; dk_n's diag(beta gamma) dBk + dP Kn + dP^T Kn (to warpgroup 0 through
@@ -596,7 +597,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # once M^T dO has read M, warpgroup 0 may write dQK over it (M_READ). dDelta and dW
         # then feed the next products from registers, while their 16-bit copies go to
         # shared memory (sDD, sW) for the later products that take them as B operands.
-        kd = self.loaded(mma_kmn_k, stage0(sK), acc_dk)
+        kd = self.loaded(mma_kmn_k, stage0(sK), acc_dk)  # (acc_dk: for its (64, K) layout)
         for e in cutlass.range_constexpr(cute.size(kd)):
             kd[e] = (kd[e].to(Float32) * ctx["d_r"][row_half(e)]).to(dt)
         warpgroup.wait_group(0)
