@@ -109,6 +109,9 @@ def isolate_from_kernels(monkeypatch, tmp_path):
     monkeypatch.setattr(sys.modules["precast.op_cache"], "_ops", {})
 
 
+SIDE_OFFSET = 1000  # record_launches: a side stream's stand-in handle, the caller's + this
+
+
 def record_launches(monkeypatch, module, kernel_modes, alloc: str):
     """Stands in for what an op's execute() does on the device (``module``: the op's
     lifecycle module, or a tuple of the modules its torch-side work runs in) and records
@@ -120,7 +123,9 @@ def record_launches(monkeypatch, module, kernel_modes, alloc: str):
     - allocations of the op's own workspace (``torch.<alloc>`` for cuda:N, made on
       ``alloc_device`` here; the requested device goes to ``alloc_devices``);
     - Tensor.copy_ and Tensor.zero_.
-    stream_is_capturing answers ``capturing`` and records the handle in ``capture_queries``.
+    stream_is_capturing answers ``capturing`` and records the handle in ``capture_queries``;
+    launch.side_stream's fork and join record ("fork", handle) and ("join", handle), and a
+    forked launch runs on handle + SIDE_OFFSET.
     ``kernel_modes(op)``: the modes an op loads."""
     import types
 
@@ -167,11 +172,24 @@ def record_launches(monkeypatch, module, kernel_modes, alloc: str):
     def is_capturing(handle):
         rec.capture_queries.append(handle)
         return rec.capturing
+
+    class SideStream:
+        def __init__(self, device_index, handle):
+            self.device_index = device_index
+
+        def fork(self, handle):
+            rec.events.append(("fork", handle))
+            return handle + SIDE_OFFSET
+
+        def join(self, handle):
+            rec.events.append(("join", handle))
     for m in module if isinstance(module, tuple) else (module,):
         monkeypatch.setattr(m, "torch", ModuleTorch())
         monkeypatch.setattr(m, "torch_stream", ExternalStream)
         if hasattr(m, "stream_is_capturing"):
             monkeypatch.setattr(m, "stream_is_capturing", is_capturing)
+        if hasattr(m, "side_stream"):
+            monkeypatch.setattr(m, "side_stream", SideStream)
 
     copy_, zero_ = torch.Tensor.copy_, torch.Tensor.zero_
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import isolate_from_kernels, key_of, record_launches
+from conftest import SIDE_OFFSET, isolate_from_kernels, key_of, record_launches
 from test_gdn_fwd_cpu import desc, meta
 
 import precast
@@ -264,8 +264,8 @@ def launches(monkeypatch):
                            lambda op: tuple(op._kernel_builders()), "empty")
 
 
-def kinds(rec):
-    return [e[0] for e in rec.events]
+def kinds(rec):  # what happened on the device, but for the side stream's fork and join
+    return [e[0] for e in rec.events if e[0] not in ("fork", "join")]
 
 
 def workspace(op, t=T, n=N, device="meta"):
@@ -332,9 +332,12 @@ def test_execute_launches_every_stage_in_order(launches):
     assert [tuple(t.shape) for t in prep[7:10]] == [(CHUNKS, HO, 64, K + V + 64),
                                                     (CHUNKS, HO, 136), (CHUNKS, HO, 64, 64)]
     # states(q, k, work16, work32, cu_seqlens, table, no o, initial state, None, None,
-    # states, 64, stream)
+    # states, 64, stream): on a side stream forked after prepare, joined before chunk_grad
     assert same(states[:6], [q, k, prep[7], prep[8], cu, cu])
-    assert states[6:10] == (None, None, None, None) and states[11:] == (64, 7)
+    assert states[6:10] == (None, None, None, None) and states[11:] == (64, 7 + SIDE_OFFSET)
+    assert [e for e in launches.events if e[0] in ("fork", "join", "launch")] == [
+        ("launch", "prepare"), ("fork", 7), ("launch", "states"), ("launch", "state_grad"),
+        ("join", 7), ("launch", "chunk_grad"), ("launch", "finish")]
     assert tuple(states[10].shape) == (CHUNKS, HO, V, K) and states[10].dtype == BF
     # state_grad(q, k, do, work16, work32, cu_seqlens, table, dfinal, dstates, dinit, stream)
     assert same(sgrad[:7], [q, k, do, prep[7], prep[8], cu, cu]) and sgrad[7] is None
@@ -407,7 +410,7 @@ def test_states_are_regenerated_from_coarse_or_float32_checkpoints(launches, n, 
     states = launches.calls[1][1]
     assert states[5] is states[4]  # N <= 32: cu_seqlens stands in for the table
     assert states[6] is None and states[7] is ckpt and states[8:10] == (None, None)
-    assert tuple(states[10].shape) == (CHUNKS, HO, V, K) and states[11:] == (n, 3)
+    assert tuple(states[10].shape) == (CHUNKS, HO, V, K) and states[11:] == (n, 3 + SIDE_OFFSET)
     assert launches.calls[3][1][11] is states[10]
     assert not any(x is s0 for x in states)
 

@@ -58,7 +58,7 @@ from .gdn_fwd import (CONFIG_SOURCES, DATA_ALIGN, KERNEL_SOURCES, _cute_type, _f
                       static_config_of as forward_config, stream_buffers)
 from .gdn_rules import (MAX_SPAN, GdnShapes, check_gdn_gradients, check_gdn_inputs,
                         max_checkpoint_rows)
-from .launch import device_guard, stream_handle, torch_stream
+from .launch import device_guard, side_stream, stream_handle, torch_stream
 from .op import Op
 from .tensor_desc import TensorDesc, parse_dtype
 from .validation import (check_bool, check_int, check_no_overlap, check_same_device,
@@ -534,10 +534,16 @@ class GdnBwdSm90(Op):
                 kernels["prepare"](q, k, v, g, beta, cu_seqlens, table, *work, ws["inv"],
                                    s.scale, handle)
             if not reuse:
+                # the states pass and state_grad both need only prepare's results: the
+                # states pass runs on a side stream beside state_grad (each leaves SMs idle:
+                # few sequences and heads, or a half-empty last wave)
+                side = side_stream(index, handle)
                 kernels[states_pass](q, k, *work, cu_seqlens, table, None, *states_args,
-                                     handle)
+                                     side.fork(handle))
             kernels["state_grad" + split](q, k, do, *work, cu_seqlens, table, dfinal,
                                           ws["dstates"], dinit, handle)
+            if not reuse:
+                side.join(handle)
             kernels["chunk_grad"](q, k, v, g, beta, cu_seqlens, table, do, *work, ws["inv"],
                                   states,
                                   ws["dstates"], *grads, dg, dbeta, s.scale,

@@ -138,6 +138,42 @@ def stream_is_capturing(handle: int) -> bool:
     return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
 
+class SideStream:
+    """A second stream beside a caller's stream on one device, for kernels of one call that
+    do not depend on each other: fork(handle) orders it after the work so far on the
+    caller's stream and returns its handle; join(handle) orders the caller's stream after
+    the work launched on it since. Neither waits on the host; under CUDA graph capture the
+    pair records a fork and a join in the graph."""
+
+    def __init__(self, device_index: int):
+        import torch
+        self.device_index = device_index
+        with device_guard(device_index):
+            self.stream = torch.cuda.Stream(device=device_index)
+            self.forked, self.done = torch.cuda.Event(), torch.cuda.Event()
+
+    def fork(self, handle: int) -> int:
+        self.forked.record(torch_stream(handle, self.device_index))
+        self.stream.wait_event(self.forked)
+        return self.stream.cuda_stream
+
+    def join(self, handle: int) -> None:
+        self.done.record(self.stream)
+        torch_stream(handle, self.device_index).wait_event(self.done)
+
+
+_side_streams: dict = {}
+
+
+def side_stream(device_index: int, handle: int) -> SideStream:
+    """The SideStream beside raw stream ``handle`` on a device (made on first use, then
+    kept: one per caller stream, so calls on different streams stay independent)."""
+    side = _side_streams.get((device_index, handle))
+    if side is None:
+        side = _side_streams[(device_index, handle)] = SideStream(device_index)
+    return side
+
+
 _sm_counts: dict = {}
 
 
