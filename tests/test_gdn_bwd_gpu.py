@@ -344,6 +344,29 @@ def test_side_stream_equals_the_current_stream():
     assert out.equal(expect)
 
 
+def test_back_to_back_calls_and_two_streams():
+    """Calls that overlap on the device: three on one stream without a host sync between
+    them (each call's states pass, forked onto a side stream, must not overwrite the op's
+    states buffer before the previous call's chunk kernel has read it), then two on two
+    streams at once (each caller stream has its own side stream and workspace)."""
+    batches = [make_batch(BASE, SHORT, seed=60 + i) for i in range(3)]
+    cts = [cotangents("bf16", b, seed=60 + i) for i, b in enumerate(batches)]
+    expect = [launch("bf16", b, ct) for b, ct in zip(batches, cts)]
+    outs = [poisoned(b) for b in batches]
+    torch.cuda.synchronize()
+    for b, ct, out in zip(batches, cts, outs):
+        launch("bf16", b, ct, out=out, sync=False)
+    torch.cuda.synchronize()
+    assert all(out.equal(e) for out, e in zip(outs, expect))
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [poisoned(b) for b in batches[:2]]
+    torch.cuda.synchronize()
+    for b, ct, out, s in zip(batches, cts, outs, streams):
+        launch("bf16", b, ct, out=out, stream=s, sync=False)
+    torch.cuda.synchronize()
+    assert all(out.equal(e) for out, e in zip(outs, expect))
+
+
 def test_allocating_function_and_custom_op_equal_execute():
     name = "bf16-d64-io-state"
     b = make_batch(CONFIGS[name], RAGGED, seed=61)
