@@ -549,15 +549,11 @@ class GdnChunkPrepareSm90:
                               cute.local_tile(sA[out_row, None], (4,), (out_col // 4 + w4,)))
 
     @cute.jit
-    def store_acc(self, acc, mma, out, tidx: Int32, negate: cutlass.Constexpr = False):
-        """A warpgroup's fp32 accumulator of ``mma`` (or its negation) -> 16-bit
-        shared-memory tile ``out`` by stmatrix (a 2-byte store per element was most of the
-        epilogues' instructions)."""
+    def store_acc(self, acc, mma, out, tidx: Int32):
+        """A warpgroup's fp32 accumulator of ``mma`` -> 16-bit shared-memory tile ``out``
+        by stmatrix (a 2-byte store per element was most of the epilogues' instructions)."""
         vals = cute.make_rmem_tensor(acc.layout, self.dtype)
-        if const_expr(negate):
-            vals.store((-acc.load()).to(self.dtype))
-        else:
-            vals.store(acc.load().to(self.dtype))
+        vals.store(acc.load().to(self.dtype))
         store_stmatrix(vals, mma, out, tidx)
 
     @cute.jit
