@@ -516,7 +516,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         dqk16 = cute.make_rmem_tensor(acc_c.layout, self.dtype)
         dqk16.store(acc_c.load().to(self.dtype))
         cute.arch.mbarrier_wait(bars + M_READ, 0)
-        store_stmatrix(dqk16, mma_kk_c, stage0(sM), wtidx)
+        store_stmatrix(dqk16, mma_kk_c, stage0(sX), wtidx)
         self.flush_e(e_rows, e_cols, dg_part, storage)
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
         thr_k = mma_kmn_k.get_slice(wtidx)
