@@ -175,7 +175,7 @@ def record_launches(monkeypatch, module, kernel_modes, alloc: str):
 
     class SideStream:
         def __init__(self, device_index, handle):
-            self.device_index = device_index
+            pass
 
         def fork(self, handle):
             rec.events.append(("fork", handle))

@@ -3,7 +3,9 @@
 Gradients of the forward's o (and final state) w.r.t. q, k, v, g, beta and the initial
 state; the math, chunk by chunk: precast/reference/gdn_backward.py. Every rule of the
 forward inputs is gdn_rules.check_gdn_inputs', of do, dfinal and the gradients
-gdn_rules.check_gdn_gradients'. Five kernels run in order on one stream:
+gdn_rules.check_gdn_gradients'. Five kernels run in order on the caller's stream, but for
+the states pass, which runs on a side stream beside state_grad (launch.side_stream: both
+need only prepare's results; joined back before chunk_grad):
 
 * "prepare": the forward's stage 1 (precast/kernels/gdn_chunk_sm90.py) with
   store_inverse: the WY factors of every (64-token chunk, output head) and T = (I + A)^-1.
@@ -534,9 +536,8 @@ class GdnBwdSm90(Op):
                 kernels["prepare"](q, k, v, g, beta, cu_seqlens, table, *work, ws["inv"],
                                    s.scale, handle)
             if not reuse:
-                # the states pass and state_grad both need only prepare's results: the
-                # states pass runs on a side stream beside state_grad (each leaves SMs idle:
-                # few sequences and heads, or a half-empty last wave)
+                # beside state_grad (module docstring): each alone leaves SMs idle (few
+                # sequences and heads, or a half-empty last wave)
                 side = side_stream(index, handle)
                 kernels[states_pass](q, k, *work, cu_seqlens, table, None, *states_args,
                                      side.fork(handle))
