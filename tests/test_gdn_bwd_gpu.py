@@ -268,7 +268,7 @@ def test_forward_workspace_reused(lengths, monkeypatch):
                 final_state=final, workspace=kept)
     before = tuple(t.clone() for t in kept)
     assert launch(name, b, ct, forward_workspace=kept).equal(expect)
-    # the caller's factors are read only (the states pass writes Delta to the op's buffer)
+    # the caller's factors are read only: the backward writes its own workspace alone
     assert all(map(same_bits, kept, before)), "forward_workspace was written"
     # autograd
     import precast.linear_attention as functional
