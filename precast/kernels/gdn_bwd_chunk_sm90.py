@@ -526,9 +526,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.row_dots_then_scale(acc_k, mma_kmn_k, stage0(sQ), [scale * x for x in eg_r])
         for h in cutlass.range_constexpr(2):
             dg_part[h] = dg_part[h] + part[h] * scale * eg_r[h]
-        thr_rs = mma_rs_k.get_slice(wtidx)
-        wgmma(mma_rs_k, acc_k, cute.make_tensor(dqk16.iterator, acc_as_operand_a(dqk16.layout)),
-              thr_rs.make_fragment_B(thr_rs.partition_B(stage0_t(sK, C, K))), True)
+        self.rs(mma_rs_k, acc_k, dqk16, stage0_t(sK, C, K), True)
         cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS'
         self.state_dot(sS, sDS, storage, wtidx)
         warpgroup.wait_group(0)
@@ -603,18 +601,14 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         warpgroup.wait_group(0)
         cute.arch.mbarrier_arrive(bars + M_READ)
         cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS' (and V and T)
-        thr_rs = mma_rs_v.get_slice(wtidx)
-        wgmma(mma_rs_v, acc_v, cute.make_tensor(kd.iterator, acc_as_operand_a(kd.layout)),
-              thr_rs.make_fragment_B(thr_rs.partition_B(stage0(sDS))), True)
+        self.rs(mma_rs_v, acc_v, kd, stage0(sDS), True)
         warpgroup.wait_group(0)
         dd16 = cute.make_rmem_tensor(acc_v.layout, dt)
         dd16.store(acc_v.load().to(dt))
-        dd_a = cute.make_tensor(dd16.iterator, acc_as_operand_a(dd16.layout))
         # ---- dW = -dDelta S^T (into sW once warpgroup 0 has read W)
         thr_k = mma_rs_k.get_slice(wtidx)
         acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
-        wgmma(mma_rs_k, acc_k, dd_a, thr_k.make_fragment_B(thr_k.partition_B(
-            stage0_t(sS, V, K))), False)
+        self.rs(mma_rs_k, acc_k, dd16, stage0_t(sS, V, K), False)
         store_stmatrix(dd16, mma_mnmn_v, stage0(sDD), wtidx)
         warpgroup.wait_group(0)
         dw16 = cute.make_rmem_tensor(acc_k.layout, dt)
@@ -623,10 +617,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         thr_c = mma_rs_c.get_slice(wtidx)
         acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
         acc_t2 = cute.make_rmem_tensor(acc_c.layout, Float32)
-        wgmma(mma_rs_c, acc_c, dd_a, thr_c.make_fragment_B(thr_c.partition_B(stage0(sV))),
-              False)
-        wgmma(mma_rs_c, acc_t2, cute.make_tensor(dw16.iterator, acc_as_operand_a(dw16.layout)),
-              thr_c.make_fragment_B(thr_c.partition_B(stage0(sK))), False)
+        self.rs(mma_rs_c, acc_c, dd16, stage0(sV), False)
+        self.rs(mma_rs_c, acc_t2, dw16, stage0(sK), False)
         cute.arch.mbarrier_wait(bars + W_FREE, 0)
         store_stmatrix(dw16, mma_kmn_k, stage0(sW), wtidx)
         self.wg_sync(1, fence=True)  # dDelta and dW written
@@ -703,6 +695,14 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         """acc (+)= A B^T, both from shared memory, on this warpgroup."""
         thr = mma.get_slice(cute.arch.thread_idx()[0] % 128)
         wgmma(mma, acc, thr.make_fragment_A(thr.partition_A(sA)),
+              thr.make_fragment_B(thr.partition_B(sB)), accumulate)
+
+    @cute.jit
+    def rs(self, mma, acc, vals, sB, accumulate: cutlass.Constexpr):
+        """acc (+)= A B^T with A the 16-bit fragment ``vals`` in registers (laid out as an
+        accumulator, like store_stmatrix's), B from shared memory, on this warpgroup."""
+        thr = mma.get_slice(cute.arch.thread_idx()[0] % 128)
+        wgmma(mma, acc, cute.make_tensor(vals.iterator, acc_as_operand_a(vals.layout)),
               thr.make_fragment_B(thr.partition_B(sB)), accumulate)
 
     @cute.jit
