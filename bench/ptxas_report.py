@@ -89,7 +89,8 @@ def main(argv=None) -> int:
                 "SERIALIZED: " + "; ".join(v["serialized"]) if v["serialized"] else
                 f"{v['spill_bytes']} spill bytes" if v["spill_bytes"] else "ok")
             bad += flag != "ok"
-            print(f"{entry.describe()}: {v['registers']} registers, {flag}", flush=True)
+            print(f"{entry.describe()} [{ptx.parent.name}]: {v['registers']} registers, "
+                  f"{flag}", flush=True)
     return 1 if bad else 0
 
 

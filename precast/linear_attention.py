@@ -87,7 +87,9 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     grad; the backward is GdnBwdSm90). Checkpoints asked for here are kept for the backward,
     which starts its states pass from them instead of walking each sequence from its start:
     for training on few long sequences (fewer (sequence, head) pairs than SMs), float32
-    checkpoints every ~1024 tokens make the backward faster and give the same bits; with
+    checkpoints every ~1024 tokens make the backward faster (gradients equal to
+    recomputation's up to rounding: the backward's states pass makes Delta from T and
+    its column scales, the forward from W and U); with
     many pairs they cost more than they save (bench/RESULTS.md, session 13).
     ``keep_workspace=True`` keeps the forward's chunk factors (W, U, M, the factor rows and
     T = (I + A)^-1: about (K + V + 128) x 2 bytes per token and output head, as much again

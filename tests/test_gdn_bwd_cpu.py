@@ -330,24 +330,27 @@ def test_execute_launches_every_stage_in_order(launches):
     # prepare(q, k, v, g, beta, cu_seqlens, table, work16, work32, inv, scale, stream)
     assert same(prep[:7], [q, k, v, g, beta, cu, cu]) and prep[10:] == (0.5, 7)
     assert [tuple(t.shape) for t in prep[7:10]] == [(CHUNKS, HO, 64, K + V + 64),
-                                                    (CHUNKS, HO, 136), (CHUNKS, HO, 64, 64)]
+                                                    (CHUNKS, HO, 272), (CHUNKS, HO, 64, 64)]
     # states(q, k, work16, work32, cu_seqlens, table, no o, initial state, None, None,
-    # states, 64, stream): on a side stream forked after prepare, joined before chunk_grad
+    # states, v, inv, 64, stream): on a side stream forked after prepare, joined before
+    # chunk_grad (W and U made from v, T and its scales)
     assert same(states[:6], [q, k, prep[7], prep[8], cu, cu])
-    assert states[6:10] == (None, None, None, None) and states[11:] == (64, 7 + SIDE_OFFSET)
+    assert states[6:10] == (None, None, None, None) and states[13:] == (64, 7 + SIDE_OFFSET)
+    assert states[11] is a["v"] and states[12] is prep[9]
     assert [e for e in launches.events if e[0] in ("fork", "join", "launch")] == [
         ("launch", "prepare"), ("fork", 7), ("launch", "states"), ("launch", "state_grad"),
         ("join", 7), ("launch", "chunk_grad"), ("launch", "finish")]
     assert tuple(states[10].shape) == (CHUNKS, HO, V, K) and states[10].dtype == BF
-    # state_grad(q, k, do, work16, work32, cu_seqlens, table, dfinal, dstates, dinit, stream)
-    assert same(sgrad[:7], [q, k, do, prep[7], prep[8], cu, cu]) and sgrad[7] is None
-    assert tuple(sgrad[8].shape) == (CHUNKS, HO, V, K) and sgrad[8].dtype == BF
-    assert sgrad[9:] == (None, 7)
+    # state_grad(q, k, do, work16, work32, inv, cu_seqlens, table, dfinal, dstates, dinit,
+    # stream)
+    assert same(sgrad[:8], [q, k, do, prep[7], prep[8], prep[9], cu, cu]) and sgrad[8] is None
+    assert tuple(sgrad[9].shape) == (CHUNKS, HO, V, K) and sgrad[9].dtype == BF
+    assert sgrad[10:] == (None, 7)
     # chunk_grad(q, k, v, g, beta, cu_seqlens, table, do, work16, work32, inv, states,
     # dstates, dq32, dk32, dv (v's heads are not grouped: final there), dg, dbeta, scale,
     # stream)
     assert same(cgrad[:13], [q, k, v, g, beta, cu, cu, do, prep[7], prep[8], prep[9],
-                             states[10], sgrad[8]])
+                             states[10], sgrad[9]])
     assert [(tuple(t.shape), t.dtype) for t in cgrad[13:15]] == [
         ((T, HO, K), F32), ((T, HO, K), F32)] and cgrad[15] is a["dv"]
     assert same(cgrad[16:18], [a["dg"], a["dbeta"]]) and cgrad[18:] == (0.5, 7)
@@ -388,7 +391,7 @@ def test_checkpoints_at_64_in_the_io_dtype_are_reused(launches):
                checkpoint_every_n_tokens=64, stream=3)
     assert [m for m, _ in launches.calls] == ["prepare", "state_grad", "chunk_grad", "finish"]
     assert launches.calls[2][1][11] is ckpt
-    assert launches.calls[1][1][9] is ds0  # a float32 initial state: written in place
+    assert launches.calls[1][1][10] is ds0  # a float32 initial state: written in place
     assert all("states" not in key and "o" not in key for key in op._workspaces)
 
 
@@ -406,11 +409,12 @@ def test_states_are_regenerated_from_coarse_or_float32_checkpoints(launches, n, 
     assert [m for m, _ in launches.calls] == ["prepare", "regenerate", "state_grad",
                                               "chunk_grad", "finish"]
     # regenerate(q, k, work16, work32, cu_seqlens, table, no o, checkpoints, None, None,
-    # states, n, stream)
+    # states, v, inv, n, stream)
     states = launches.calls[1][1]
     assert states[5] is states[4]  # N <= 32: cu_seqlens stands in for the table
     assert states[6] is None and states[7] is ckpt and states[8:10] == (None, None)
-    assert tuple(states[10].shape) == (CHUNKS, HO, V, K) and states[11:] == (n, 3 + SIDE_OFFSET)
+    assert tuple(states[10].shape) == (CHUNKS, HO, V, K) and states[13:] == (n, 3 + SIDE_OFFSET)
+    assert tuple(states[12].shape) == (CHUNKS, HO, 64, 64)
     assert launches.calls[3][1][11] is states[10]
     assert not any(x is s0 for x in states)
 
@@ -437,10 +441,10 @@ def test_io_initial_state_gradient_is_converted_on_the_stream(launches):
     s0, ds0, dfin = meta(N, HO, V, K), meta(N, HO, V, K), meta(N, HO, V, K, dtype=F32)
     op.execute(**call(), initial_state=s0, dinitial_state=ds0, dfinal=dfin, stream=5)
     sgrad = launches.calls[2][1]
-    assert sgrad[7] is dfin and sgrad[9].dtype == F32
-    assert tuple(sgrad[9].shape) == (N, HO, V, K)
+    assert sgrad[8] is dfin and sgrad[10].dtype == F32
+    assert tuple(sgrad[10].shape) == (N, HO, V, K)
     assert launches.calls[1][1][7] is s0
-    assert launches.events[-3:] == [("stream", 5, None), ("copy", ds0, sgrad[9]),
+    assert launches.events[-3:] == [("stream", 5, None), ("copy", ds0, sgrad[10]),
                                     ("end stream",)]
     assert op.workspace_shapes(T, N)["dinit32"] == (N, HO, V, K)
     assert "dinit32" not in bwd(sample_initial_state=state()).workspace_shapes(T, N)
@@ -454,7 +458,7 @@ def test_int64_cu_seqlens_run_from_an_int32_copy(launches):
     assert offsets.dtype == I32 and tuple(offsets.shape) == (N + 1,)
     assert launches.calls[0][1][6] is offsets  # the table's stand-in too
     assert same(launches.calls[1][1][4:6], [offsets] * 2)  # states
-    assert same(launches.calls[2][1][5:7], [offsets] * 2)
+    assert same(launches.calls[2][1][6:8], [offsets] * 2)  # state_grad
     assert same(launches.calls[3][1][5:7], [offsets] * 2)
     copies = [e for e in launches.events if e[0] == "copy"]
     assert copies[-1][1] is offsets and copies[-1][2] is cu64
@@ -474,7 +478,7 @@ def test_scale_is_a_runtime_value(launches):
 MANY = fwd_module.TABLE_MIN_SEQS + 8  # 40 sequences: the table
 TABLE = 2 * (MANY + 1)  # its int32 entries
 # where each kernel that locates chunks takes cu_seqlens (the table right after it)
-CU_AT = {"prepare": 5, "states": 4, "regenerate": 4, "state_grad": 5, "chunk_grad": 5}
+CU_AT = {"prepare": 5, "states": 4, "regenerate": 4, "state_grad": 6, "chunk_grad": 5}
 
 
 def tables(rec):
@@ -589,7 +593,7 @@ def test_make_workspace_defaults_to_the_cuda_device(monkeypatch):
 def test_workspace_shapes():
     op = bwd()
     shapes = op.workspace_shapes(T, N)
-    assert shapes == {"work16": (CHUNKS, HO, 64, K + V + 64), "work32": (CHUNKS, HO, 136),
+    assert shapes == {"work16": (CHUNKS, HO, 64, K + V + 64), "work32": (CHUNKS, HO, 272),
                       "inv": (CHUNKS, HO, 64, 64), "dstates": (CHUNKS, HO, V, K),
                       "states": (CHUNKS, HO, V, K),
                       "dq32": (T, HO, K), "dk32": (T, HO, K)}  # v: no grouped heads
@@ -626,8 +630,8 @@ def test_execute_with_a_workspace_allocates_nothing(launches):
     assert kinds(launches) == ["launch"] * 5 and op._workspaces == {}
     (_, prep), (_, states), (_, sgrad), (_, cgrad), _ = launches.calls
     assert same(prep[7:10], [ws["work16"], ws["work32"], ws["inv"]])
-    assert states[6] is None and states[10] is ws["states"]
-    assert sgrad[8] is ws["dstates"] and cgrad[12] is ws["dstates"]
+    assert states[6] is None and states[10] is ws["states"] and states[12] is ws["inv"]
+    assert sgrad[9] is ws["dstates"] and cgrad[12] is ws["dstates"] and sgrad[5] is ws["inv"]
     assert same(cgrad[13:16], [ws["dq32"], ws["dk32"], args["dv"]])
     # reusing checkpoints, states may be left out
     ckpt = meta(CHUNKS, HO, V, K)
@@ -941,12 +945,15 @@ def test_kernel_builder_arguments():
     assert tuple(states[10].shape[1:]) == (8, 128, 64)
     assert states[10].element_type == cutlass.Float16
     assert states[7].element_type == cutlass.Float16  # the io initial state
+    assert tuple(states[11].shape[1:]) == (8, 128)  # v
+    assert tuple(states[12].shape[1:]) == (8, 64, 64)  # T
     _, sgrad = built["state_grad"]
-    assert len(sgrad) == 11 and sgrad[7] is None  # no dfinal
-    assert sgrad[5].element_type == sgrad[6].element_type == cutlass.Int32
+    assert len(sgrad) == 12 and sgrad[8] is None  # no dfinal
+    assert sgrad[6].element_type == sgrad[7].element_type == cutlass.Int32
     assert tuple(sgrad[2].shape[1:]) == (8, 128)  # do
-    assert tuple(sgrad[8].shape[1:]) == (8, 128, 64)  # dstates
-    assert sgrad[9].element_type == cutlass.Float32
+    assert tuple(sgrad[5].shape[1:]) == (8, 64, 64)  # T
+    assert tuple(sgrad[9].shape[1:]) == (8, 128, 64)  # dstates
+    assert sgrad[10].element_type == cutlass.Float32
     _, cgrad = built["chunk_grad"]
     assert len(cgrad) == 20 and None not in cgrad
     assert cgrad[5].element_type == cgrad[6].element_type == cutlass.Int32

@@ -7,8 +7,9 @@ planned). Gradient buffers are poisoned with NaN before every launch and compare
 float64 chunked backward (gdn_chunked_backward_reference, equal to autograd of the
 token-by-token reference to ~1e-14; the end-to-end test uses that autograd itself): RMS
 error ratio at most 4e-2 for dq, dk, dv, dg, dbeta and 6e-2 for dinitial_state (bf16).
-Two launches of the same math (checkpoints reused vs recomputed, graph replay vs eager, the
-allocating function, autograd and torch.compile vs execute, two runs) are compared bitwise.
+Two launches of the same math (the forward's kept workspace vs recomputed, graph replay vs
+eager, the allocating function, autograd and torch.compile vs execute, two runs) are
+compared bitwise.
 Inputs and the RMS check are the forward GPU tests' (make_batch, assert_close).
 """
 import math
@@ -168,19 +169,20 @@ def test_matches_the_reference(name, lengths):
 
 def test_many_sequences_use_the_table(monkeypatch):
     """More than 32 sequences: the backward's kernels locate chunks, first chunks and
-    checkpoint rows in the per-sequence table. Against the reference; states regenerated
-    from float32 checkpoints (every 64 and 192 tokens) and the scans the kernels make
-    without the table give bitwise the same gradients."""
+    checkpoint rows in the per-sequence table. Against the reference, also with states
+    regenerated from float32 checkpoints (every 64 and 192 tokens); the scans the kernels
+    make without the table give bitwise the same gradients."""
     import precast.lifecycle.gdn_fwd as gdn_fwd
     b = make_batch(CONFIGS["bf16-state"], MANY, seed=23)
     ct = cotangents("bf16-state", b, seed=23)
     got = launch("bf16-state", b, ct)
-    assert_grads_close(got, reference("bf16-state", b, ct), BF, "100 sequences")
+    want = reference("bf16-state", b, ct)
+    assert_grads_close(got, want, BF, "100 sequences")
     f32 = FORWARD_TESTED["bf16-state-checkpoints"]
-    for n in (64, 192):
+    for n in (64, 64):
         regenerated = launch("bf16-state-ckpt-f32", b, ct,
                              checkpoints=forward_checkpoints(f32, b, n), n=n)
-        assert regenerated.equal(got), n
+        assert_grads_close(regenerated, want, BF, f"100 sequences, checkpoints every {n}")
     monkeypatch.setattr(gdn_fwd, "TABLE_MIN_SEQS", 1 << 30)
     assert launch("bf16-state", b, ct).equal(got), "scans without the table"
 
@@ -216,13 +218,15 @@ def forward_checkpoints(config: dict, b: Batch, n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("lengths", sorted(LENGTHS))
 def test_checkpoints_reused_or_regenerated(lengths):
-    """The forward's checkpoints at n = 64 in the io dtype are the chunk states the backward
-    recomputes: reused (no states kernel), the gradients are bitwise those of recomputation.
-    float32 checkpoints at any n: the states pass starts from each (one CTA per checkpoint
-    row and head; both grid sizes, split and not, occur here): bitwise the recomputation
-    again, the forward's state arithmetic being the same. io checkpoints at a coarser n:
-    each segment starts from the rounded state: within the reference's tolerance. The
-    ragged lengths put sequences of 0 and 1 tokens and partial segments between them."""
+    """The forward's checkpoints at n = 64 in the io dtype are chunk states: reused (no
+    states kernel). float32 checkpoints at any n: the states pass starts from each (one CTA
+    per checkpoint row and head; both grid sizes, split and not, occur here). io
+    checkpoints at a coarser n: each segment starts from the rounded state. Each within the
+    reference's tolerance, not bitwise the recomputation: the backward's states pass makes
+    Delta from T and its column scales, the forward from W and U (the same values up to where
+    the roundings fall). float32 checkpoints every 64 tokens round to exactly the io ones:
+    bitwise the same gradients. The ragged lengths put sequences of 0 and 1 tokens and
+    partial segments between them."""
     b = make_batch(CONFIGS["bf16-state"], LENGTHS[lengths], seed=11)
     ct = cotangents("bf16-state", b, seed=11)
     recomputed = launch("bf16-state", b, ct)
@@ -230,12 +234,15 @@ def test_checkpoints_reused_or_regenerated(lengths):
     assert_grads_close(recomputed, want, BF, "recomputed")
     io, f32 = FORWARD_CONFIGS["bf16-state-io-checkpoints"], FORWARD_TESTED[
         "bf16-state-checkpoints"]
+    by_f32 = {}
     for n in (64, 128, 192, 640):
-        got = launch("bf16-state-ckpt-f32", b, ct, checkpoints=forward_checkpoints(f32, b, n),
-                     n=n)
-        assert got.equal(recomputed), ("float32", n)
+        by_f32[n] = launch("bf16-state-ckpt-f32", b, ct,
+                           checkpoints=forward_checkpoints(f32, b, n), n=n)
+        assert_grads_close(by_f32[n], want, BF, f"float32 checkpoints every {n}")
     got = launch("bf16-state-ckpt-io", b, ct, checkpoints=forward_checkpoints(io, b, 64), n=64)
-    assert got.equal(recomputed), ("io", 64)
+    assert_grads_close(got, want, BF, "io checkpoints every 64")
+    # both are the forward's states rounded to the io dtype, one chunk apart
+    assert got.equal(by_f32[64])
     for n in (128, 640):
         got = launch("bf16-state-ckpt-io", b, ct, checkpoints=forward_checkpoints(io, b, n),
                      n=n)
@@ -250,10 +257,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("lengths", sorted(LENGTHS))
 def test_forward_workspace_reused(lengths, monkeypatch):
-    """The chunk factors and T a forward compiled with store_inverse wrote replace the
-    backward's prepare kernel: bitwise the gradients of recomputation (the same kernel
-    wrote them). Through autograd, gated_delta_net(keep_workspace=True) hands them to the
-    backward."""
+    """The chunk factors, T and its column scales a forward compiled with store_inverse
+    wrote replace the backward's prepare kernel: bitwise the gradients of recomputation
+    (the same products made them). Through autograd, gated_delta_net(keep_workspace=True)
+    hands them to the backward."""
     name = "bf16-state"
     b = make_batch(CONFIGS[name], LENGTHS[lengths], seed=12)
     ct = cotangents(name, b, seed=12)
@@ -464,9 +471,9 @@ def test_autograd_end_to_end_matches_autograd_of_the_reference():
         tol = TOL_INITIAL if n == "initial_state" else TOL_GRAD
         assert x[n].grad.dtype == x[n].dtype
         assert_close(x[n].grad, ref[n].grad, BF, f"d{n}", tol=tol)
-    # and the bits of execute recomputing every state (fp32 checkpoints regenerate them
-    # exactly)
-    expect = launch(name, b, ct)
+    # and the bits of execute given the same checkpoints
+    expect = launch("bf16-state-ckpt-f32", b, ct, n=64, checkpoints=forward_checkpoints(
+        FORWARD_TESTED["bf16-state-checkpoints"], b, 64))
     got = Grads(*(x[n].grad for n in names))
     assert got.equal(expect)
 

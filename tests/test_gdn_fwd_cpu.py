@@ -418,7 +418,7 @@ def test_execute_launches_prepare_then_recurrence(launches):
     rec = after_qk(prep, rec)
     work16, work32 = op._workspaces[(None, 7)]  # (device index, stream): meta has no index
     assert tuple(work16.shape) == (CHUNKS, HO, 64, F) and work16.dtype == BF
-    assert tuple(work32.shape) == (CHUNKS, HO, 136) and work32.dtype == F32
+    assert tuple(work32.shape) == (CHUNKS, HO, 272) and work32.dtype == F32
     # prepare(q, k, v, g, beta, cu_seqlens, table, work16, work32, inv, scale, stream): no
     # inverse (the backward's); N <= 32 sequences: no table (cu_seqlens stands in)
     assert len(prep) == 12
@@ -427,14 +427,15 @@ def test_execute_launches_prepare_then_recurrence(launches):
     assert prep[7]._base is work16 and prep[8]._base is work32
     assert prep[9:] == (None, 1 / math.sqrt(K), 7)
     # recurrence(q, k, work16, work32, cu_seqlens, table, o, state0, state_indices, final,
-    # ckpt, n, stream), after q and k
-    assert len(rec) == 11
+    # ckpt, v, inverses, n, stream), after q and k (v and the inverses: the backward's
+    # states pass only)
+    assert len(rec) == 13
     assert same(rec[:5], [prep[7], prep[8], a["cu_seqlens"], a["cu_seqlens"], a["o"]])
-    assert rec[5:9] == (None,) * 4 and rec[9:] == (0, 7)
+    assert rec[5:11] == (None,) * 6 and rec[11:] == (0, 7)
     # the workspace made once, uninitialized (prepare writes what the recurrence reads), on
     # the launch stream, after asking whether it captures
     assert launches.events == [("stream", 7, None), ("empty", (CHUNKS, HO, 64, F), BF),
-                               ("empty", (CHUNKS, HO, 136), F32), ("end stream",),
+                               ("empty", (CHUNKS, HO, 272), F32), ("end stream",),
                                ("launch", "prepare"), ("launch", "recurrence")]
     assert launches.capture_queries == [7] and launches.ready == [None]
     assert op._table_buffers == {}
@@ -450,12 +451,12 @@ def test_execute_passes_every_state_tensor(launches):
     op.execute(**call(), initial_state=s0, final_state=fin, checkpoints=ckpt, stream=3)
     (_, prep), (_, rec) = launches.calls
     rec = after_qk(prep, rec)
-    assert same(rec[5:9], [s0, None, fin, ckpt]) and rec[9:] == (n, 3)
+    assert same(rec[5:9], [s0, None, fin, ckpt]) and rec[9:] == (None, None, n, 3)
     # n is a runtime value: another spacing, same op
     ckpt64 = meta(T // 64 + N, HO, V, K, dtype=F32)
     op.execute(**call(), initial_state=s0, final_state=fin, checkpoints=ckpt64, stream=3,
                checkpoint_every_n_tokens=64)
-    assert launches.calls[-1][1][10] is ckpt64 and launches.calls[-1][1][11] == 64
+    assert launches.calls[-1][1][10] is ckpt64 and launches.calls[-1][1][13] == 64
     with pytest.raises(ValueError, match="checkpoints: shape"):  # rows follow this call's n
         op.execute(**call(), initial_state=s0, final_state=fin, checkpoints=ckpt, stream=3,
                    checkpoint_every_n_tokens=64)
@@ -500,7 +501,7 @@ def test_execute_runtime_batches_and_strided_views(launches):
 def test_workspace_shapes_delegate_to_the_kernel_module():
     from precast.kernels.gdn_layout import workspace_shapes
     op = gdn()
-    assert op.workspace_shapes(T, N) == ((CHUNKS, HO, 64, F), (CHUNKS, HO, 136))
+    assert op.workspace_shapes(T, N) == ((CHUNKS, HO, 64, F), (CHUNKS, HO, 272))
     for t, n in [(0, 0), (0, 3), (63, 1), (64, 1), (65, 2), (10**6, 1000)]:
         assert op.workspace_shapes(t, n) == workspace_shapes(t, n, HO, K, V)[:2]
         assert gdn(store_inverse=True).workspace_shapes(t, n) == workspace_shapes(
@@ -544,7 +545,7 @@ def test_store_inverse_makes_the_workspace_a_triple(launches, fixed_sources):
     op = gdn(store_inverse=True).check_support()
     assert op.static_config() == {**BASE_CONFIG, "store_inverse": True}
     shapes = op.workspace_shapes(T, N)
-    assert shapes == ((CHUNKS, HO, 64, F), (CHUNKS, HO, 136), (CHUNKS, HO, 64, 64))
+    assert shapes == ((CHUNKS, HO, 64, F), (CHUNKS, HO, 272), (CHUNKS, HO, 64, 64))
     assert op.workspace_dtypes() == (BF, F32, BF)
     ws = op.make_workspace(T, N, device="meta")
     assert [(tuple(t.shape), t.dtype) for t in ws] == list(zip(shapes, (BF, F32, BF)))
@@ -862,7 +863,7 @@ def test_allocating_function(no_compile):
     assert tuple(final.shape) == (N, HO, V, K) and final.dtype == F32
     assert tuple(r.checkpoints.shape) == (T // 128 + N, HO, V, K) and r.checkpoints.dtype == F32
     rec = after_qk(no_compile.calls[-2][1], no_compile.calls[-1][1])
-    assert same(rec[4:9], [o, rec[5], None, final, r.checkpoints]) and rec[9] == 128
+    assert same(rec[4:9], [o, rec[5], None, final, r.checkpoints]) and rec[11] == 128
     # checkpoints default to the io dtype
     r = gated_delta_net(**inputs(), checkpoint_every_n_tokens=64, stream=0)
     assert r.checkpoints.dtype == BF and r.checkpoints.shape[0] == CHUNKS
@@ -1000,7 +1001,7 @@ def test_custom_op_fake_under_fake_tensor_mode():
     assert tuple(final.shape) == (N, 16, 128, 64) and final.dtype == F32
     assert tuple(ckpt.shape) == (T // 64 + N, 16, 128, 64) and ckpt.dtype == FP
     assert [tuple(t.shape) for t in kept] == [(T // 64 + N, 16, 64, 64 + 128 + 64),
-                                              (T // 64 + N, 16, 136), (T // 64 + N, 16, 64, 64)]
+                                              (T // 64 + N, 16, 272), (T // 64 + N, 16, 64, 64)]
 
 
 def test_custom_op_schemas():
@@ -1051,10 +1052,10 @@ def stub_kernels(monkeypatch):
 
 
 @pytest.mark.parametrize("config,none_args", [
-    ({}, (5, 6, 7, 8)),
-    (dict(state_dtype="float32", output_final_state=True), (6, 8)),
-    (dict(state_dtype="io", state_pool=True), (7, 8)),
-    (dict(checkpoint_dtype="float32", state_dtype="io", output_final_state=True), (6,)),
+    ({}, (5, 6, 7, 8, 9, 10)),
+    (dict(state_dtype="float32", output_final_state=True), (6, 8, 9, 10)),
+    (dict(state_dtype="io", state_pool=True), (7, 8, 9, 10)),
+    (dict(checkpoint_dtype="float32", state_dtype="io", output_final_state=True), (6, 9, 10)),
 ])
 def test_kernel_builder_arguments(stub_kernels, config, none_args):
     import cutlass
@@ -1077,7 +1078,7 @@ def test_kernel_builder_arguments(stub_kernels, config, none_args):
     assert g.shape[1] == beta.shape[1] == 8 and g.stride[1] == 1
     assert tuple(work16.shape[1:]) == (8, 64, 64 + 128 + 64)
     assert work16.element_type == cutlass.Float16 and work32.element_type == cutlass.Float32
-    assert work16.shape[0] is work32.shape[0] and tuple(work32.shape[1:]) == (8, 136)
+    assert work16.shape[0] is work32.shape[0] and tuple(work32.shape[1:]) == (8, 272)
     assert isinstance(prep[10], cutlass.Float32)
     kernel, rec = builders["recurrence"]()
     assert [tuple(t.shape[1:]) for t in rec[:2]] == [(2, 64), (8, 64)]  # q, k
@@ -1086,7 +1087,7 @@ def test_kernel_builder_arguments(stub_kernels, config, none_args):
              config.get("output_final_state", False), config.get("checkpoint_dtype", "none")
              != "none")
     assert stub_kernels[-1] == ("recurrence", (cutlass.Float16, 64, 128, 2, 8, 8) + flags)
-    assert len(rec) == 11
+    assert len(rec) == 13  # v and the inverses (9, 10): the backward's states pass only
     assert tuple(i for i, x in enumerate(rec) if x is None) == none_args
     assert rec[2].element_type == rec[3].element_type == cutlass.Int32  # cu_seqlens, table
     assert tuple(rec[4].shape[1:]) == (8, 128)  # o
@@ -1095,7 +1096,7 @@ def test_kernel_builder_arguments(stub_kernels, config, none_args):
         if rec[i] is not None:
             assert tuple(rec[i].shape[1:]) == (8, 128, 64) and rec[i].stride[3] == 1
             assert rec[i].element_type == {F32: cutlass.Float32, FP: cutlass.Float16}[dtype]
-    assert isinstance(rec[9], cutlass.Int32)
+    assert isinstance(rec[11], cutlass.Int32)
 
 
 @pytest.mark.compile

@@ -74,8 +74,8 @@ def recurrence_on_the_reference_workspace(mode, q, k, v, gate, beta, cu):
     work32[..., :2 * C + 1] = factors
     o = torch.full((sum(LENS), H, V), float("nan"), dtype=q.dtype, device=DEV)
     final = torch.full((len(LENS), H, V, K), float("nan"), device=DEV)
-    op._ready(0)[mode](q, k, work.to(q.dtype), work32, cu, cu, o, None, None, final, None, 0,
-                       torch.cuda.current_stream().cuda_stream)
+    op._ready(0)[mode](q, k, work.to(q.dtype), work32, cu, cu, o, None, None, final, None,
+                       None, None, 0, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     return o, final
 

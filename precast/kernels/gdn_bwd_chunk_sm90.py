@@ -3,20 +3,25 @@
 Verified on an H200 (2026-11-30) by tests/test_gdn_bwd_gpu.py.
 
 One CTA of two warpgroups per (64-token chunk, output head), after the forward's stage 1 with
-store_inverse (W, U, M, T = (I + A)^-1), the states entering every chunk (S, V x K as
+store_inverse (of its factors only M and T = (I + A)^-1 are read here: W and U would cost
+32 KB of loads per CTA, more than recomputing Delta = U - W S from T, V and Kn, which
+this kernel loads anyway), the states entering every chunk (S, V x K as
 stored), and the reverse recurrence (gdn_bwd_recurrence_sm90: dS', the gradient of the
 state leaving the chunk). Every formula of precast/reference/gdn_backward.py's
 _chunk_backward that does not involve the recurrence runs here, each product a wgmma on
 16-bit tiles in shared memory (a few take their A operand from registers). The warpgroups
-take different products: warpgroup 0 the q side (Delta, dM', dq, dk's Delta and dQK^T
-terms), warpgroup 1 the WY side (dDelta, dW, dT, dv, dBk, dA, dP and their dk terms);
+take different products: warpgroup 0 the q side (Delta = T Z, dM', dq, dk's Delta and
+dQK^T terms), warpgroup 1 the WY side (Z, dDelta, dW, dT, dv, dBk, dA, dP and their dk
+terms);
 mbarriers and a CTA barrier order the shared-memory tiles one hands to the other. q and k
 rows are normalized in shared memory first. With Qn,
 Kn the L2-normalized rows (diag(r_q) Q, diag(r_k) K; r = 1 without the norm),
 gamma = exp(G), d = exp(G_L - G), Gamma_ij = exp(G_i - G_j) (j <= i) and M as stage 1
 stores it (scale Gamma * Qn Kn^T, causal):
 
-    Delta = U - W S                       dM' = tril(dO Delta^T)      dQK = scale dM' * Gamma
+    Delta = U - W S = T Z,  Z = diag(beta) (V - diag(gamma) Kn S)   (U = T diag(beta) V,
+                                           W = T diag(beta gamma) Kn, as stage 1 has them)
+    dM' = tril(dO Delta^T)                dQK = scale dM' * Gamma
     dDelta = M^T dO + diag(d) Kn dS'^T    (as the reverse recurrence has it; recomputed here
                                            instead of stored there)
     dq_n  = diag(scale gamma) dO S^T + dQK Kn
@@ -59,13 +64,13 @@ WARPS = THREADS // 32
 WG_BARRIER = (1, 2)
 # mbarriers: the two load groups, then the warpgroups' signals to each other (all 128
 # threads of one arrive; mbarrier arrive/wait order the shared-memory accesses around them)
-FIRST_LOADS, REST_LOADS, W_FREE, STATES_FREE, DK_READY, LATE_LOADS, QK_LOADS, M_READ = range(8)
-# QK_LOADS: Q and K, issued first: the warpgroups normalize their rows (warpgroup 0 Q while
-# W, U, S are on their way for Delta, FIRST_LOADS; warpgroup 1 K, then the gate scan)
-# LATE_LOADS: V, T and dS', which no side needs before its second step: they arrive while
-# the rows are normalized and the first products run (full chunks; a partial chunk waits for
-# them before zeroing its tail rows)
-# W_FREE: warpgroup 0 read W (Delta), so dW may go there; STATES_FREE: warpgroup 0 read S
+FIRST_LOADS, REST_LOADS, Z_READY, STATES_FREE, DK_READY, LATE_LOADS, QK_LOADS, M_READ = range(8)
+# QK_LOADS: Q and K, issued first: the warpgroups normalize their rows (warpgroup 0 Q,
+# warpgroup 1 K, then the gate scan) while S, V and T, the operands of Delta, are on their
+# way (FIRST_LOADS)
+# LATE_LOADS: dS', which no side needs before its second step
+# Z_READY: warpgroup 1 wrote Z = diag(beta) (V - diag(gamma) Kn S) (into sDD, free until
+# dDelta), so warpgroup 0 may compute Delta = T Z; STATES_FREE: warpgroup 0 read S
 # and dS', so warpgroup 1's dk terms may go there; DK_READY: they are there; M_READ:
 # warpgroup 1's M^T dO (dDelta) has read M, so warpgroup 0's dQK may go over it
 # per-token values in shared memory (rows of sRows): G, beta, the row scales r_q, r_k and
@@ -138,18 +143,16 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cpasync.make_tiled_tma_atom(g2s, tok(mK), one(lay_k), (C, K)),
             cpasync.make_tiled_tma_atom(g2s, tok(mV), one(lay_v), (C, V)),
             cpasync.make_tiled_tma_atom(g2s, tok(mDO), one(lay_v), (C, V)),
-            cpasync.make_tiled_tma_atom(g2s, blk(mWork16), one(lay_k), (C, K)),
-            cpasync.make_tiled_tma_atom(g2s, blk(mWork16), one(lay_v), (C, V)),
-            cpasync.make_tiled_tma_atom(g2s, blk(mWork16), one(lay_c), (C, C)),
+            cpasync.make_tiled_tma_atom(g2s, blk(mWork16), one(lay_c), (C, C)),  # M
             cpasync.make_tiled_tma_atom(g2s, blk(mInv), one(lay_c), (C, C)),
             cpasync.make_tiled_tma_atom(g2s, blk(mStates), one(lay_s), (V, K)),
             cpasync.make_tiled_tma_atom(g2s, blk(mDStates), one(lay_s), (V, K)))
         size = lambda layout: cute.size_in_bytes(dt, one(layout))  # noqa: E731
-        # Q, K (the row normalization), then W, U, S (Delta), then the rest, V, T, dS' last
+        # Q, K (the row normalization), then S, V, T (Delta), then dO, M, dS' last
         self.qk_bytes = 2 * size(lay_k)
-        self.first_bytes = size(lay_k) + size(lay_v) + size(lay_s)
+        self.first_bytes = size(lay_s) + size(lay_v) + size(lay_c)
         self.rest_bytes = size(lay_v) + size(lay_c)
-        self.late_bytes = size(lay_v) + size(lay_c) + size(lay_s)
+        self.late_bytes = size(lay_s)
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
 
         rmem = warpgroup.OperandSource.RMEM
@@ -163,7 +166,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 # A from registers: diag(d) Kn (scaled after ldmatrix) for dDelta, then
                 # dDelta itself for dW and dT, and dW for dT
                 mma(k_major, k_major, V, rmem), mma(k_major, mn_major, K, rmem),
-                mma(k_major, k_major, C, rmem))
+                mma(k_major, k_major, C, rmem),
+                mma(k_major, mn_major, V))  # Delta = T Z
 
         @cute.struct
         class SharedStorage:
@@ -231,7 +235,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             if tidx == 0:
                 cute.arch.mbarrier_init(bars + FIRST_LOADS, 1)
                 cute.arch.mbarrier_init(bars + REST_LOADS, 1)
-                cute.arch.mbarrier_init(bars + W_FREE, 128)
+                cute.arch.mbarrier_init(bars + Z_READY, 128)
                 cute.arch.mbarrier_init(bars + STATES_FREE, 128)
                 cute.arch.mbarrier_init(bars + DK_READY, 128)
                 cute.arch.mbarrier_init(bars + LATE_LOADS, 1)
@@ -271,35 +275,33 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     def load_all(self, loads, tiles, bars, start: Int32, chunk: Int32, packed: Int32,
                  head: Int32):
         """Warp 0: the chunk's tiles by TMA, issued in the order of the barriers they
-        arrive on: Q, K (QK_LOADS), W, U, S (FIRST_LOADS), dO, M (REST_LOADS),
-        V, T, dS' (LATE_LOADS)."""
+        arrive on: Q, K (QK_LOADS), S, V, T (FIRST_LOADS), dO, M (REST_LOADS),
+        dS' (LATE_LOADS)."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
-        lq, lk, lv, ldo, lw, lu, lm, linv, ls, lds = loads
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + QK_LOADS, self.qk_bytes)
-        for (atom, m), s, h in ((lq, sQ, head // self.q_group), (lk, sK, head // self.k_group)):
-            g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, K),
-                                (chunk, 0))
-            tma_load_tile(atom, g, s, 0, bars + QK_LOADS)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + FIRST_LOADS, self.first_bytes)
-        for (atom, m), s, col, shape in ((lw, sW, 0, (C, K)), (lu, sU, K, (C, V)),
-                                         (ls, sS, 0, (V, K))):
-            tma_load_tile(atom, self.block_tile(m, packed, head, col, shape), s, 0,
-                          bars + FIRST_LOADS)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + REST_LOADS, self.rest_bytes)
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + LATE_LOADS, self.late_bytes)
-        for (atom, m), s, h, cols, bar in (
-                (ldo, sDO, head, V, REST_LOADS), (lv, sV, head // self.v_group, V, LATE_LOADS)):
+        lq, lk, lv, ldo, lm, linv, ls, lds = loads
+
+        def token_tile(atom, m, s, h, cols, bar):  # rows [start + 64 chunk, +64) of head h
             g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
                                 (chunk, 0))
             tma_load_tile(atom, g, s, 0, bars + bar)
-        for (atom, m), s, col, shape, bar in (
-                (lm, sM, K + V, (C, C), REST_LOADS),
-                (linv, sT, 0, (C, C), LATE_LOADS), (lds, sDS, 0, (V, K), LATE_LOADS)):
+
+        def block_tile(atom, m, s, col, shape, bar):  # this (chunk, head)'s row block
             tma_load_tile(atom, self.block_tile(m, packed, head, col, shape), s, 0, bars + bar)
+
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + QK_LOADS, self.qk_bytes)
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + FIRST_LOADS, self.first_bytes)
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + REST_LOADS, self.rest_bytes)
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + LATE_LOADS, self.late_bytes)
+        token_tile(*lq, sQ, head // self.q_group, K, QK_LOADS)
+        token_tile(*lk, sK, head // self.k_group, K, QK_LOADS)
+        block_tile(*ls, sS, 0, (V, K), FIRST_LOADS)
+        token_tile(*lv, sV, head // self.v_group, V, FIRST_LOADS)
+        block_tile(*linv, sT, 0, (C, C), FIRST_LOADS)
+        token_tile(*ldo, sDO, head, V, REST_LOADS)
+        block_tile(*lm, sM, K + V, (C, C), REST_LOADS)
+        block_tile(*lds, sDS, 0, (V, K), LATE_LOADS)
 
     @cute.jit
     def block_tile(self, m, packed: Int32, head: Int32, col: int, shape):
@@ -382,22 +384,22 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # memory to warpgroup 0, which adds them after the second CTA barrier below
         acc_dk = cute.make_rmem_tensor(
             mmas[2].get_slice(tidx % 128).partition_shape_C((C, self.k_dim)), Float32)
-        # Q and K land first: each warpgroup normalizes one of them, warpgroup 0 while W, U
-        # and S are still on their way (then Delta = U - W S into sU), warpgroup 1 before
-        # scanning the gates and issuing dDelta's M^T dO. Rows of a partial chunk past the
-        # sequence end: warpgroup 0 zeroes V's, warpgroup 1 dO's (before M^T dO reads it).
+        # Q and K land first: each warpgroup normalizes one of them while S, V and T are on
+        # their way; warpgroup 1 then scans the gates, makes Z (delta_rhs) and issues
+        # dDelta's M^T dO, while warpgroup 0 turns Z into Delta = T Z (into sU). Rows of a
+        # partial chunk past the sequence end: warpgroup 0 zeroes V's (once Z, which reads
+        # them times beta = 0, is made), warpgroup 1 dO's (before M^T dO reads it).
         if wg == 0:
             self.normalize_tile(tiles[0], sRows, R_Q, 0, bars, rows, tidx % 128)
-            cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)
-            self.delta(mmas[0], tiles, tidx % 128)
+            cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)  # T
+            cute.arch.mbarrier_wait(bars + Z_READY, 0)
+            self.delta(mmas[9], tiles, tidx % 128)
             if rows < C:
-                cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)
                 self.zero_tail((tiles[2],), rows, tidx, 128)
             # Delta's (and V's zeros') generic-proxy stores, before wgmmas read them
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_wait(bars + REST_LOADS, 0)
             cute.arch.sync_threads()
-            cute.arch.mbarrier_arrive(bars + W_FREE)
             self.q_side(mmas, tiles, storage, sRows, sDG, bars, mDQ, staged[0], acc_dk, first,
                         rows, head, scale, tidx % 128)
         else:
@@ -405,6 +407,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             self.normalize_tile(tiles[1], sRows, R_K, 1, bars, rows, wtidx)
             if wtidx < cute.arch.WARP_SIZE:
                 self.cumulative_gates(sRows[R_G, None])
+            self.wg_sync(1)  # G, and Kn (fenced by normalize_tile) for this warpgroup's wgmma
+            cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)  # S, V
+            self.delta_rhs(mmas[0], tiles, sRows, bars, rows, wtidx)
             cute.arch.mbarrier_wait(bars + REST_LOADS, 0)
             if rows < C:
                 self.zero_tail((tiles[3],), rows, wtidx, 128)
@@ -463,18 +468,39 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                     leader=lane % 4 == 0)
 
     @cute.jit
-    def delta(self, mma_kk_v, tiles, wtidx: Int32):
-        """Warpgroup 0: Delta = U - W S into sU (each thread its own elements)."""
+    def delta_rhs(self, mma_kk_v, tiles, sRows, bars, rows: Int32, wtidx: Int32):
+        """Warpgroup 1: Z = diag(beta) (V - diag(gamma) Kn S) (16-bit) into sDD, free
+        until dDelta; Z_READY once written and fenced for warpgroup 0's T Z. Rows past
+        the sequence end are zeros (selected: V's rows there, the next sequence's, are
+        not zeroed yet, and need not be finite)."""
         V, C = self.v_dim, CHUNK
-        sW, sU, sS = tiles[4], tiles[5], tiles[8]
+        sK, sV, sS, sDD = tiles[1], tiles[2], tiles[8], tiles[10]
         thr = mma_kk_v.get_slice(wtidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((C, V)), Float32)
-        self.ss(mma_kk_v, acc, stage0(sW), stage0(sS), False)
+        self.ss(mma_kk_v, acc, stage0(sK), stage0(sS), False)
+        ctx = self.row_context(sRows, wtidx)
         warpgroup.wait_group(0)
-        u = self.loaded(mma_kk_v, stage0(sU), acc)
+        v = self.loaded(mma_kk_v, stage0(sV), acc)
+        z16 = cute.make_rmem_tensor(acc.layout, self.dtype)
+        real = [r < rows for r in ctx["rows_of"]]
         for e in cutlass.range_constexpr(cute.size(acc)):
-            acc[e] = u[e].to(Float32) - acc[e]
-        self.store_acc(acc, mma_kk_v, stage0(sU), wtidx)
+            h = row_half(e)
+            z = ctx["beta_r"][h] * (v[e].to(Float32) - ctx["eg_r"][h] * acc[e])
+            z16[e] = Float32(cutlass.select_(real[h], z, Float32(0.0))).to(self.dtype)
+        store_stmatrix(z16, mma_kk_v, stage0(sDD), wtidx)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.mbarrier_arrive(bars + Z_READY)
+
+    @cute.jit
+    def delta(self, mma_kmn_v, tiles, wtidx: Int32):
+        """Warpgroup 0: Delta = T Z into sU (each thread its own elements)."""
+        V, C = self.v_dim, CHUNK
+        sU, sT, sDD = tiles[5], tiles[7], tiles[10]
+        thr = mma_kmn_v.get_slice(wtidx)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((C, V)), Float32)
+        self.ss(mma_kmn_v, acc, stage0(sT), stage0_t(sDD, C, V), False)
+        warpgroup.wait_group(0)
+        self.store_acc(acc, mma_kmn_v, stage0(sU), wtidx)
 
     @cute.jit
     def q_side(self, mmas, tiles, storage, sRows, sDG, bars, mDQ, staged_dq, acc_dk,
@@ -485,7 +511,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         terms."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas[:6]
-        mma_rs_v, mma_rs_k, mma_rs_c = mmas[6:]
+        mma_rs_v, mma_rs_k, mma_rs_c = mmas[6:9]
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
         ctx = self.row_context(sRows, wtidx)
         rows_of, cols_of, g_r, eg_r, d_r = (ctx[n] for n in ("rows_of", "cols_of", "g_r",
@@ -571,7 +597,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, staged_dv,
                 acc_dk, acc_v, first: Int32, rows: Int32, head: Int32, wtidx: Int32):
         """Warpgroup 1: dDelta = M^T dO (issued by the caller into ``acc_v``) + diag(d) Kn
-        dS'^T; dW = -dDelta S^T (over W, once warpgroup 0 read W);
+        dS'^T; dW = -dDelta S^T (into sW);
         dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma); dv = diag(beta) T^T dDelta;
         dBk = T^T dW; dA = strict_tril(-(T^T dT) T^T); dP = diag(beta) (dA Gamma), E's
         second term; dk_n's diag(beta gamma) dBk + dP Kn + dP^T Kn (to warpgroup 0 through
@@ -579,7 +605,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         K, V, C = self.k_dim, self.v_dim, CHUNK
         dt = self.dtype
         mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas[:6]
-        mma_rs_v, mma_rs_k, mma_rs_c = mmas[6:]
+        mma_rs_v, mma_rs_k, mma_rs_c = mmas[6:9]
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
         lay_c = layouts[2]
         ctx = self.row_context(sRows, wtidx)
@@ -600,12 +626,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             kd[e] = (kd[e].to(Float32) * ctx["d_r"][row_half(e)]).to(dt)
         warpgroup.wait_group(0)
         cute.arch.mbarrier_arrive(bars + M_READ)
-        cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS' (and V and T)
+        cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS'
         self.rs(mma_rs_v, acc_v, kd, stage0(sDS), True)
         warpgroup.wait_group(0)
         dd16 = cute.make_rmem_tensor(acc_v.layout, dt)
         dd16.store(acc_v.load().to(dt))
-        # ---- dW = -dDelta S^T (into sW once warpgroup 0 has read W)
+        # ---- dW = -dDelta S^T (into sW: W itself is never loaded)
         thr_k = mma_rs_k.get_slice(wtidx)
         acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
         self.rs(mma_rs_k, acc_k, dd16, stage0_t(sS, V, K), False)
@@ -619,7 +645,6 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         acc_t2 = cute.make_rmem_tensor(acc_c.layout, Float32)
         self.rs(mma_rs_c, acc_c, dd16, stage0(sV), False)
         self.rs(mma_rs_c, acc_t2, dw16, stage0(sK), False)
-        cute.arch.mbarrier_wait(bars + W_FREE, 0)
         store_stmatrix(dw16, mma_kmn_k, stage0(sW), wtidx)
         self.wg_sync(1, fence=True)  # dDelta and dW written
         g_c = [sRows[R_G, j] for j in cols_of]

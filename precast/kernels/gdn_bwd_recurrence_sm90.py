@@ -3,14 +3,16 @@
 One CTA per (sequence, output head) (or ``v_splits`` CTAs, each owning V / v_splits rows of
 the state) walks the sequence's chunks from the last to the first with D = dS'^T, the
 transposed gradient of the state leaving the chunk (V x K, fp32 in the registers of V / 64
-consumer warpgroups; it starts as the final state's gradient, or zeros). It reads the
-forward's stage-1 workspace ([W | U | M] rows, the factor row [q_f | k_f | G_L]; see
-gdn_chunk_sm90) and the chunk's raw q, k and do rows. In the notation of
+consumer warpgroups; it starts as the final state's gradient, or zeros). It reads stage 1's
+M and factor rows [q_f | k_f | G_L], [t_w | t_u] and, instead of W = T diag(t_w) Kc,
+T = (I + A)^-1 itself (t_w = beta gamma r_k; see gdn_chunk_sm90 with store_inverse; 8 KB a
+chunk instead of 16), and the chunk's raw q, k and do rows. In the notation of
 precast/reference/gdn_backward.py (transposed; q_f = scale gamma r_q, k_f = exp(G_L - G) r_k
 and M the scaled, gated, causal Q K^T as stage 1 stores them):
 
     dDelta^T = (D K^T) diag(k_f) + dO^T M                 (V x 64)
-    D       <- exp(G_L) D + dO^T diag(q_f) Q - dDelta^T W  (the gradient entering the chunk)
+    D       <- exp(G_L) D + dO^T diag(q_f) Q - (dDelta^T T diag(t_w))_16 Kc
+                                                          (the gradient entering the chunk)
 
 Every chunk's D (the gradient *leaving* it, 16-bit) goes to ``dstates`` by a TMA store from
 a staging tile, at the chunk's packed number (stage 1's numbering); the gradient entering
@@ -32,7 +34,7 @@ from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
                              tma_pipeline, tma_store_tile, transposed, wgmma)
-from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
+from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS, W_FACTORS
 from .gdn_recurrence_sm90 import factor_row_loads, load_factor_row, packed_chunk_start
 
 THREADS_PER_WG = 128
@@ -63,11 +65,12 @@ class GdnStateGradSm90:
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mDO: cute.Tensor,
-                 mWork16: cute.Tensor, mWork32: cute.Tensor, mCuSeqlens: cute.Tensor,
+                 mWork16: cute.Tensor, mWork32: cute.Tensor, mInv: cute.Tensor,
+                 mCuSeqlens: cute.Tensor,
                  mSeqTable: cute.Tensor, mDFinal: cute.Tensor, mDStates: cute.Tensor,
                  mDInit: cute.Tensor, stream: cuda.CUstream):
-        """mQ (T, HQ, K), mK (T, HK, K), mDO (T, HO, V); mWork16 / mWork32 as
-        gdn_layout.workspace_shapes; mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens:
+        """mQ (T, HQ, K), mK (T, HK, K), mDO (T, HO, V); mWork16 / mWork32 / mInv as
+        gdn_layout.workspace_shapes (of work16 only M is read); mInv T (chunks, HO, 64, 64); mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens:
         none); mDFinal, mDInit (N, HO, V, K) fp32 or None;
         mDStates (chunks, HO, V, K) in the io dtype."""
         dt = self.dtype
@@ -79,7 +82,9 @@ class GdnStateGradSm90:
         one = lambda layout: cute.slice_(layout, (None, None, 0))  # noqa: E731
         g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         mW = select_modes(mWork16, [2, 3, 1, 0])  # (64, F, HO, chunks)
-        tma_w, mW_w = cpasync.make_tiled_tma_atom(g2s, mW, one(sK_layout), (C, K))
+        # T (64 x 64) instead of W = T diag(t_w) Kc (half the bytes)
+        tma_w, mW_w = cpasync.make_tiled_tma_atom(g2s, select_modes(mInv, [2, 3, 1, 0]),
+                                                  one(sM_layout), (C, C))
         tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
         tma_q, mQ_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mQ, [0, 2, 1]),
                                                   one(sK_layout), (C, K))
@@ -90,9 +95,9 @@ class GdnStateGradSm90:
         store_ds, mDS_t = cpasync.make_tiled_tma_atom(
             s2g, select_modes(mDStates, [2, 3, 1, 0]), one(sDS_layout), (Vc, K))
         tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(mWork32, STAGES)
-        self.stage_bytes = (3 * cute.size_in_bytes(dt, one(sK_layout))
+        self.stage_bytes = (2 * cute.size_in_bytes(dt, one(sK_layout))
                             + cute.size_in_bytes(dt, one(sDO_layout))
-                            + cute.size_in_bytes(dt, one(sM_layout)) + factor_bytes)
+                            + 2 * cute.size_in_bytes(dt, one(sM_layout)) + factor_bytes)
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         rmem = warpgroup.OperandSource.RMEM
         # (V rows) x 64 tokens: D K^T (D from registers) and dO^T M (both from shared memory)
@@ -100,18 +105,21 @@ class GdnStateGradSm90:
                                                     (self.nwg, 1, 1), (64, C), rmem)
         mma_tok_ss = sm90_utils.make_trivial_tiled_mma(dt, dt, mn_major, mn_major, Float32,
                                                        (self.nwg, 1, 1), (64, C))
-        # (V rows) x K: -dDelta^T W (dDelta^T from registers) and dO^T (diag(q_f) Q)
+        # (V rows) x K: -(dDelta^T T diag(t_w)) Kc (from registers) and dO^T (diag(q_f) Q)
         mma_state = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, Float32,
                                                       (self.nwg, 1, 1), (64, K), rmem)
         mma_state_ss = sm90_utils.make_trivial_tiled_mma(dt, dt, mn_major, mn_major, Float32,
                                                          (self.nwg, 1, 1), (64, K))
+        # (V rows) x 64 tokens: dDelta^T T (dDelta^T from registers, T read transposed)
+        mma_tw = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, Float32,
+                                                   (self.nwg, 1, 1), (64, C), rmem)
 
         @cute.struct
         class SharedStorage:
             bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
             sDO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDO_layout)], 1024]
             sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
             sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDS_layout)], 1024]
@@ -121,7 +129,8 @@ class GdnStateGradSm90:
         num_batches = mCuSeqlens.shape[0] - 1
         loads = ((tma_q, mQ_t), (tma_k, mK_t), (tma_w, mW_w), (tma_m, mW_m), (tma_do, mDO_t),
                  (tma_f, mF_t))
-        self.kernel((mma_tok, mma_tok_ss, mma_state, mma_state_ss), loads, (store_ds, mDS_t),
+        self.kernel((mma_tok, mma_tok_ss, mma_state, mma_state_ss, mma_tw), loads,
+                    (store_ds, mDS_t),
                     (sK_layout, sDO_layout, sM_layout, sDS_layout, sF_layout),
                     mCuSeqlens, mSeqTable, mDFinal, mDInit, num_batches).launch(
             grid=[self.heads, cutlass.max(num_batches, 1), self.v_splits],
@@ -143,7 +152,7 @@ class GdnStateGradSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         tiles = tuple(s.get_tensor(layout.outer, swizzle=layout.inner) for s, layout in (
-            (storage.sQ, sK_layout), (storage.sK, sK_layout), (storage.sW, sK_layout),
+            (storage.sQ, sK_layout), (storage.sK, sK_layout), (storage.sW, sM_layout),
             (storage.sM, sM_layout), (storage.sDO, sDO_layout))) + (
                 storage.sF.get_tensor(sF_layout),)
         sDS = storage.sDS.get_tensor(sDS_layout.outer, swizzle=sDS_layout.inner)
@@ -183,7 +192,7 @@ class GdnStateGradSm90:
                 g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
                                     (c, col_tile))
                 tma_load_tile(atom, g, s, state.index, bar)
-            for atom, m, s, col, cols in ((tma_w, mW_w, sW, 0, K),
+            for atom, m, s, col, cols in ((tma_w, mW_w, sW, 0, C),
                                           (tma_m, mW_m, sM, K + self.v_dim, C)):
                 block = m[None, None, head, first_chunk + c]  # (64, F)
                 g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
@@ -199,7 +208,7 @@ class GdnStateGradSm90:
     def consume(self, mmas, tiles, sDS, store, pipe, mDFinal, mDInit,
                 batch: Int32, head: Int32, first_chunk: Int32, chunks: Int32,
                 consumer_tidx: Int32, split: Int32):
-        mma_tok, mma_tok_ss, mma_state, mma_state_ss = mmas
+        mma_tok, mma_tok_ss, mma_state, mma_state_ss, mma_tw = mmas
         sQ, sK, sW, sM, sDO, sF = tiles
         store_ds, mDS_t = store
         K, C, rows = self.k_dim, CHUNK, self.v_rows
@@ -214,7 +223,14 @@ class GdnStateGradSm90:
         tXrK = wg_tok.make_fragment_B(wg_tok.partition_B(sK))
         tYrDO = wg_tok_ss.make_fragment_A(wg_tok_ss.partition_A(do_t))
         tYrM = wg_tok_ss.make_fragment_B(wg_tok_ss.partition_B(transposed(sM, C, C)))
-        tSrW = wg_state.make_fragment_B(wg_state.partition_B(transposed(sW, C, K)))
+        # -dDelta^T W = (-dDelta^T T diag(t_w)) Kc: T read transposed, then Kc read transposed
+        wg_tw = mma_tw.get_slice(wg * THREADS_PER_WG)
+        thr_tw = mma_tw.get_slice(consumer_tidx)
+        tPrTw = wg_tw.make_fragment_B(wg_tw.partition_B(transposed(sW, C, C)))
+        tSrW = wg_state.make_fragment_B(wg_state.partition_B(transposed(sK, C, K)))
+        acc_p = cute.make_rmem_tensor(wg_tw.partition_shape_C((rows, C)), Float32)
+        p16 = cute.make_rmem_tensor(acc_p.layout, self.dtype)
+        tSrP = cute.make_tensor(p16.iterator, acc_as_operand_a(acc_p.layout))
         tSrDO = wg_state_ss.make_fragment_A(wg_state_ss.partition_A(do_t))
         tSrQ = wg_state_ss.make_fragment_B(wg_state_ss.partition_B(transposed(sQ, C, K)))
         acc_state = cute.make_rmem_tensor(wg_state.partition_shape_C((rows, K)), Float32)
@@ -269,8 +285,15 @@ class GdnStateGradSm90:
                 cute.domain_offset((K_FACTORS,), factors).iterator, by_token))
             for e in cutlass.range_constexpr(cute.size(acc_dd)):
                 neg_dd16[e] = (-(acc_dd[e] * t_kf[e] + acc_dm[e])).to(self.dtype)
-            # D -= dDelta^T W
-            wgmma(mma_state, acc_state, tSrD, tSrW[None, None, None, s], True)
+            # D -= dDelta^T W = (dDelta^T T diag(t_w)) Kc: one more 64-deep product on the
+            # chain, 8 KB fewer loads
+            wgmma(mma_tw, acc_p, tSrD, tPrTw[None, None, None, s], False)
+            t_w = thr_tw.partition_C(cute.make_tensor(
+                cute.domain_offset((W_FACTORS,), sF[1, None, s]).iterator, by_token))
+            warpgroup.wait_group(0)
+            for e in cutlass.range_constexpr(cute.size(acc_p)):
+                p16[e] = (acc_p[e] * t_w[e]).to(self.dtype)
+            wgmma(mma_state, acc_state, tSrP, tSrW[None, None, None, s], True)
             warpgroup.wait_group(0)
             cute.arch.sync_warp()
             pipe.consumer_release(state)

@@ -14,7 +14,11 @@ Qc Qc^T and Kc Kc^T, so q and k are never rewritten), in-chunk cumulative log ga
     q_f = scale gamma r_q,   k_f = exp(G_L - G) r_k        (zero past the sequence end)
 
 W, U, M go, 16-bit, into one workspace row block per (chunk, head) and [q_f | k_f | G_L]
-into its fp32 factor row (precast/kernels/gdn_layout.py; the contract is
+into its fp32 factor row; with store_inverse also T itself into the inverse row block and
+the column scales of the scaled inverses Tw = T diag(beta gamma r_k), Tu = T diag(beta)
+(which W and U are made from) into the second factor row, and with store_wu=False (the
+backward's own prepare) W and U are neither made nor stored, nor V loaded
+(precast/kernels/gdn_layout.py; the contract is
 precast/reference/gdn_workspace.py). Stage 2 (gdn_recurrence_sm90) reads q and k
 themselves and applies q_f, k_f to its products. Chunks are packed over the batch:
 sequence b's chunk c is number sum_{b' < b} ceil(len_b' / 64) + c, so the workspace has at
@@ -35,7 +39,8 @@ from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (find_in_sequences, select_modes, store_stmatrix, tma_load_tile,
                              tma_store_tile, transposed, warp_inclusive_sum, wgmma)
-from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS
+from .gdn_layout import (CHUNK, FACTOR_COLS, G_LAST, K_FACTORS, Q_FACTORS, U_FACTORS,
+                         W_FACTORS)
 from .gdn_seq_table_sm90 import find_in_table, has_table
 
 THREADS = 128
@@ -43,6 +48,8 @@ PREPARE_BARRIER = 1
 # 3 CTAs per SM (64 KB of shared memory each at K = V = 128) need <= 170 registers per
 # thread: store_inverse's T took 176 unbounded, which left 2 CTAs per SM (+24 % time).
 CTAS_PER_SM = 3
+# without W and U (and V): 128 registers and ~51 KB of shared memory per CTA
+LEAN_CTAS_PER_SM = 4
 INV_BLOCK = 16  # diagonal blocks of T solved by substitution (see invert)
 L2NORM_EPS = 1e-24
 # A's rows in shared memory (fp32), padded: the score epilogue's stores (eight rows per
@@ -74,9 +81,14 @@ def block_chunk_head():
 
 class GdnChunkPrepareSm90:
     def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
-                 v_heads: int, l2norm: bool, g_dtype, beta_dtype, store_inverse: bool = False):
+                 v_heads: int, l2norm: bool, g_dtype, beta_dtype, store_inverse: bool = False,
+                 store_wu: bool = True):
         """store_inverse: T = (I + A)^-1 itself (16-bit) also goes to a (chunks, HO, 64, 64)
-        tensor, for the backward (gdn_bwd_chunk_sm90)."""
+        tensor and the scaled inverses' column scales [t_w | t_u] to the second factor row
+        (gdn_layout), for the backward. store_wu=False (with store_inverse: the backward's
+        own prepare, whose kernels use T and those scales instead): neither W nor U is
+        computed or stored."""
+        assert store_wu or store_inverse
         assert k_dim in (64, 128) and v_dim in (64, 128)
         self.dtype = dtype
         self.k_dim, self.v_dim = k_dim, v_dim
@@ -87,6 +99,7 @@ class GdnChunkPrepareSm90:
         self.l2norm = l2norm
         self.g_dtype, self.beta_dtype = g_dtype, beta_dtype
         self.store_inverse = store_inverse
+        self.store_wu = store_wu
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -114,7 +127,7 @@ class GdnChunkPrepareSm90:
                        for layout, cols in ((sQK_layout, self.k_dim), (sV_layout, self.v_dim),
                                             (sM_layout, C)))
         store_inv = None
-        if const_expr(self.store_inverse):
+        if const_expr(self.store_inverse):  # T, 16-bit over A
             store_inv = cpasync.make_tiled_tma_atom(s2g, select_modes(mInv, [2, 3, 1, 0]),
                                                     one(sM_layout), (C, C))
 
@@ -126,7 +139,9 @@ class GdnChunkPrepareSm90:
             rows: cute.struct.MemRange[Float32, ROW_VALUES * C]  # see row_values
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+            # (none without U: V is not loaded, and the smaller footprint fits one more CTA)
+            sV: cute.struct.Align[cute.struct.MemRange[
+                dt, cute.cosize(sV_layout) if self.store_wu else 8], 1024]
             # A; with store_inverse then T itself (16-bit, swizzled: 1024-byte aligned), so
             # that the inverse costs no shared memory (a separate tile made it 2 CTAs/SM)
             sA: cute.struct.Align[cute.struct.MemRange[Float32, C * A_ROW_STRIDE], 1024]
@@ -142,7 +157,8 @@ class GdnChunkPrepareSm90:
                     mSeqTable, stores[0][1], stores[0][0], stores[1][0], stores[2][0], mWork32,
                     store_inv, num_batches, scale).launch(
             grid=chunk_grid(chunks, self.heads), block=[THREADS, 1, 1], stream=stream,
-            min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=-1)
+            min_blocks_per_mp=CTAS_PER_SM if const_expr(self.store_wu) else LEAN_CTAS_PER_SM,
+            preferred_smem_carveout=-1)
 
     def own_tu_elems(self, sT_layout) -> int:
         """Elements of stage 1's own T diag(beta) buffer: none when the Q tile (64 x K)
@@ -152,7 +168,7 @@ class GdnChunkPrepareSm90:
     def prepare_setup(self, mQ, mK, mV, stages: int):
         """Host-side pieces of the preparing role: shared-memory layouts (Q/K and V tiles
         with ``stages`` stages, T), TMA atoms of the (T, H, D) inputs and the tiled MMAs;
-        sets ``self.load_bytes`` (one chunk's Q, K, V)."""
+        sets ``self.load_bytes`` (one chunk's Q, K and, when U is made, V)."""
         dt = self.dtype
         K, V, C = self.k_dim, self.v_dim, CHUNK
         mQ, mK, mV = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV)]  # (T, D, H)
@@ -166,8 +182,10 @@ class GdnChunkPrepareSm90:
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, one(sQK_layout), (C, K))
         tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, one(sQK_layout), (C, K))
         tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, one(sV_layout), (C, V))
+        # V only makes U: a prepare without W and U loads Q and K alone
         self.load_bytes = (2 * cute.size_in_bytes(dt, one(sQK_layout))
-                           + cute.size_in_bytes(dt, one(sV_layout)))
+                           + (cute.size_in_bytes(dt, one(sV_layout))
+                              if const_expr(self.store_wu) else 0))
         # Scores: 64 x 64 from K-major Q / K tiles. Factors: 64 x D from T (K-major A) and
         # the K / V tiles read transposed (MN-major B).
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
@@ -251,8 +269,10 @@ class GdnChunkPrepareSm90:
             self.sync()
             if warp == 0:  # the whole warp: each TMA copy elects its issuing lane itself
                 K, V = self.k_dim, self.v_dim
-                for atom, s, col, cols in ((store_w, sK, 0, K), (store_u, sV, K, V),
-                                           (store_m, sM, K + V, C)):
+                stores = ((store_m, sM, K + V, C),)
+                if const_expr(self.store_wu):
+                    stores = ((store_w, sK, 0, K), (store_u, sV, K, V)) + stores
+                for atom, s, col, cols in stores:
                     block = mWork16[None, None, head, packed]  # (64, F)
                     g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
                     tma_store_tile(atom, s, g)
@@ -288,7 +308,8 @@ class GdnChunkPrepareSm90:
         self.invert(sA, sTw[None, None, 0], sTu[None, None, 0], sRows, tidx, sInv)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.sync()
-        self.factors(mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out[0], out[1], tidx)
+        if const_expr(self.store_wu):
+            self.factors(mma_wk, mma_wv, sTw, sTu, sK, sV, stage, out[0], out[1], tidx)
 
     def sync(self):
         """The preparing warpgroup's barrier (the whole CTA here; one warpgroup of the
@@ -318,8 +339,10 @@ class GdnChunkPrepareSm90:
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bar, self.load_bytes)
         heads = (head // self.q_group, head // self.k_group, head // self.v_group)
-        for atom, m, s, d, h in ((tma_q, mQ, sQ, K, heads[0]), (tma_k, mK, sK, K, heads[1]),
-                                 (tma_v, mV, sV, V, heads[2])):
+        tiles = ((tma_q, mQ, sQ, K, heads[0]), (tma_k, mK, sK, K, heads[1]))
+        if const_expr(self.store_wu):  # V only makes U
+            tiles = tiles + ((tma_v, mV, sV, V, heads[2]),)
+        for atom, m, s, d, h in tiles:
             g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, d),
                                 (chunk, 0))
             tma_load_tile(atom, g, s, stage, bar)
@@ -344,9 +367,10 @@ class GdnChunkPrepareSm90:
             if idx // K >= rows:
                 sQ[idx // K, idx % K] = self.dtype(0.0)
                 sK[idx // K, idx % K] = self.dtype(0.0)
-        for idx in cutlass.range(tidx, C * V, THREADS, unroll=1):
-            if idx // V >= rows:
-                sV[idx // V, idx % V] = self.dtype(0.0)
+        if const_expr(self.store_wu):  # (V is not loaded without U)
+            for idx in cutlass.range(tidx, C * V, THREADS, unroll=1):
+                if idx // V >= rows:
+                    sV[idx // V, idx % V] = self.dtype(0.0)
 
     @cute.jit
     def cumulative_gates(self, sGate):
@@ -435,7 +459,11 @@ class GdnChunkPrepareSm90:
             real, cute.math.exp(g_last - g, fastmath=True) * r_k, Float32(0.0))
         if j == 0:
             out_f[G_LAST] = g_last
-        return beta * cute.math.exp(g, fastmath=True) * r_k, beta
+        t_w = beta * cute.math.exp(g, fastmath=True) * r_k
+        if const_expr(self.store_inverse):  # the backward's scales of T (second factor row)
+            out_f[FACTOR_COLS + W_FACTORS + j] = t_w
+            out_f[FACTOR_COLS + U_FACTORS + j] = beta
+        return t_w, beta
 
     @cute.jit
     def invert(self, sA, sTw, sTu, sRows, tidx: Int32, sInv=None):
@@ -507,7 +535,9 @@ class GdnChunkPrepareSm90:
         scales = cute.make_rmem_tensor(cute.make_layout(8), Float32)
         vals = cute.make_rmem_tensor(cute.make_layout(8), self.dtype)
         for g in cutlass.range_constexpr(H // 8):
-            outs = [(sTw, T_W), (sTu, T_U)]
+            outs = []  # without W and U only T itself is stored
+            if const_expr(self.store_wu):
+                outs = [(sTw, T_W), (sTu, T_U)]
             if const_expr(sInv is not None):
                 outs.append((sInv, None))
             for dst, scale_row in outs:

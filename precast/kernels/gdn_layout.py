@@ -2,23 +2,29 @@
 so that the op's execute() sizes it where the compiler is not installed.
 
 Per (chunk, output head), the contract of precast/reference/gdn_workspace.py:
-work16 holds 64 rows of [W | U | M] (K, V and 64 columns, the io dtype); work32 holds
-[q_f | k_f | G_L] (64, 64, 1 floats), padded to FACTOR_COLS so that each row block starts
-32-byte aligned."""
+work16 holds 64 rows of [W | U | M] (K, V and 64 columns, the io dtype); work32 holds two
+factor rows of FACTOR_COLS floats each (padded so that each starts 32-byte aligned):
+[q_f | k_f | G_L] (64, 64, 1), then, written only by a prepare with store_inverse,
+[t_w | t_u] (64, 64): the column scales of T = (I + A)^-1 that make the scaled inverses
+Tw = T diag(t_w), t_w = beta gamma r_k, and Tu = T diag(t_u), t_u = beta (W = Tw K and
+U = Tu V with the raw k and v rows). The backward reads T and these scales instead of W and
+U: 8 KB of T and 0.5 KB of scales per (chunk, head) instead of 32 KB."""
 
 CHUNK = 64
-Q_FACTORS, K_FACTORS, G_LAST = 0, CHUNK, 2 * CHUNK  # columns of a work32 row
+Q_FACTORS, K_FACTORS, G_LAST = 0, CHUNK, 2 * CHUNK  # columns of the first factor row
+W_FACTORS, U_FACTORS = 0, CHUNK  # columns of the second
 FACTOR_COLS = 2 * CHUNK + 8
+FACTOR_ROWS = 2
 
 
 def workspace_shapes(total_tokens: int, num_seqs: int, heads: int, k_dim: int, v_dim: int):
     """(work16 shape, work32 shape, inverse shape) for a batch of T tokens in N sequences:
-    one row block per (chunk, head), chunks bounded by T // 64 + N. The inverse T = (I + A)^-1
-    (64 x 64, the io dtype) is written only by a prepare kernel with store_inverse (the
-    backward's, or a forward whose workspace the backward reuses)."""
+    one row block per (chunk, head), chunks bounded by T // 64 + N. The inverse
+    T = (I + A)^-1 (64 x 64, the io dtype) is written only by a prepare kernel with
+    store_inverse (the backward's, or a forward whose workspace the backward reuses)."""
     chunks = total_tokens // CHUNK + num_seqs
-    return ((chunks, heads, CHUNK, k_dim + v_dim + CHUNK), (chunks, heads, FACTOR_COLS),
-            (chunks, heads, CHUNK, CHUNK))
+    return ((chunks, heads, CHUNK, k_dim + v_dim + CHUNK),
+            (chunks, heads, FACTOR_ROWS * FACTOR_COLS), (chunks, heads, CHUNK, CHUNK))
 
 
 def gradients_in_place(q_heads: int, k_heads: int, v_heads: int) -> tuple:

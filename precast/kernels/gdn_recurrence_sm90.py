@@ -15,6 +15,16 @@ tiles as shared-memory B operands:
     O^T    += Delta^T M^T                               (N = 64, K-dim = 64)
     S^T     = exp(G_L) S^T + (Delta^T diag(k_f)) K      (N = K, K read transposed)
 
+The backward's states pass (states_only) reads no W and U: its prepare stores T = (I + A)^-1
+and the column scales t_w = beta gamma r_k, t_u = beta of the second factor row instead
+(W = T diag(t_w) K, U = T diag(t_u) V with the raw rows; gdn_chunk_sm90), and it loads v's
+rows beside k's:
+
+    Y^T     = S^T K^T                                   (N = 64, K-dim = K)
+    Z^T     = V^T diag(t_u) - Y^T diag(t_w)             (fp32, then 16-bit)
+    Delta^T = Z^T T^T                                   (N = 64, K-dim = 64)
+
+(the same Delta up to where the roundings fall, so its states are not bitwise the forward's).
 A producer warp streams the tiles through a TMA ring. The state entering local positions
 0, n, 2n, ... is written to the checkpoint rows (n a multiple of 64), and the final state to
 final_state or back into the pool row. o rows past the sequence end are not written.
@@ -33,7 +43,8 @@ from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
                              tma_pipeline, tma_store_tile, transposed, wgmma)
-from .gdn_layout import CHUNK, FACTOR_COLS, G_LAST, K_FACTORS, Q_FACTORS
+from .gdn_layout import (CHUNK, FACTOR_COLS, FACTOR_ROWS, G_LAST, K_FACTORS, Q_FACTORS,
+                         U_FACTORS, W_FACTORS)
 from .gdn_seq_table_sm90 import find_in_table, has_table
 
 THREADS_PER_WG = 128
@@ -58,26 +69,28 @@ class StateParts(NamedTuple):
 
 
 def factor_row_loads(mWork32: cute.Tensor, stages: int):
-    """TMA access to work32's factor rows [q_f | k_f | G_L] (one per (chunk, head)), for
-    recurrences that read them on their chain: returns (TMA atom, work32 as a (1, F, HO,
-    chunks) tensor of (1, F) tiles, the (1, F, stages) shared-memory layout, bytes per row).
-    Reading q_f, k_f and G_L from global memory put L2 latency on every chunk step."""
+    """TMA access to work32's two factor rows per (chunk, head) ([q_f | k_f | G_L] and
+    [t_w | t_u], gdn_layout), for recurrences that read them on their chain: returns (TMA
+    atom, work32 as a (2, F, HO, chunks) tensor of (2, F) tiles, the (2, F, stages)
+    shared-memory layout, bytes per (chunk, head)). Reading them from global memory put L2
+    latency on every chunk step."""
+    F, R = FACTOR_COLS, FACTOR_ROWS
     rows, heads, cols = mWork32.shape
     view = cute.make_tensor(mWork32.iterator, cute.make_layout(
-        (1, cols, heads, rows), stride=(cols, 1, cols, heads * cols)))
-    # TMA writes shared memory at 128-byte aligned addresses: stages 160 floats apart
-    stage_stride = -(-FACTOR_COLS // 32) * 32
-    layout = cute.make_layout((1, FACTOR_COLS, stages), stride=(FACTOR_COLS, 1, stage_stride))
+        (R, F, heads, rows), stride=(F, 1, cols, heads * cols)))
+    # TMA writes shared memory at 128-byte aligned addresses: stages 288 floats apart
+    stage_stride = -(-(R * F) // 32) * 32
+    layout = cute.make_layout((R, F, stages), stride=(F, 1, stage_stride))
     atom, tma_view = cpasync.make_tiled_tma_atom(
-        cpasync.CopyBulkTensorTileG2SOp(), view, cute.slice_(layout, (None, None, 0)),
-        (1, FACTOR_COLS))
-    return atom, tma_view, layout, FACTOR_COLS * 4
+        cpasync.CopyBulkTensorTileG2SOp(), view, cute.slice_(layout, (None, None, 0)), (R, F))
+    return atom, tma_view, layout, R * F * 4
 
 
 @cute.jit
 def load_factor_row(atom, m_view, s_rows, head: Int32, chunk: Int32, stage: Int32, bar):
-    """The factor row of (chunk, head) into stage ``stage`` of ``s_rows`` (whole warp)."""
-    tma_load_tile(atom, cute.local_tile(m_view[None, None, head, chunk], (1, FACTOR_COLS),
+    """The factor rows of (chunk, head) into stage ``stage`` of ``s_rows`` (whole warp)."""
+    tma_load_tile(atom, cute.local_tile(m_view[None, None, head, chunk],
+                                        (FACTOR_ROWS, FACTOR_COLS),
                                         (0, 0)), s_rows, stage, bar)
 
 
@@ -122,8 +135,8 @@ class GdnChunkRecurrenceSm90:
         chunk's q, k, W, M and its columns of U): more CTAs when (sequence, head) pairs are
         fewer than the SMs. states_only: no o (mO is None); the checkpoints (in the io
         dtype) leave through a staging tile by TMA stores: the backward's pass that writes
-        the state entering every chunk. from_checkpoints (with states_only): the states
-        pass regenerated from the forward's checkpoints, every ckpt_every tokens (mState0,
+        the state entering every chunk, from T, its column scales and v (module
+        docstring). from_checkpoints (with states_only): the states pass regenerated from the forward's checkpoints, every ckpt_every tokens (mState0,
         io dtype or float32): one CTA per (checkpoint row, head) walks only its segment
         (its grid covers mState0's rows; rows past the series exit), so a long sequence
         spreads over many SMs; the states go to mCkpt at every chunk's packed row."""
@@ -137,6 +150,7 @@ class GdnChunkRecurrenceSm90:
         self.k_dim, self.v_dim = k_dim, v_dim
         self.heads = max(q_heads, v_heads)
         self.q_group, self.k_group = self.heads // q_heads, self.heads // k_heads
+        self.v_group = self.heads // v_heads
         self.overlap_products = overlap_products
         self.initial_state, self.pool = initial_state, pool
         self.final_state, self.checkpoints = final_state, checkpoints
@@ -151,11 +165,12 @@ class GdnChunkRecurrenceSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mWork16: cute.Tensor,
                  mWork32: cute.Tensor, mCuSeqlens: cute.Tensor, mSeqTable: cute.Tensor,
                  mO: cute.Tensor, mState0: cute.Tensor, mStateIdx: cute.Tensor,
-                 mFinal: cute.Tensor, mCkpt: cute.Tensor, ckpt_every: Int32,
-                 stream: cuda.CUstream):
+                 mFinal: cute.Tensor, mCkpt: cute.Tensor, mV: cute.Tensor, mInv: cute.Tensor,
+                 ckpt_every: Int32, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K); mWork16 / mWork32 as gdn_layout.workspace_shapes;
         mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none); mO (T, HO, V); states
-        (rows, HO, V, K). Unused tensors: None."""
+        (rows, HO, V, K); states_only: mV (T, HV, V) and mInv, T (chunks, HO, 64, 64), instead
+        of work16's W and U. Unused tensors: None."""
         dt = self.dtype
         K, C = self.k_dim, CHUNK
         # Tiles of one (chunk, head): rows x columns, K-major B operands (Q, W, M) and K read
@@ -176,6 +191,13 @@ class GdnChunkRecurrenceSm90:
                                                    one(sK_layout), (C, K))
         tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, mW, one(sU_layout), (C, Vc))
         tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
+        if const_expr(self.states_only):
+            # the backward's states pass: the W atom loads T (64 x 64; W = T diag(t_w) Kc,
+            # U = T diag(t_u) Vc) and the U atom this CTA's columns of v
+            tma_k, mW_k = cpasync.make_tiled_tma_atom(g2s, select_modes(mInv, [2, 3, 1, 0]),
+                                                      one(sM_layout), (C, C))
+            tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, select_modes(mV, [0, 2, 1]),
+                                                      one(sU_layout), (C, Vc))
 
         def checkpoint_staging():
             """A (V rows x K) 16-bit staging tile and the TMA store of it to a checkpoint
@@ -204,12 +226,11 @@ class GdnChunkRecurrenceSm90:
                 sCk_layout, store_ck, mCk_t = checkpoint_staging()
                 staged_ckpt = (store_ck, mCk_t, sCk_layout)
                 sCk_elems = cute.cosize(sCk_layout)
-        # states_only loads neither Q nor M (they only make o)
-        self.stage_bytes = ((2 if const_expr(self.states_only) else 3)
+        # states_only loads neither Q nor M (they only make o), but K, V and T
+        self.stage_bytes = ((1 if const_expr(self.states_only) else 3)
                             * cute.size_in_bytes(dt, one(sK_layout))
                             + cute.size_in_bytes(dt, one(sU_layout))
-                            + (0 if const_expr(self.states_only)
-                               else cute.size_in_bytes(dt, one(sM_layout))))
+                            + cute.size_in_bytes(dt, one(sM_layout)))
         tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(mWork32, STAGES)
         self.stage_bytes += factor_bytes
         rmem = warpgroup.OperandSource.RMEM
@@ -363,6 +384,8 @@ class GdnChunkRecurrenceSm90:
         if const_expr(not self.states_only):  # Q and M only make o
             tiles = tiles + ((tma_m, mW_m, sM, K + V, C),)
             token_tiles = ((tma_q, mQ, sQ, head // self.q_group),) + token_tiles
+        else:  # T into sM; v's columns into sU (below)
+            tiles = ((tma_k, mW_k, sM, 0, C),)
         for c in cutlass.range(chunks, unroll=1):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
@@ -370,6 +393,11 @@ class GdnChunkRecurrenceSm90:
                 g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, K),
                                     (c, 0))
                 tma_load_tile(atom, g, s, state.index, bar)
+            if const_expr(self.states_only):
+                g = cute.local_tile(cute.domain_offset(
+                    (start, 0), mW_u[None, None, head // self.v_group]), (C, self.v_rows),
+                    (c, split))
+                tma_load_tile(tma_u, g, sU, state.index, bar)
             for atom, m, s, col, cols in tiles:
                 block = m[None, None, head, first_chunk + c]  # (64, F)
                 g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
@@ -383,7 +411,10 @@ class GdnChunkRecurrenceSm90:
                 mSeqTable, batch: Int32,
                 head: Int32, start: Int32, length: Int32, first_chunk: Int32, chunks: Int32,
                 updates: Int32, consumer_tidx: Int32, split: Int32):
-        parts = self.state_parts(mma_tok, mma_state, sQ, sK, sW, sM, consumer_tidx, split)
+        # states_only: the "W" B operand is Kc itself (Y^T = S^T Kc^T)
+        parts = self.state_parts(mma_tok, mma_state, sQ, sK,
+                                 sK if const_expr(self.states_only) else sW, sM,
+                                 consumer_tidx, split)
         state_row, ckpt_row = self.load_state(parts, mState0, mStateIdx, mCuSeqlens,
                                               ckpt_every, batch, head, mSeqTable)
         every = ckpt_every
@@ -402,7 +433,7 @@ class GdnChunkRecurrenceSm90:
                 self.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
             pipe.consumer_wait(state)
             self.chunk_update(parts, sU[None, None, state.index], state.index,
-                              sF[0, None, state.index])
+                              sF[0, None, state.index], sF[1, None, state.index])
             cute.arch.sync_warp()
             pipe.consumer_release(state)
             state = advanced(state)
@@ -475,10 +506,11 @@ class GdnChunkRecurrenceSm90:
                 self.save_state(parts, mCkpt, ckpt_row + (c * CHUNK) // ckpt_every, head)
 
     @cute.jit
-    def chunk_update(self, parts, sU, s, factors):
-        """One chunk (its tiles in stage s, U as the 2-D view ``sU``, its factor row
-        [q_f | k_f | G_L] as the 1-D view ``factors``): O^T into acc_o, the state
-        advanced; every wgmma waited for."""
+    def chunk_update(self, parts, sU, s, factors, scales=None):
+        """One chunk (its tiles in stage s, U (states_only: v's columns) as the 2-D view
+        ``sU``, its factor rows [q_f | k_f | G_L] and (states_only) [t_w | t_u] as the 1-D
+        views ``factors``, ``scales``): O^T into acc_o, the state advanced; every wgmma
+        waited for."""
         mma_tok, mma_state, acc_state = parts.mma_tok, parts.mma_state, parts.acc_state
         acc_x, acc_o, state16, thr_tok = parts.acc_x, parts.acc_o, parts.state16, parts.thr_tok
         delta16, delta_k16 = parts.deltas
@@ -499,7 +531,12 @@ class GdnChunkRecurrenceSm90:
         state16.store(acc_state.load().to(self.dtype))
         wgmma(mma_tok, acc_x, tXrS, tXrW[None, None, None, s], False)
         if const_expr(self.states_only):  # no o: X^T, Delta^T, the update
-            self.update_state(parts, u_t, t_kf, factors, tSrDk, tSrK[None, None, None, s])
+            t_w = thr_tok.partition_C(cute.make_tensor(
+                cute.domain_offset((W_FACTORS,), scales).iterator, by_token))
+            t_u = thr_tok.partition_C(cute.make_tensor(
+                cute.domain_offset((U_FACTORS,), scales).iterator, by_token))
+            self.update_state(parts, u_t, t_kf, t_w, t_u, factors, tSrDk,
+                              tSrK[None, None, None, s], tOrM[None, None, None, s])
         else:
             if const_expr(self.overlap_products):
                 wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
@@ -527,14 +564,23 @@ class GdnChunkRecurrenceSm90:
             warpgroup.wait_group(0)
 
     @cute.jit
-    def update_state(self, parts, u_t, t_kf, factors, tSrDk, tSrK):
-        """states_only's chunk, after S^T W^T was issued into acc_x: Delta^T diag(k_f) and
-        the state update, waited for."""
+    def update_state(self, parts, v_t, t_kf, t_w, t_u, factors, tSrDk, tSrK, tYrT):
+        """states_only's chunk, after Y^T = S^T Kc^T was issued into acc_x (V^T as ``v_t``,
+        the accumulator's partition of v's tile; T as the B fragment ``tYrT``):
+        Z^T = V^T diag(t_u) - Y^T diag(t_w), Delta^T = Z^T T^T (= U^T - S^T W^T),
+        Delta^T diag(k_f) and the state update, waited for."""
         acc_x, acc_state, delta_k16 = parts.acc_x, parts.acc_state, parts.deltas[1]
+        acc_d, z16 = parts.acc_o, parts.deltas[0]  # (free in states_only)
         decay = cute.math.exp(factors[G_LAST], fastmath=True)
+        warpgroup.wait_group(0)  # Y^T
+        for e in cutlass.range_constexpr(cute.size(acc_x)):
+            z16[e] = (t_u[e] * v_t[e].to(Float32) - t_w[e] * acc_x[e]).to(self.dtype)
+        wgmma(parts.mma_tok, acc_d, cute.make_tensor(z16.iterator,
+                                                     acc_as_operand_a(acc_x.layout)),
+              tYrT, False)
         warpgroup.wait_group(0)
         for e in cutlass.range_constexpr(cute.size(acc_x)):
-            delta_k16[e] = ((u_t[e].to(Float32) - acc_x[e]) * t_kf[e]).to(self.dtype)
+            delta_k16[e] = (acc_d[e] * t_kf[e]).to(self.dtype)
         for e in cutlass.range_constexpr(cute.size(acc_state)):
             acc_state[e] = acc_state[e] * decay
         wgmma(parts.mma_state, acc_state, tSrDk, tSrK, True)

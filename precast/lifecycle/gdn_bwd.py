@@ -8,24 +8,27 @@ the states pass, which runs on a side stream beside state_grad (launch.side_stre
 need only prepare's results; joined back before chunk_grad):
 
 * "prepare": the forward's stage 1 (precast/kernels/gdn_chunk_sm90.py) with
-  store_inverse: the WY factors of every (64-token chunk, output head) and T = (I + A)^-1.
+  store_inverse and without W and U (store_wu=False): M and the factor rows of every
+  (64-token chunk, output head) and T = (I + A)^-1 with the column scales of the scaled
+  inverses (W = T diag(t_w) K, U = T diag(t_u) V: 8.5 KB instead of 32, no products to
+  make them, and no V loaded).
   Skipped when the caller passes ``forward_workspace``: the (work16, work32, inv) a
   GdnFwdSm90 compiled with store_inverse=True wrote for these same inputs (training that
   keeps them trades ~(K + V + 128) x 2 bytes per token and head for this kernel's time);
 * "states": the forward's stage 2 (gdn_recurrence_sm90.py) in its states_only mode, writing
-  the state entering every chunk (io dtype) into a workspace. Skipped when the caller passes
+  the state entering every chunk (io dtype) into a workspace; it makes each chunk's Delta
+  from v, T and its scales (so its states are the forward's up to where the roundings
+  fall, not bitwise). Skipped when the caller passes
   the forward's checkpoints at n = 64 in the io dtype: those rows are exactly these states,
   in the same order. With checkpoints at a coarser n (or in float32) the "regenerate" mode
   runs instead: one CTA per (checkpoint row, head) walks only the chunks of its n tokens,
   starting from that checkpoint, so one long sequence spreads over T / n CTAs per head
-  instead of one. float32 checkpoints give states bitwise equal to the recomputation (the
-  forward's state arithmetic is the same); io-dtype ones start each segment from the
-  rounded state;
+  instead of one, from the forward's fp32 or rounded io state;
 * "state_grad" (gdn_bwd_recurrence_sm90.py): one CTA per (sequence, output head) walks the
   chunks last to first with dS: the gradient of the state leaving each chunk, and the
-  initial state's gradient;
+  initial state's gradient (its W^T dDelta term through T and t_w);
 * "chunk_grad" (gdn_bwd_chunk_sm90.py): one CTA per (chunk, output head) (dDelta
-  recomputed there from dS, not stored by state_grad): dg and dbeta,
+  recomputed there from dS, not stored by state_grad; Delta from T, V and S): dg and dbeta,
   and each of dq, dk, dv final where that input has a head per output head
   (gdn_layout.gradients_in_place), else in fp32 per output head;
 * "finish" (gdn_bwd_finish_sm90.py, only with grouped heads): sums each input head's output
@@ -52,6 +55,7 @@ from ..kernels.gdn_layout import gradients_in_place
 from ..reference.gated_delta_net import CHUNK_SIZE
 from .cache import KernelBuilder
 from .gdn_fwd import (CONFIG_SOURCES, DATA_ALIGN, KERNEL_SOURCES, _cute_type, _fake_gate,
+                      _fake_inverses,
                       _fake_offsets, _fake_rows, _fake_state, _fake_workspace, _option_dtype,
                       check_kernel_limits, check_same_config, offsets_as_int32,
                       prepare_kernel, recurrence_kernel, seq_table_kernel, sequence_table,
@@ -265,7 +269,7 @@ class GdnBwdSm90(Op):
                                       v_splits=v_splits)
             args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
                     fake_tokens(io, tokens, s.HO, s.V), *_fake_workspace(s, chunks),
-                    _fake_offsets(), _fake_offsets(),
+                    _fake_inverses(s, chunks), _fake_offsets(), _fake_offsets(),
                     _fake_state(torch.float32, s) if final_grad else None,
                     _fake_state(s.dtype, s),
                     _fake_state(torch.float32, s) if init_grad else None, fake_stream())
@@ -284,7 +288,7 @@ class GdnBwdSm90(Op):
                     fake_tokens(io, tokens, s.HV, s.V), _fake_gate(s.g_dtype, tokens, s.HO),
                     _fake_gate(s.beta_dtype, tokens, s.HO), _fake_offsets(), _fake_offsets(),
                     fake_tokens(io, tokens, s.HO, s.V), *_fake_workspace(s, chunks),
-                    _fake_rows(s.dtype, chunks, (s.HO, CHUNK_SIZE, CHUNK_SIZE)),
+                    _fake_inverses(s, chunks),
                     _fake_state(s.dtype, s), _fake_state(s.dtype, s),
                     *_fake_grads32(s, tokens, finals="io"), _fake_gate(s.g_dtype, tokens, s.HO),
                     _fake_gate(s.beta_dtype, tokens, s.HO), scalar(cutlass.Float32, 1.0),
@@ -305,7 +309,8 @@ class GdnBwdSm90(Op):
             return kernel, args
 
         builders = {"seq_table": seq_table_kernel,
-                    "prepare": lambda: prepare_kernel(s, store_inverse=True), "states": states,
+                    "prepare": lambda: prepare_kernel(s, store_inverse=True, store_wu=False),
+                    "states": states,
                     "regenerate": lambda: states(from_checkpoints=True),
                     "regenerate_split": lambda: states(2, from_checkpoints=True),
                     "state_grad": state_grad, "chunk_grad": chunk_grad, "finish": finish,
@@ -518,10 +523,10 @@ class GdnBwdSm90(Op):
         if checkpoints is not None:
             states_pass = "regenerate" + (
                 "_split" if splits_recurrences(s, index, rows=checkpoints.shape[0]) else "")
-            states_args = (checkpoints, None, None, states, n)
+            states_args = (checkpoints, None, None, states, v, ws["inv"], n)
         else:
             states_pass = "states" + split
-            states_args = (initial_state, None, None, states, CHUNK_SIZE)
+            states_args = (initial_state, None, None, states, v, ws["inv"], CHUNK_SIZE)
         dinit = ws.get("dinit32", dinitial_state)
         work = (ws["work16"], ws["work32"])
         # the chunk kernel's outputs: the final gradient, or its fp32 buffer for "finish"
@@ -541,7 +546,7 @@ class GdnBwdSm90(Op):
                 side = side_stream(index, handle)
                 kernels[states_pass](q, k, *work, cu_seqlens, table, None, *states_args,
                                      side.fork(handle))
-            kernels["state_grad" + split](q, k, do, *work, cu_seqlens, table, dfinal,
+            kernels["state_grad" + split](q, k, do, *work, ws["inv"], cu_seqlens, table, dfinal,
                                           ws["dstates"], dinit, handle)
             if not reuse:
                 side.join(handle)

@@ -21,8 +21,10 @@ Shared with the backward (gdn_bwd.GdnBwdSm90): the kernels' fake arguments
 (prepare_kernel, recurrence_kernel), stream_buffers, offsets_as_int32, check_same_config.
 
 store_inverse=True (for training: gated_delta_net(..., keep_workspace=True)) makes the
-prepare kernel also write T = (I + A)^-1 of every (chunk, head), the backward's third
-factor: the workspace becomes a triple (work16, work32, inv), and a caller who keeps it
+prepare kernel also write T = (I + A)^-1 of every (chunk, head) and the column scales that
+turn it into the scaled inverses (W = T diag(t_w) K, U = T diag(t_u) V; the second factor
+row of work32), which the backward uses instead of W and U: the workspace becomes a triple
+(work16, work32, inv), and a caller who keeps it
 hands it to GdnBwdSm90.execute(forward_workspace=...), which then skips its own prepare.
 
 What the kernels cannot do yet (NotImplementedError from check_support() and execute()):
@@ -199,6 +201,14 @@ def _fake_state(dtype: torch.dtype, s: GdnShapes):
                                          assumed_align=DATA_ALIGN)
 
 
+def _fake_inverses(s: GdnShapes, chunks=None):
+    """The inverses T (chunks, HO, 64, 64) (gdn_layout.workspace_shapes)."""
+    import cutlass.cute as cute
+    from ..kernels.gdn_layout import workspace_shapes
+    chunks = cute.sym_int() if chunks is None else chunks
+    return _fake_rows(s.dtype, chunks, workspace_shapes(0, 1, s.HO, s.K, s.V)[2][1:])
+
+
 def _fake_rows(dtype: torch.dtype, rows, tail: Tuple[int, ...]):
     """(rows, *tail) compact but for a 64-bit leading stride: workspaces may span more than
     2^31 elements."""
@@ -228,11 +238,13 @@ def _fake_offsets():
     return fake_packed(cutlass.Int32, (cute.sym_int(),), 4)
 
 
-def prepare_kernel(s: GdnShapes, store_inverse: bool = False):
+def prepare_kernel(s: GdnShapes, store_inverse: bool = False, store_wu: bool = True):
     """Stage 1 (GdnChunkPrepareSm90) and its fake arguments (q, k, v, g, beta, cu_seqlens,
     work16, work32, inv, scale, stream); store_inverse: it also writes T = (I + A)^-1 of
-    every (chunk, head) to inv (chunks, HO, 64, 64) in the io dtype (the backward's),
-    else inv is None."""
+    every (chunk, head) to inv (chunks, HO, 64, 64) in the io dtype and the scaled inverses'
+    column scales to work32's second factor row (the backward's), else inv is None;
+    store_wu=False: no W and U (the backward's own prepare: its kernels read T and the
+    scales)."""
     import cutlass
     import cutlass.cute as cute
     from ..kernels.fake import fake_stream, fake_tokens, scalar
@@ -240,9 +252,8 @@ def prepare_kernel(s: GdnShapes, store_inverse: bool = False):
     io, tokens, chunks = _cute_type(s.dtype), cute.sym_int(), cute.sym_int()
     kernel = GdnChunkPrepareSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, s.use_qk_l2norm_in_kernel,
                                  _cute_type(s.g_dtype), _cute_type(s.beta_dtype),
-                                 store_inverse=store_inverse)
-    inv = (_fake_rows(s.dtype, chunks, (s.HO, CHUNK_SIZE, CHUNK_SIZE)) if store_inverse
-           else None)
+                                 store_inverse=store_inverse, store_wu=store_wu)
+    inv = _fake_inverses(s, chunks) if store_inverse else None
     args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
             fake_tokens(io, tokens, s.HV, s.V), _fake_gate(s.g_dtype, tokens, s.HO),
             _fake_gate(s.beta_dtype, tokens, s.HO), _fake_offsets(), _fake_offsets(),
@@ -265,9 +276,10 @@ def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool:
                       v_splits: int = 1, states_only: bool = False,
                       from_checkpoints: bool = False):
     """Stage 2 (GdnChunkRecurrenceSm90) and its fake arguments (q, k, work16, work32,
-    cu_seqlens, o, initial state, state_indices, final state, checkpoints, ckpt_every,
-    stream); absent tensors are None. states_only: no o, the checkpoints (io dtype) stored
-    by TMA (the backward's states pass); from_checkpoints: that pass started from the
+    cu_seqlens, o, initial state, state_indices, final state, checkpoints, v, inverses,
+    ckpt_every, stream); absent tensors are None. states_only: no o, the checkpoints (io
+    dtype) stored by TMA, W and U made from v, T and its scales (the backward's states
+    pass); from_checkpoints: that pass started from the
     forward's checkpoints (passed as the initial state, of ``state_dtype``)."""
     import cutlass
     import cutlass.cute as cute
@@ -285,6 +297,9 @@ def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool:
             _fake_offsets() if pool else None,
             _fake_state(torch.float32, s) if final_state else None,
             None if checkpoint_dtype is None else _fake_state(checkpoint_dtype, s),
+            # the states pass: v and the inverses instead of work16's W and U
+            fake_tokens(io, tokens, s.HV, s.V) if states_only else None,
+            _fake_inverses(s) if states_only else None,
             scalar(cutlass.Int32, CHUNK_SIZE), fake_stream())
     return kernel, args
 
@@ -488,8 +503,9 @@ class GdnFwdSm90(Op):
     def workspace_shapes(self, total_tokens: int, num_seqs: int) -> Tuple[Tuple[int, ...], ...]:
         """Shapes of the workspace ``execute(workspace=...)`` takes for T tokens in N
         sequences: the pair (work16, work32), work16 (T // 64 + N, HO, 64, K + V + 64) in the
-        io dtype and work32 (T // 64 + N, HO, 136) float32; with store_inverse the triple
-        (work16, work32, inv), inv (T // 64 + N, HO, 64, 64) in the io dtype. All contiguous.
+        io dtype and work32 (T // 64 + N, HO, 272) float32; with store_inverse the triple
+        (work16, work32, inv), inv (T // 64 + N, HO, 64, 64) in the io dtype. All
+        contiguous.
         No zeroing needed: the prepare kernel writes every row the recurrence (and the
         backward) reads."""
         from ..kernels.gdn_layout import workspace_shapes
@@ -624,5 +640,5 @@ class GdnFwdSm90(Op):
             # ckpt_every is unused (compiled out) without checkpoints.
             recurrence = "recurrence_split" if splits_recurrences(s, index) else "recurrence"
             kernels[recurrence](q, k, work16, work32, cu_seqlens, table, o, initial_state,
-                                state_indices, final_state, checkpoints,
+                                state_indices, final_state, checkpoints, None, None,
                                 every, handle)
