@@ -347,14 +347,15 @@ def test_execute_launches_every_stage_in_order(launches):
     assert tuple(sgrad[9].shape) == (CHUNKS, HO, V, K) and sgrad[9].dtype == BF
     assert sgrad[10:] == (None, 7)
     # chunk_grad(q, k, v, g, beta, cu_seqlens, table, do, work16, work32, inv, states,
-    # dstates, dq32, dk32, dv (v's heads are not grouped: final there), dg, dbeta, scale,
+    # dstates, dq_heads, dk_heads, dv (v's heads are not grouped: final there), dg, dbeta,
+    # scale,
     # stream)
     assert same(cgrad[:13], [q, k, v, g, beta, cu, cu, do, prep[7], prep[8], prep[9],
                              states[10], sgrad[9]])
     assert [(tuple(t.shape), t.dtype) for t in cgrad[13:15]] == [
-        ((T, HO, K), F32), ((T, HO, K), F32)] and cgrad[15] is a["dv"]
+        ((T, HO, K), BF), ((T, HO, K), BF)] and cgrad[15] is a["dv"]
     assert same(cgrad[16:18], [a["dg"], a["dbeta"]]) and cgrad[18:] == (0.5, 7)
-    # finish(q, k, dq32, dk32, no dv32, dq, dk, dv, stream)
+    # finish(q, k, dq_heads, dk_heads, no dv_heads, dq, dk, dv, stream)
     assert same(fin[:4], [q, k, *cgrad[13:15]]) and fin[4] is None
     assert same(fin[5:8], [a["dq"], a["dk"], a["dv"]]) and fin[-1] == 7
     # the op's buffers, made once on the launch stream before the launches
@@ -596,12 +597,12 @@ def test_workspace_shapes():
     assert shapes == {"work16": (CHUNKS, HO, 64, K + V + 64), "work32": (CHUNKS, HO, 272),
                       "inv": (CHUNKS, HO, 64, 64), "dstates": (CHUNKS, HO, V, K),
                       "states": (CHUNKS, HO, V, K),
-                      "dq32": (T, HO, K), "dk32": (T, HO, K)}  # v: no grouped heads
+                      "dq_heads": (T, HO, K), "dk_heads": (T, HO, K)}  # v: no grouped heads
     assert op.workspace_shapes(0, 3)["inv"][0] == 3
-    assert op.workspace_shapes(65, 2)["dq32"][0] == 65
+    assert op.workspace_shapes(65, 2)["dq_heads"][0] == 65
     assert {n: op.workspace_dtype(n) for n in shapes} == {
-        **{n: BF for n in ("work16", "inv", "dstates", "states")},
-        **{n: F32 for n in ("work32", "dq32", "dk32")}}
+        **{n: BF for n in ("work16", "inv", "dstates", "states", "dq_heads", "dk_heads")},
+        "work32": F32}
     ws = op.make_workspace(T, N, device="meta")
     assert {n: (tuple(t.shape), t.dtype) for n, t in ws.items()} == {
         n: (shape, op.workspace_dtype(n)) for n, shape in shapes.items()}
@@ -609,16 +610,17 @@ def test_workspace_shapes():
         op.workspace_shapes(-1, 1)
 
 
-@pytest.mark.parametrize("hq,hk,hv,fp32_grads", [
-    (8, 8, 8, ()), (4, 4, 8, ("dq32", "dk32")), (4, 8, 8, ("dq32",)),
-    (8, 8, 4, ("dv32",)), (8, 4, 4, ("dk32", "dv32"))])
-def test_only_grouped_gradients_go_through_fp32_buffers(hq, hk, hv, fp32_grads):
+@pytest.mark.parametrize("hq,hk,hv,head_grads", [
+    (8, 8, 8, ()), (4, 4, 8, ("dq_heads", "dk_heads")), (4, 8, 8, ("dq_heads",)),
+    (8, 8, 4, ("dv_heads",)), (8, 4, 4, ("dk_heads", "dv_heads"))])
+def test_only_grouped_gradients_go_through_per_head_buffers(hq, hk, hv, head_grads):
     """The chunk kernel writes a gradient final when its input has a head per output head
-    (one writer per row); only the others take an fp32 buffer and the finishing kernel."""
+    (one writer per row); only the others take a per-output-head buffer and the finishing
+    kernel."""
     op = GdnBwdSm90(**samples(hq=hq, hk=hk, hv=hv)).check_support()
     shapes = op.workspace_shapes(T, N)
-    assert tuple(n for n in ("dq32", "dk32", "dv32") if n in shapes) == fp32_grads
-    assert ("finish" in op._kernel_builders()) == bool(fp32_grads)
+    assert tuple(n for n in ("dq_heads", "dk_heads", "dv_heads") if n in shapes) == head_grads
+    assert ("finish" in op._kernel_builders()) == bool(head_grads)
 
 
 def test_execute_with_a_workspace_allocates_nothing(launches):
@@ -632,7 +634,7 @@ def test_execute_with_a_workspace_allocates_nothing(launches):
     assert same(prep[7:10], [ws["work16"], ws["work32"], ws["inv"]])
     assert states[6] is None and states[10] is ws["states"] and states[12] is ws["inv"]
     assert sgrad[9] is ws["dstates"] and cgrad[12] is ws["dstates"] and sgrad[5] is ws["inv"]
-    assert same(cgrad[13:16], [ws["dq32"], ws["dk32"], args["dv"]])
+    assert same(cgrad[13:16], [ws["dq_heads"], ws["dk_heads"], args["dv"]])
     # reusing checkpoints, states may be left out
     ckpt = meta(CHUNKS, HO, V, K)
     del ws["states"]
@@ -695,8 +697,8 @@ WORKSPACE_RULES = [
      r"workspace: lacks \['inv'\]"),
     ("unknown", lambda ws: {**ws, "extra": ws["inv"]}, ValueError,
      r"workspace: unknown entries \['extra'\]"),
-    ("dtype", lambda ws: {**ws, "dq32": meta(T, HO, K)}, TypeError,
-     r"workspace\['dq32'\]: dtype bfloat16 is not supported; expected float32"),
+    ("dtype", lambda ws: {**ws, "dq_heads": meta(T, HO, K, dtype=F32)}, TypeError,
+     r"workspace\['dq_heads'\]: dtype float32 is not supported; expected bfloat16"),
     ("rows", lambda ws: {**ws, "dstates": meta(CHUNKS - 1, HO, V, K)}, ValueError,
      r"workspace\['dstates'\]: extent 5 on axis 0"),
     ("padded", lambda ws: {**ws, "inv": meta(CHUNKS, HO, 64, 72)[..., :64]}, ValueError,
@@ -719,7 +721,7 @@ def test_own_workspace_per_stream_grown_and_reused(launches):
     first = dict(op._workspaces)
     op.execute(**call(t=T // 2, n=1), stream=7)  # smaller: views of the same buffers
     assert op._workspaces == first
-    assert launches.calls[-1][1][2]._base is first[(None, 7, "dq32", "dk32")][0]
+    assert launches.calls[-1][1][2]._base is first[(None, 7, "dq_heads", "dk_heads")][0]
     op.execute(**call(t=4 * T), stream=7)  # more tokens and chunks: grown
     assert len(op._outgrown) == 3 and op._workspaces.keys() == first.keys()
     op.execute(**call(), stream=8)  # another stream: its own
@@ -958,14 +960,13 @@ def test_kernel_builder_arguments():
     assert len(cgrad) == 20 and None not in cgrad
     assert cgrad[5].element_type == cgrad[6].element_type == cutlass.Int32
     assert [tuple(t.shape[1:]) for t in cgrad[13:16]] == [(8, 64), (8, 64), (8, 128)]
-    # q is grouped (2 heads for 8 output heads): fp32 per output head; k and v have a head
-    # per output head: written final, in the io dtype
-    assert [t.element_type for t in cgrad[13:16]] == [cutlass.Float32, cutlass.Float16,
-                                                      cutlass.Float16]
+    # q is grouped (2 heads for 8 output heads): per output head; k and v have a head per
+    # output head: written final; all in the io dtype
+    assert [t.element_type for t in cgrad[13:16]] == [cutlass.Float16] * 3
     assert cgrad[16].element_type == cutlass.BFloat16
     assert cgrad[17].element_type == cutlass.Float32
     _, fin = built["finish"]
-    assert len(fin) == 9 and fin[3] is None and fin[4] is None  # no dk32, dv32
+    assert len(fin) == 9 and fin[3] is None and fin[4] is None  # no dk_heads, dv_heads
     assert [tuple(t.shape[1:]) for t in fin[5:8]] == [(2, 64), (8, 64), (8, 128)]
 
 

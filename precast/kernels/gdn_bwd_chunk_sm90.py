@@ -37,8 +37,10 @@ stores it (scale Gamma * Qn Kn^T, causal):
 
 A gradient whose input heads are not grouped (gdn_layout.gradients_in_place) is final here,
 in the io dtype (dq, dk with the L2 norm's Jacobian applied); the others (dq_n, dk_n: the
-gradients of the normalized rows, and dv) go to fp32 per-output-head buffers for
-gdn_bwd_finish_sm90. dg and dbeta are
+gradients of the normalized rows, and dv) go to per-output-head buffers in the io dtype
+for gdn_bwd_finish_sm90, which sums each group in fp32 (16-bit partials halve those
+buffers' traffic, written here and read there; a rounding of ~2^-9 per term, well inside
+the gradients' tolerance). dg and dbeta are
 written in g's and beta's dtypes. Rows of a partial chunk past the sequence end are zero in
 shared memory (and have g = beta = 0), so they add nothing; only real rows are written.
 Sums run in a fixed order: the results are deterministic.
@@ -111,7 +113,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                          beta_dtype)
         # dq, dk, dv: final here where that gradient's heads are not grouped (every row
         # has one writer; the L2 norm's Jacobian applied, in the io dtype); otherwise the
-        # normalized rows' fp32 gradients per output head, for gdn_bwd_finish_sm90.
+        # normalized rows' gradients per output head (io dtype), for gdn_bwd_finish_sm90.
         self.final_outputs = gradients_in_place(q_heads, k_heads, v_heads)
 
     # ------------------------------------------------------------------ host side
@@ -127,7 +129,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         mWork16 / mWork32 as gdn_layout.workspace_shapes; mInv (chunks,
         HO, 64, 64); mStates, mDStates (chunks, HO, V, K);
         mDQ, mDK, mDV: each the final gradient in the io dtype (strided like its input) where
-        gdn_layout.gradients_in_place says so, else fp32 (T, HO, K or V) per output head."""
+        gdn_layout.gradients_in_place says so, else (T, HO, K or V) per output head, io
+        dtype as well."""
         dt = self.dtype
         K, V, C = self.k_dim, self.v_dim, CHUNK
 
@@ -194,14 +197,13 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.storage = SharedStorage
         chunks = mWork32.shape[0]
         num_batches = mCuSeqlens.shape[0] - 1
-        # Whole chunks of a final (io dtype) gradient leave by TMA stores of a shared-memory
-        # tile (per-thread stores of accumulator pairs wrote half-filled sectors).
+        # Whole chunks of a gradient (final or per output head, both 16-bit) leave by TMA
+        # stores of a shared-memory tile (per-thread stores of accumulator pairs wrote
+        # half-filled sectors).
         s2g = cpasync.CopyBulkTensorTileS2GOp()
         out_stores = tuple(
-            cpasync.make_tiled_tma_atom(s2g, tok(m), one(lay), (C, cols)) if final else None
-            for m, lay, cols, final in ((mDQ, lay_k, K, self.final_outputs[0]),
-                                        (mDK, lay_k, K, self.final_outputs[1]),
-                                        (mDV, lay_v, V, self.final_outputs[2])))
+            cpasync.make_tiled_tma_atom(s2g, tok(m), one(lay), (C, cols))
+            for m, lay, cols in ((mDQ, lay_k, K), (mDK, lay_k, K), (mDV, lay_v, V)))
         self.kernel(mmas, loads, (lay_k, lay_v, lay_c, lay_s), mG, mBeta, mCuSeqlens,
                     mSeqTable, mDQ, mDK, mDV, mDG, mDBeta, out_stores, num_batches, scale).launch(
             grid=chunk_grid(chunks, self.heads), block=[THREADS, 1, 1], stream=stream)
@@ -256,7 +258,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
     def staged_outputs(self, out_stores, tiles, storage, lay_k):
         """For dq, dk, dv: (TMA atom, its (T, D, H) view of the gradient, the shared-memory
-        tile a whole chunk leaves from) when the gradient is final, else None. dk and dv
+        tile a whole chunk leaves from), or None without such a tile. dk and dv
         overwrite K and V (each thread its own elements, after reading them; nothing reads
         them later), dq the dO tile (free once dO S^T is done; too small when K > V)."""
         sK, sV, sDO = tiles[1:4]
@@ -267,7 +269,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                                    lay_k.outer)
         out = []
         for store, tile in zip(out_stores, (sDQ, sK, sV)):
-            out.append(None if const_expr(store is None or tile is None)
+            out.append(None if const_expr(tile is None)
                        else (store[0], store[1], tile))
         return tuple(out)
 

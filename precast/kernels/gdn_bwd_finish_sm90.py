@@ -1,9 +1,10 @@
-"""Gated DeltaNet backward, last step: the per-output-head fp32 gradients of q, k and v
-become the gradients of the raw inputs (SIMT, memory bound).
+"""Gated DeltaNet backward, last step: the per-output-head gradients of q, k and v become
+the gradients of the raw inputs (SIMT, memory bound).
 
 For each of q, k, v whose heads are grouped (gdn_layout.gradients_in_place: the others the
-chunk kernel writes final itself) the chunk kernel writes dq32, dk32 (T, HO, K) or dv32
-(T, HO, V) in fp32, one row per output head, w.r.t. the rows it used: the L2-normalized q
+chunk kernel writes final itself) the chunk kernel writes dq_heads, dk_heads (T, HO, K) or
+dv_heads (T, HO, V) in the io dtype, one row per output head, w.r.t. the rows it used: the
+L2-normalized q
 and k when the forward normalized them in the kernel. Per token and input head this kernel
 
 * sums the rows of the head's group of output heads (output head h reads q head
@@ -15,7 +16,8 @@ and k when the forward normalized them in the kernel. Per token and input head t
 
 Grid: (ceil(T / tokens_per_cta), grouped gradients): blockIdx.y picks one of them. A
 row of D elements is D / 8 threads of one warp, 8 elements each (16-byte io accesses, two
-16-byte fp32 loads per summed row); row dot products are shuffles within those threads.
+one 16-byte load per summed row, summed in fp32); row dot products are shuffles within
+those threads.
 """
 from typing import NamedTuple
 
@@ -30,7 +32,6 @@ from .rowwise import vector_copy_atom
 from .tiling import VEC
 
 THREADS = 128
-F32_VEC = 4  # fp32 elements in one 16-byte access
 L2NORM_EPS = 1e-24  # the forward's clamp of |x|^2 (reference L2NORM_EPS)
 ITEMS_PER_CTA = 1024  # thread-items (8 elements each) of the largest role per CTA
 
@@ -67,30 +68,31 @@ class GdnGradFinishSm90:
         self.tokens_per_cta = 1 << max(0, (ITEMS_PER_CTA // widest).bit_length() - 1)
 
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mDQ32: cute.Tensor,
-                 mDK32: cute.Tensor, mDV32: cute.Tensor, mDQ: cute.Tensor, mDK: cute.Tensor,
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mDQh: cute.Tensor,
+                 mDKh: cute.Tensor, mDVh: cute.Tensor, mDQ: cute.Tensor, mDK: cute.Tensor,
                  mDV: cute.Tensor, stream: cuda.CUstream):
-        """mQ (T, HQ, K), mK (T, HK, K) raw rows; mDQ32, mDK32 (T, HO, K), mDV32 (T, HO, V)
-        fp32; mDQ (T, HQ, K), mDK (T, HK, K), mDV (T, HV, V) written. T >= 1. The 32-bit
-        buffer of a gradient the chunk kernel writes final is None."""
+        """mQ (T, HQ, K), mK (T, HK, K) raw rows; mDQh, mDKh (T, HO, K), mDVh (T, HO, V)
+        per output head; mDQ (T, HQ, K), mDK (T, HK, K), mDV (T, HV, V) written; all in the
+        io dtype. T >= 1. The per-head buffer of a gradient the chunk kernel writes final is
+        None."""
         tokens = mQ.shape[0]
         grid_x = (tokens + self.tokens_per_cta - 1) // self.tokens_per_cta
-        self.kernel(mQ, mK, mDQ32, mDK32, mDV32, mDQ, mDK, mDV).launch(
+        self.kernel(mQ, mK, mDQh, mDKh, mDVh, mDQ, mDK, mDV).launch(
             grid=[grid_x, len(self.roles), 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mDQ32: cute.Tensor, mDK32: cute.Tensor,
-               mDV32: cute.Tensor, mDQ: cute.Tensor, mDK: cute.Tensor, mDV: cute.Tensor):
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mDQh: cute.Tensor, mDKh: cute.Tensor,
+               mDVh: cute.Tensor, mDQ: cute.Tensor, mDK: cute.Tensor, mDV: cute.Tensor):
         _, slot, _ = cute.arch.block_idx()
         # v's mX is unused (no Jacobian)
-        tensors = ((mQ, mDQ32, mDQ), (mK, mDK32, mDK), (mDV, mDV32, mDV))
+        tensors = ((mQ, mDQh, mDQ), (mK, mDKh, mDK), (mDV, mDVh, mDV))
         for j in cutlass.range_constexpr(len(self.roles)):
             which, role = self.roles[j]
             if slot == j:
                 self.finish_rows(role, *tensors[which])
 
     @cute.jit
-    def finish_rows(self, role: cutlass.Constexpr, mX: cute.Tensor, mGrad32: cute.Tensor,
+    def finish_rows(self, role: cutlass.Constexpr, mX: cute.Tensor, mHeads: cute.Tensor,
                     mOut: cute.Tensor):
         """This CTA's tokens x role.heads rows; thread-item i covers row i // tpr, elements
         8 (i % tpr) .. 8 (i % tpr) + 7. Rows past the tokens load token 0 (in bounds) so
@@ -100,9 +102,8 @@ class GdnGradFinishSm90:
         items = const_expr(-(-rows * tpr // THREADS))
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        num_tokens = mGrad32.shape[0]
+        num_tokens = mHeads.shape[0]
         io_atom = vector_copy_atom(self.dtype, VEC)
-        f32_atom = vector_copy_atom(Float32, F32_VEC)
         for it in cutlass.range_constexpr(items):
             item = it * THREADS + tidx
             row = item // tpr
@@ -112,15 +113,13 @@ class GdnGradFinishSm90:
             row_ok = row < rows and token < num_tokens
             token_c = token if row_ok else Int32(0)
 
-            total = cute.make_rmem_tensor(cute.make_layout((F32_VEC, 2)), Float32)
+            total = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
             total.fill(0.0)
-            part = cute.make_rmem_tensor(cute.make_layout((F32_VEC, 2)), Float32)
+            part = cute.make_rmem_tensor(cute.make_layout((VEC,)), self.dtype)
             for j in cutlass.range_constexpr(role.group):  # fixed order: deterministic
-                src = mGrad32[token_c, head * role.group + j, None]
-                for half in cutlass.range_constexpr(2):
-                    cute.copy(f32_atom, cute.local_tile(src, (F32_VEC,), (2 * lane + half,)),
-                              part[None, half])
-                total.store(total.load() + part.load())
+                src = mHeads[token_c, head * role.group + j, None]
+                cute.copy(io_atom, cute.local_tile(src, (VEC,), (lane,)), part)
+                total.store(total.load() + part.load().to(Float32))
 
             out = cute.make_rmem_tensor(cute.make_layout((VEC,)), self.dtype)
             if const_expr(role.normalized):

@@ -30,9 +30,9 @@ need only prepare's results; joined back before chunk_grad):
 * "chunk_grad" (gdn_bwd_chunk_sm90.py): one CTA per (chunk, output head) (dDelta
   recomputed there from dS, not stored by state_grad; Delta from T, V and S): dg and dbeta,
   and each of dq, dk, dv final where that input has a head per output head
-  (gdn_layout.gradients_in_place), else in fp32 per output head;
+  (gdn_layout.gradients_in_place), else per output head (io dtype);
 * "finish" (gdn_bwd_finish_sm90.py, only with grouped heads): sums each input head's output
-  heads of those fp32 gradients in a fixed order and applies the L2 norm's Jacobian to q
+  heads of those gradients in a fixed order (in fp32) and applies the L2 norm's Jacobian to q
   and k, into dq, dk, dv.
 
 Deterministic: no kernel accumulates with atomics (grouped heads are summed by "finish" in
@@ -102,16 +102,16 @@ WORKSPACE = {
     "states": ("chunks", "io"),  # states entering each chunk (not with reused checkpoints)
     # grouped heads' gradients (gdn_layout.gradients_in_place): per output head, w.r.t. the
     # normalized rows
-    "dq32": ("tokens", "float32"),
-    "dk32": ("tokens", "float32"),
-    "dv32": ("tokens", "float32"),
+    "dq_heads": ("tokens", "io"),  # per output head, for "finish" (grouped heads only)
+    "dk_heads": ("tokens", "io"),
+    "dv_heads": ("tokens", "io"),
     "dinit32": ("sequences", "float32"),  # only for an initial state in the io dtype
 }
 RECOMPUTE_ONLY = ("states",)
 # Groups of the op's own workspace, made (and grown) together: the same row count; each
 # call makes the members it needs (_needed).
-GRADS32 = ("dq32", "dk32", "dv32")
-OWN_GROUPS = (("work16", "work32", "inv", "dstates"), GRADS32, ("states",),
+HEAD_GRADS = ("dq_heads", "dk_heads", "dv_heads")
+OWN_GROUPS = (("work16", "work32", "inv", "dstates"), HEAD_GRADS, ("states",),
               ("dinit32",))
 
 
@@ -290,7 +290,7 @@ class GdnBwdSm90(Op):
                     fake_tokens(io, tokens, s.HO, s.V), *_fake_workspace(s, chunks),
                     _fake_inverses(s, chunks),
                     _fake_state(s.dtype, s), _fake_state(s.dtype, s),
-                    *_fake_grads32(s, tokens, finals="io"), _fake_gate(s.g_dtype, tokens, s.HO),
+                    *_fake_head_grads(s, tokens, finals="io"), _fake_gate(s.g_dtype, tokens, s.HO),
                     _fake_gate(s.beta_dtype, tokens, s.HO), scalar(cutlass.Float32, 1.0),
                     fake_stream())
             return kernel, args
@@ -302,7 +302,7 @@ class GdnBwdSm90(Op):
             io, tokens = _cute_type(s.dtype), cute.sym_int()
             kernel = GdnGradFinishSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, s.use_qk_l2norm_in_kernel)
             args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
-                    *_fake_grads32(s, tokens, finals=None),
+                    *_fake_head_grads(s, tokens, finals=None),
                     fake_tokens(io, tokens, s.HQ, s.K),
                     fake_tokens(io, tokens, s.HK, s.K), fake_tokens(io, tokens, s.HV, s.V),
                     fake_stream())
@@ -323,9 +323,9 @@ class GdnBwdSm90(Op):
         """Shapes of the buffers ``execute(workspace=...)`` takes for T tokens in N sequences
         (a dict name -> tensor, all contiguous, dtypes as WORKSPACE says; make_workspace
         allocates one): the forward's work16, work32 and inv, dstates, states with
-        T // 64 + N chunk rows, dq32, dk32, dv32 with T rows for those of q, k, v whose heads
-        are grouped (gdn_layout.gradients_in_place) and, with an
-        initial state in the io dtype, dinit32 [N, HO, V, K]. "states" is not used when the
+        T // 64 + N chunk rows, dq_heads, dk_heads, dv_heads with T rows for those of q, k, v
+        whose heads are grouped (gdn_layout.gradients_in_place) and, with an initial state
+        in the io dtype, dinit32 [N, HO, V, K]. "states" is not used when the
         call reuses checkpoints (n = 64, io dtype). Nothing needs zeroing."""
         from ..kernels.gdn_layout import workspace_shapes as forward_shapes
         s = self.shapes
@@ -336,7 +336,7 @@ class GdnBwdSm90(Op):
         shapes = {"work16": work16, "work32": work32, "inv": inv,
                   "dstates": (chunks, s.HO, s.V, s.K), "states": (chunks, s.HO, s.V, s.K)}
         finals = gradients_in_place(s.HQ, s.HK, s.HV)
-        for name, dim, final in zip(GRADS32, (s.K, s.K, s.V), finals):
+        for name, dim, final in zip(HEAD_GRADS, (s.K, s.K, s.V), finals):
             if not final:
                 shapes[name] = (T, s.HO, dim)
         if self._converts_dinit:
@@ -529,8 +529,8 @@ class GdnBwdSm90(Op):
             states_args = (initial_state, None, None, states, v, ws["inv"], CHUNK_SIZE)
         dinit = ws.get("dinit32", dinitial_state)
         work = (ws["work16"], ws["work32"])
-        # the chunk kernel's outputs: the final gradient, or its fp32 buffer for "finish"
-        grads = tuple(ws.get(name, final) for final, name in zip((dq, dk, dv), GRADS32))
+        # the chunk kernel's outputs: the final gradient, or its per-head buffer for "finish"
+        grads = tuple(ws.get(name, final) for final, name in zip((dq, dk, dv), HEAD_GRADS))
         with device_guard(index):
             # the table's checkpoint rows: the forward's every n tokens when the states pass
             # starts from them, else the states pass's own rows (one per chunk)
@@ -555,17 +555,17 @@ class GdnBwdSm90(Op):
                                   ws["dstates"], *grads, dg, dbeta, s.scale,
                                   handle)
             if "finish" in kernels:
-                kernels["finish"](q, k, *(ws.get(name) for name in GRADS32), dq, dk, dv,
+                kernels["finish"](q, k, *(ws.get(name) for name in HEAD_GRADS), dq, dk, dv,
                                   handle)
         if dinit is not dinitial_state:
             with torch.cuda.stream(torch_stream(handle, index)):
                 dinitial_state.copy_(dinit)
 
 
-def _fake_grads32(s: GdnShapes, tokens, finals) -> tuple:
-    """The chunk kernel's dq, dk, dv outputs: dq32, dk32 (T, HO, K) and dv32 (T, HO, V)
-    float32, compact but for a 64-bit token stride, for the gradients whose heads are
-    grouped (gdn_layout.gradients_in_place); for the others, which it writes final, the
+def _fake_head_grads(s: GdnShapes, tokens, finals) -> tuple:
+    """The chunk kernel's dq, dk, dv outputs: dq_heads, dk_heads (T, HO, K) and dv_heads
+    (T, HO, V) in the io dtype, compact but for a 64-bit token stride, for the gradients
+    whose heads are grouped (gdn_layout.gradients_in_place); for the others, which it writes final, the
     io-dtype gradient strided like its input (``finals="io"``: the chunk kernel's
     arguments) or None (``finals=None``: the finishing kernel's)."""
     from ..kernels.fake import fake_tokens
@@ -574,7 +574,7 @@ def _fake_grads32(s: GdnShapes, tokens, finals) -> tuple:
     for final, heads, dim in zip(gradients_in_place(s.HQ, s.HK, s.HV), (s.HQ, s.HK, s.HV),
                                  (s.K, s.K, s.V)):
         if not final:
-            out.append(_fake_rows(torch.float32, tokens, (s.HO, dim)))
+            out.append(_fake_rows(s.dtype, tokens, (s.HO, dim)))
         else:
             out.append(fake_tokens(io, tokens, heads, dim) if finals == "io" else None)
     return tuple(out)
