@@ -7,7 +7,7 @@ with NaN first; every written element is checked."""
 import pytest
 import torch
 
-from precast import GdnFwdSm90
+from precast import GdnBwdSm90, GdnFwdSm90
 from precast.reference.gated_delta_net import (CHUNK_SIZE, gdn_recurrent_reference,
                                                rms_error_ratio)
 from precast.reference.gdn_workspace import gdn_chunk_workspace_reference
@@ -61,6 +61,50 @@ def test_stage1_workspace_matches_the_reference():
         err = rel_err(got[..., lo:hi], want[:chunks, ..., lo:hi])
         assert err < 2e-2, f"{name}: max|got - want| / max|want| = {err:.3g}"
     torch.testing.assert_close(got_f, want_f[:chunks], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["backward", "forward keeping its workspace"])
+def test_stage1_inverse_and_scales_match_the_reference(kind):
+    """A prepare with store_inverse also writes, for the backward, T = (I + A)^-1 and the
+    second factor row [t_w | t_u]: the backward's own prepare (which makes no W or U) and a
+    forward's that keeps its workspace for the backward, against the reference. M and the
+    first factor row as in the test above."""
+    q, k, v, gate, beta, cu = batch(LENS)
+    config = dict(dtype="bfloat16", k_dim=K, v_dim=V, q_heads=H, k_heads=H, v_heads=H,
+                  g_dtype="float32", beta_dtype="float32", use_qk_l2norm_in_kernel=True)
+    if kind == "backward":  # tests/gpu_plan.toml's entries (test_gdn_bwd_gpu's "bf16")
+        op = GdnBwdSm90.from_config(**config, state_dtype="none", final_state_grad=True,
+                                    checkpoint_dtype="none")
+        shapes = op.workspace_shapes(q.shape[0], len(LENS))
+        s16, s32, s_inv = shapes["work16"], shapes["work32"], shapes["inv"]
+    else:
+        op = GdnFwdSm90.from_config(**config, state_dtype="float32", state_pool=False,
+                                    output_final_state=True, checkpoint_dtype="none",
+                                    store_inverse=True)  # test_gdn_bwd_gpu's keep-mode entry
+        s16, s32, s_inv = op.workspace_shapes(q.shape[0], len(LENS))
+    prepare = op.check_support().compile()._ready(0)["prepare"]
+    work, factors, inv, scales = gdn_chunk_workspace_reference(
+        q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True, with_inverse=True)
+    work16 = torch.full(s16, float("nan"), dtype=q.dtype, device=DEV)
+    work32 = torch.full(s32, float("nan"), device=DEV)
+    got_inv = torch.full(s_inv, float("nan"), dtype=q.dtype, device=DEV)
+    prepare(q, k, v, gate, beta, cu, cu, work16, work32, got_inv, K ** -0.5,
+            torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    chunks = sum(-(-n // C) for n in LENS)
+    F = s32[-1] // 2  # a factor row's padded length
+    got_m, got_f = work16[:chunks, ..., K + V:], work32[:chunks, :, :2 * C + 1]
+    got_s, got_t = work32[:chunks, :, F:F + 2 * C], got_inv[:chunks]
+    for name, got in (("M", got_m), ("factors", got_f), ("scales", got_s), ("T", got_t)):
+        assert not torch.isnan(got).any(), name
+    err = rel_err(got_m, work[:chunks, ..., K + V:])
+    assert err < 2e-2, f"M: max|got - want| / max|want| = {err:.3g}"
+    torch.testing.assert_close(got_f, factors[:chunks], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_s, scales[:chunks], rtol=1e-4, atol=1e-5)
+    err = rel_err(got_t, inv[:chunks])
+    assert err < 2e-2, f"T: max|got - want| / max|want| = {err:.3g}"
+    if kind == "backward":  # no W or U: their columns stay as they were
+        assert torch.isnan(work16[:chunks, ..., :K + V]).all()
 
 
 def recurrence_on_the_reference_workspace(mode, q, k, v, gate, beta, cu):

@@ -91,3 +91,46 @@ def test_rows_past_a_sequence_end_are_zero():
     for part in (factors[1, :, :64], factors[1, :, 64:128]):  # q_f, k_f
         assert torch.count_nonzero(part[:, 6:]) == 0 and torch.count_nonzero(part[:, :6]) == 6
     torch.testing.assert_close(factors[1, 0, 128], gate[64:, 0].sum())  # G_L
+
+
+@pytest.mark.parametrize("lens,hq,hv,l2norm", [([130, 1, 0, 64, 65], 2, 4, True),
+                                               ([7] * 3 + [1], 4, 2, False)])
+def test_inverse_and_its_scales_make_w_and_u(lens, hq, hv, l2norm):
+    """What a prepare with store_inverse writes for the backward: T and [t_w | t_u] give the
+    contract's W = T diag(t_w) K and U = T diag(t_u) V with the raw k and v rows; past a
+    sequence's end T has identity rows and both scales are zero."""
+    g = torch.Generator().manual_seed(3)
+    T, HO, K, V = sum(lens), max(hq, hv), 32, 16
+    f64 = dict(dtype=torch.float64)
+    cu = offsets_from_lengths(lens)
+    q, k = (torch.randn(T, hq, K, generator=g, **f64) for _ in range(2))
+    v = torch.randn(T, hv, V, generator=g, **f64)
+    gate, beta = -0.1 * torch.rand(T, HO, generator=g, **f64), torch.rand(T, HO, generator=g, **f64)
+    work, factors, inv, scales = gdn_chunk_workspace_reference(
+        q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=l2norm, compute_dtype=torch.float64,
+        with_inverse=True)
+    assert inv.shape == (T // C + len(lens), HO, C, C) and scales.shape[2] == 2 * C
+    same, _ = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
+                                            use_qk_l2norm_in_kernel=l2norm,
+                                            compute_dtype=torch.float64)
+    assert torch.equal(same, work)
+    ke, ve = (x.repeat_interleave(HO // x.shape[1], dim=1) for x in (k, v))
+    p = start = 0
+    for length in lens:
+        for c in range(-(-length // C)):
+            rows = min(length - c * C, C)
+            kc, vc = (x.new_zeros((C, HO, x.shape[2])) for x in (ke, ve))
+            kc[:rows] = ke[start + c * C:start + c * C + rows]
+            vc[:rows] = ve[start + c * C:start + c * C + rows]
+            t_w, t_u = scales[p, :, :C], scales[p, :, C:]
+            w = inv[p] @ (t_w[..., None] * kc.movedim(1, 0))
+            u = inv[p] @ (t_u[..., None] * vc.movedim(1, 0))
+            torch.testing.assert_close(w, work[p, ..., :K], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(u, work[p, ..., K:K + V], rtol=1e-10, atol=1e-10)
+            assert torch.count_nonzero(scales[p, :, rows:C]) == 0
+            assert torch.equal(inv[p, :, rows:, rows:], torch.eye(C - rows, **f64).expand(
+                HO, -1, -1)) and torch.count_nonzero(inv[p, :, rows:, :rows]) == 0
+            p += 1
+        start += length
+    chunks = sum(-(-n // C) for n in lens)
+    assert torch.count_nonzero(inv[chunks:]) == 0 and torch.count_nonzero(scales[chunks:]) == 0

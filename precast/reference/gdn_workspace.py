@@ -13,6 +13,12 @@ r_q = rsqrt(max(|q|^2, 1e-24)), else r_q = 1) and G the in-chunk cumulative log 
 the per-row factors that turn the raw q, k rows into Qd = diag(q_f) Q and
 Kd = diag(k_f) K (stage 2 reads q and k themselves). Rows past a sequence's end, and
 rows p past the batch's chunk count, are zero.
+
+With ``with_inverse=True`` also what a prepare with store_inverse writes for the backward:
+``inv[p, h]`` = T = (I + A)^-1 (64 x 64; identity rows past a sequence's end) and
+``scales[p, h]`` = [t_w | t_u] = [beta exp(G) r_k | beta] (64, 64), the column scales of
+the scaled inverses (W = T diag(t_w) K, U = T diag(t_u) V with the raw rows; zero past the
+end): work32's second factor row (precast/kernels/gdn_layout.py).
 """
 from __future__ import annotations
 
@@ -25,9 +31,11 @@ from .offsets import sequence_offsets
 
 def gdn_chunk_workspace_reference(q, k, v, g, beta, cu_seqlens, *, scale=None,
                                   use_qk_l2norm_in_kernel: bool = False,
-                                  compute_dtype: torch.dtype = torch.float32):
+                                  compute_dtype: torch.dtype = torch.float32,
+                                  with_inverse: bool = False):
     """(work [T // 64 + N, HO, 64, K + V + 64], factors [T // 64 + N, HO, 129]) in
-    ``compute_dtype``, on q's device."""
+    ``compute_dtype``, on q's device; with_inverse: also (inv [T // 64 + N, HO, 64, 64],
+    scales [T // 64 + N, HO, 128])."""
     T, HQ, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     HO = max(HQ, HV)
@@ -43,13 +51,15 @@ def gdn_chunk_workspace_reference(q, k, v, g, beta, cu_seqlens, *, scale=None,
     chunks = T // C + N
     work = q.new_zeros((chunks, HO, C, K + V + C), dtype=compute_dtype)
     factors = q.new_zeros((chunks, HO, 2 * C + 1), dtype=compute_dtype)
+    inv = q.new_zeros((chunks, HO, C, C), dtype=compute_dtype)
+    scales = q.new_zeros((chunks, HO, 2 * C), dtype=compute_dtype)
     p = 0
     for b in range(N):
         s, e = offs[b], offs[b + 1]
         if e == s:
             continue
-        G, Gamma, _, U, W, _, _, kc, n, _ = _chunk_factors(kn[s:e], ve[s:e], g[s:e],
-                                                            beta[s:e], C)
+        G, Gamma, Tm, U, W, _, _, kc, n, _ = _chunk_factors(kn[s:e], ve[s:e], g[s:e],
+                                                             beta[s:e], C)
         qc, rq, rk = (to_chunks(x[s:e], C) for x in (qn, r_q, r_k))
         real = to_chunks(torch.ones(e - s, HO, dtype=compute_dtype, device=q.device), C)
         M = scale * Gamma * (qc @ kc.transpose(-1, -2))
@@ -58,5 +68,8 @@ def gdn_chunk_workspace_reference(q, k, v, g, beta, cu_seqlens, *, scale=None,
         k_f = torch.exp(g_last - G) * rk * real
         work[p:p + n] = torch.cat([W, U, M], dim=-1).movedim(1, 0)  # [n, HO, C, F]
         factors[p:p + n] = torch.cat([q_f, k_f, g_last], dim=-1).movedim(1, 0)
+        bc = to_chunks(beta[s:e], C)  # zero past the end
+        inv[p:p + n] = Tm.movedim(1, 0)
+        scales[p:p + n] = torch.cat([bc * torch.exp(G) * rk, bc], dim=-1).movedim(1, 0)
         p += n
-    return work, factors
+    return (work, factors, inv, scales) if with_inverse else (work, factors)
