@@ -274,6 +274,12 @@ def test_forward_workspace_reused(lengths, monkeypatch):
     fwd.execute(b.q, b.k, b.v, b.g, b.beta, b.cu_seqlens, o, initial_state=b.initial_state,
                 final_state=final, workspace=kept)
     before = tuple(t.clone() for t in kept)
+    # this forward makes Delta from T, its scales and v, not from W and U: its own outputs
+    want = gdn_recurrent_reference(*(t.double() for t in (b.q, b.k, b.v, b.g, b.beta)),
+                                   b.cu_seqlens, initial_state=b.initial_state.double(),
+                                   use_qk_l2norm_in_kernel=True)
+    assert_close(o, want["o"], BF, "o of the forward keeping its workspace")
+    assert_close(final, want["final_state"], BF, "its final state")
     assert launch(name, b, ct, forward_workspace=kept).equal(expect)
     # the caller's factors are read only: the backward writes its own workspace alone
     assert all(map(same_bits, kept, before)), "forward_workspace was written"

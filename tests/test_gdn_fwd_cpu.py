@@ -231,14 +231,17 @@ def test_from_config_invalid_combinations(config, exc, match):
 # --- what the kernels cannot do yet --------------------------------------------------------------
 def test_split_recurrence_when_the_pairs_fill_at_most_half_the_sms(launches, monkeypatch):
     """N * HO = 32 (sequence, head) pairs: two CTAs each on a device of >= 64 SMs; V = 64
-    has no split kernel."""
+    has no split kernel. Either reads v with T (in work16 where W would be: no inverse
+    tensor without store_inverse)."""
     op = gdn().check_support()
     for sms, mode in ((63, "recurrence"), (64, "recurrence_split"), (132, "recurrence_split")):
         monkeypatch.setattr(gdn_module, "sm_count", lambda index: sms)
         op.execute(**call(), stream=1)
         assert [m for m, _ in launches.calls[-2:]] == ["prepare", mode]
-    (_, prep), (_, rec) = launches.calls[-2:]
-    assert after_qk(prep, rec)[:2] == (prep[7], prep[8])  # the same workspace either way
+        (_, prep), (_, rec) = launches.calls[-2:]
+        rec = after_qk(prep, rec)
+        assert rec[:2] == (prep[7], prep[8])  # the same workspace either way
+        assert rec[9] is prep[2] and rec[10] is None
     op64 = gdn(**samples(v=64)).check_support()
     op64.execute(**call(v=meta(T, HV, 64), o=meta(T, HO, 64)), stream=1)
     assert launches.calls[-1][0] == "recurrence"
@@ -427,11 +430,12 @@ def test_execute_launches_prepare_then_recurrence(launches):
     assert prep[7]._base is work16 and prep[8]._base is work32
     assert prep[9:] == (None, 1 / math.sqrt(K), 7)
     # recurrence(q, k, work16, work32, cu_seqlens, table, o, state0, state_indices, final,
-    # ckpt, v, inverses, n, stream), after q and k (v and the inverses: the backward's
-    # states pass only)
+    # ckpt, v, inverses, n, stream), after q and k (v with T, which prepare left in work16
+    # where W would be: no inverse tensor without store_inverse)
     assert len(rec) == 13
     assert same(rec[:5], [prep[7], prep[8], a["cu_seqlens"], a["cu_seqlens"], a["o"]])
-    assert rec[5:11] == (None,) * 6 and rec[11:] == (0, 7)
+    assert rec[5:9] == (None,) * 4 and rec[9] is a["v"] and rec[10] is None
+    assert rec[11:] == (0, 7)
     # the workspace made once, uninitialized (prepare writes what the recurrence reads), on
     # the launch stream, after asking whether it captures
     assert launches.events == [("stream", 7, None), ("empty", (CHUNKS, HO, 64, F), BF),
@@ -451,7 +455,8 @@ def test_execute_passes_every_state_tensor(launches):
     op.execute(**call(), initial_state=s0, final_state=fin, checkpoints=ckpt, stream=3)
     (_, prep), (_, rec) = launches.calls
     rec = after_qk(prep, rec)
-    assert same(rec[5:9], [s0, None, fin, ckpt]) and rec[9:] == (None, None, n, 3)
+    assert same(rec[5:9], [s0, None, fin, ckpt]) and rec[9] is prep[2]  # v
+    assert rec[10:] == (None, n, 3)
     # n is a runtime value: another spacing, same op
     ckpt64 = meta(T // 64 + N, HO, V, K, dtype=F32)
     op.execute(**call(), initial_state=s0, final_state=fin, checkpoints=ckpt64, stream=3,

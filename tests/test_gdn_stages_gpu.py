@@ -40,29 +40,6 @@ def rel_err(got, want):
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-def test_stage1_workspace_matches_the_reference():
-    q, k, v, gate, beta, cu = batch(LENS)
-    op = compiled_op(q, k, v, gate, beta, cu)
-    prepare = op._ready(0)["prepare"]
-    want, want_f = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
-                                                 use_qk_l2norm_in_kernel=True)
-    s16, s32 = op.workspace_shapes(q.shape[0], len(LENS))
-    assert tuple(want.shape) == s16 and tuple(want_f.shape) == s32[:2] + (2 * C + 1,)
-    work16 = torch.full(s16, float("nan"), dtype=q.dtype, device=DEV)
-    work32 = torch.full(s32, float("nan"), device=DEV)
-    # cu_seqlens stands in for the sequence table (the kernels then scan it)
-    prepare(q, k, v, gate, beta, cu, cu, work16, work32, None, K ** -0.5,
-            torch.cuda.current_stream().cuda_stream)
-    torch.cuda.synchronize()
-    chunks = sum(-(-n // C) for n in LENS)
-    got, got_f = work16[:chunks], work32[:chunks, :, :2 * C + 1]  # the rest is padding
-    assert not torch.isnan(got).any() and not torch.isnan(got_f).any()
-    for name, lo, hi in (("W", 0, K), ("U", K, K + V), ("M", K + V, K + V + C)):
-        err = rel_err(got[..., lo:hi], want[:chunks, ..., lo:hi])
-        assert err < 2e-2, f"{name}: max|got - want| / max|want| = {err:.3g}"
-    torch.testing.assert_close(got_f, want_f[:chunks], rtol=1e-4, atol=1e-5)
-
-
 @pytest.mark.parametrize("kind", ["backward", "forward keeping its workspace"])
 def test_stage1_inverse_and_scales_match_the_reference(kind):
     """A prepare with store_inverse also writes, for the backward, T = (I + A)^-1 and the
@@ -107,19 +84,52 @@ def test_stage1_inverse_and_scales_match_the_reference(kind):
         assert torch.isnan(work16[:chunks, ..., :K + V]).all()
 
 
-def recurrence_on_the_reference_workspace(mode, q, k, v, gate, beta, cu):
-    """Stage 2 kernel ``mode`` of the batch's op, fed the reference workspace (its factor
-    rows padded as gdn_layout lays them out): NaN-poisoned (o, final state)."""
+def test_stage1_workspace_matches_the_reference():
+    """Stage 1 against the reference workspace: no W or U but T where W would be, M and
+    both factor rows; U's columns and W's past T are left as they were."""
+    q, k, v, gate, beta, cu = batch(LENS)
     op = compiled_op(q, k, v, gate, beta, cu)
-    work, factors = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
-                                                  use_qk_l2norm_in_kernel=True)
+    work, factors, inv, scales = gdn_chunk_workspace_reference(
+        q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True, with_inverse=True)
+    s16, s32 = op.workspace_shapes(q.shape[0], len(LENS))
+    work16 = torch.full(s16, float("nan"), dtype=q.dtype, device=DEV)
+    work32 = torch.full(s32, float("nan"), device=DEV)
+    op._ready(0)["prepare"](q, k, v, gate, beta, cu, cu, work16, work32, None, K ** -0.5,
+                            torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    chunks = sum(-(-n // C) for n in LENS)
+    F = s32[-1] // 2
+    got_t, got_m = work16[:chunks, ..., :C], work16[:chunks, ..., K + V:]
+    got_f, got_s = work32[:chunks, :, :2 * C + 1], work32[:chunks, :, F:F + 2 * C]
+    for name, got in (("T", got_t), ("M", got_m), ("factors", got_f), ("scales", got_s)):
+        assert not torch.isnan(got).any(), name
+    assert torch.isnan(work16[:chunks, ..., C:K + V]).all()
+    for name, got, want in (("T", got_t, inv), ("M", got_m, work[..., K + V:])):
+        err = rel_err(got, want[:chunks])
+        assert err < 2e-2, f"{name}: max|got - want| / max|want| = {err:.3g}"
+    torch.testing.assert_close(got_f, factors[:chunks], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_s, scales[:chunks], rtol=1e-4, atol=1e-5)
+
+
+def recurrence_on_the_reference_workspace(mode, q, k, v, gate, beta, cu):
+    """Stage 2 kernel ``mode`` of the batch's op, fed the reference workspace as stage 1
+    lays it out (T where W would be, U's columns NaN: not read; the factor rows padded as
+    gdn_layout says, the scales in the second): NaN-poisoned (o, final state)."""
+    op = compiled_op(q, k, v, gate, beta, cu)
+    work, factors, inv, scales = gdn_chunk_workspace_reference(
+        q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True, with_inverse=True)
     _, s32 = op.workspace_shapes(q.shape[0], len(LENS))
     work32 = torch.zeros(s32, device=DEV)
     work32[..., :2 * C + 1] = factors
+    F = s32[-1] // 2
+    work = work.clone()
+    work[..., :C] = inv
+    work[..., C:K + V] = float("nan")  # not read
+    work32[..., F:F + 2 * C] = scales
     o = torch.full((sum(LENS), H, V), float("nan"), dtype=q.dtype, device=DEV)
     final = torch.full((len(LENS), H, V, K), float("nan"), device=DEV)
     op._ready(0)[mode](q, k, work.to(q.dtype), work32, cu, cu, o, None, None, final, None,
-                       None, None, 0, torch.cuda.current_stream().cuda_stream)
+                       v, None, 0, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     return o, final
 

@@ -13,12 +13,13 @@ Qc Qc^T and Kc Kc^T, so q and k are never rewritten), in-chunk cumulative log ga
     M  = scale diag(r_q) (Gamma * Qc Kc^T) diag(r_k), causal with the diagonal
     q_f = scale gamma r_q,   k_f = exp(G_L - G) r_k        (zero past the sequence end)
 
-W, U, M go, 16-bit, into one workspace row block per (chunk, head) and [q_f | k_f | G_L]
-into its fp32 factor row; with store_inverse also T itself into the inverse row block and
-the column scales of the scaled inverses Tw = T diag(beta gamma r_k), Tu = T diag(beta)
-(which W and U are made from) into the second factor row, and with store_wu=False (the
-backward's own prepare) W and U are neither made nor stored, nor V loaded
-(precast/kernels/gdn_layout.py; the contract is
+M goes, 16-bit, into one workspace row block per (chunk, head) and [q_f | k_f | G_L] into
+its fp32 factor row. With store_wu=False (what the ops run) W and U are neither made nor
+stored, nor V loaded: T itself goes where W would be (or, with store_inverse, into the
+inverse row block the backward reads) and the column scales of the scaled inverses
+Tw = T diag(beta gamma r_k), Tu = T diag(beta) (W = Tw Kc, U = Tu Vc) into the second
+factor row; the fused kernel still makes W and U (precast/kernels/gdn_layout.py; the
+contract is
 precast/reference/gdn_workspace.py). Stage 2 (gdn_recurrence_sm90) reads q and k
 themselves and applies q_f, k_f to its products. Chunks are packed over the batch:
 sequence b's chunk c is number sum_{b' < b} ceil(len_b' / 64) + c, so the workspace has at
@@ -87,8 +88,9 @@ class GdnChunkPrepareSm90:
         tensor and the scaled inverses' column scales [t_w | t_u] to the second factor row
         (gdn_layout), for the backward. store_wu=False (with store_inverse: the backward's
         own prepare, whose kernels use T and those scales instead): neither W nor U is
-        computed or stored."""
-        assert store_wu or store_inverse
+        computed or stored; without store_inverse T then goes into work16's first 64
+        columns (where W would be) and the scales to the second factor row, for a
+        recurrence with from_inverse."""
         assert k_dim in (64, 128) and v_dim in (64, 128)
         self.dtype = dtype
         self.k_dim, self.v_dim = k_dim, v_dim
@@ -100,6 +102,9 @@ class GdnChunkPrepareSm90:
         self.g_dtype, self.beta_dtype = g_dtype, beta_dtype
         self.store_inverse = store_inverse
         self.store_wu = store_wu
+        # T and the scales leave this kernel: for the backward (store_inverse, into the
+        # inverse tensor) or for a recurrence that makes W and U's products itself
+        self.stores_t = store_inverse or not store_wu
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -254,7 +259,7 @@ class GdnChunkPrepareSm90:
             out = (sK[None, None, 0], sV[None, None, 0], m16, mWork32[packed, head, None])
             sInv = None
             inv2 = None  # its (64, 64) view
-            if const_expr(self.store_inverse):
+            if const_expr(self.stores_t):
                 sInv = cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(),
                                                         swizzle_=sM_layout.inner,
                                                         dtype=self.dtype), sM_layout.outer)
@@ -272,6 +277,8 @@ class GdnChunkPrepareSm90:
                 stores = ((store_m, sM, K + V, C),)
                 if const_expr(self.store_wu):
                     stores = ((store_w, sK, 0, K), (store_u, sV, K, V)) + stores
+                elif const_expr(not self.store_inverse):  # T where W would be
+                    stores = ((store_m, sInv, 0, C),) + stores
                 for atom, s, col, cols in stores:
                     block = mWork16[None, None, head, packed]  # (64, F)
                     g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
@@ -460,7 +467,7 @@ class GdnChunkPrepareSm90:
         if j == 0:
             out_f[G_LAST] = g_last
         t_w = beta * cute.math.exp(g, fastmath=True) * r_k
-        if const_expr(self.store_inverse):  # the backward's scales of T (second factor row)
+        if const_expr(self.stores_t):  # the scales of T (second factor row)
             out_f[FACTOR_COLS + W_FACTORS + j] = t_w
             out_f[FACTOR_COLS + U_FACTORS + j] = beta
         return t_w, beta

@@ -2,10 +2,12 @@
 so that the op's execute() sizes it where the compiler is not installed.
 
 Per (chunk, output head), the contract of precast/reference/gdn_workspace.py:
-work16 holds 64 rows of [W | U | M] (K, V and 64 columns, the io dtype); work32 holds two
+work16 holds 64 rows of [W | U | M] (K, V and 64 columns, the io dtype), of which the ops'
+stage 1 writes T = (I + A)^-1 into W's first 64 columns and M (their recurrences never
+form W and U; U's columns are unused until the layout shrinks); work32 holds two
 factor rows of FACTOR_COLS floats each (padded so that each starts 32-byte aligned):
 [q_f | k_f | G_L] (64, 64, 1), then, written only by a prepare with store_inverse,
-[t_w | t_u] (64, 64): the column scales of T = (I + A)^-1 that make the scaled inverses
+[t_w | t_u] (64, 64): the column scales of T that make the scaled inverses
 Tw = T diag(t_w), t_w = beta gamma r_k, and Tu = T diag(t_u), t_u = beta (W = Tw K and
 U = Tu V with the raw k and v rows). The backward reads T and these scales instead of W and
 U: 8 KB of T and 0.5 KB of scales per (chunk, head) instead of 32 KB."""

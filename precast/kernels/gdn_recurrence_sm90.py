@@ -2,29 +2,26 @@
 
 Verified on an H200 (2026-11-30) by tests/test_gdn_stages_gpu.py and tests/test_gdn_fwd_gpu.py.
 
-One CTA per (sequence, output head) walks the sequence's chunks in order, reading the WY
-factors stage 1 (gdn_chunk_sm90) left in the workspace ([W | U | M] rows, the factor row
-[q_f | k_f | G_L]) and the chunk's raw q and k rows. The state is held transposed, S^T
+One CTA per (sequence, output head) walks the sequence's chunks in order, reading what
+stage 1 (gdn_chunk_sm90) left in the workspace (M, T = (I + A)^-1 and the factor rows
+[q_f | k_f | G_L], [t_w | t_u]; the fused kernel: W and U) and the chunk's raw q, k and v
+rows. The state is held transposed, S^T
 (V x K, V-major as stored), fp32 in the registers of V / 64 consumer warpgroups (64 V-rows
 each), so every chunk product takes S^T or Delta^T as a register A operand and the chunk's
-tiles as shared-memory B operands:
-
-    X^T     = S^T W^T,  O^T = (S^T Q^T) diag(q_f)       (N = 64 each, K-dim = K)
-    Delta^T = U^T - X^T                                 (fp32, then 16-bit, twice:
-                                                         as is and times diag(k_f))
-    O^T    += Delta^T M^T                               (N = 64, K-dim = 64)
-    S^T     = exp(G_L) S^T + (Delta^T diag(k_f)) K      (N = K, K read transposed)
-
-The backward's states pass (states_only) reads no W and U: its prepare stores T = (I + A)^-1
-and the column scales t_w = beta gamma r_k, t_u = beta of the second factor row instead
-(W = T diag(t_w) K, U = T diag(t_u) V with the raw rows; gdn_chunk_sm90), and it loads v's
-rows beside k's:
+tiles as shared-memory B operands. W = T diag(t_w) Kc and U = T diag(t_u) Vc
+(t_w = beta gamma r_k, t_u = beta; raw rows) are never formed (from_inverse, what the ops
+run; 16 KB fewer loads per chunk than W and U, one more 64-deep product on the chain):
 
     Y^T     = S^T K^T                                   (N = 64, K-dim = K)
     Z^T     = V^T diag(t_u) - Y^T diag(t_w)             (fp32, then 16-bit)
-    Delta^T = Z^T T^T                                   (N = 64, K-dim = 64)
+    Delta^T = Z^T T^T  (= U^T - S^T W^T)                (N = 64, K-dim = 64; 16-bit, twice:
+                                                         as is and times diag(k_f))
+    S^T     = exp(G_L) S^T + (Delta^T diag(k_f)) K      (N = K, K read transposed)
+    O^T     = (S^T Q^T) diag(q_f) + Delta^T M^T         (beside the state's update)
 
-(the same Delta up to where the roundings fall, so its states are not bitwise the forward's).
+The fused kernel (gdn_fwd_sm90) reads W and U instead: X^T = S^T W^T (in flight with
+S^T Q^T), Delta^T = U^T - X^T. The backward's states pass (states_only) is the first form
+without o.
 A producer warp streams the tiles through a TMA ring. The state entering local positions
 0, n, 2n, ... is written to the checkpoint rows (n a multiple of 64), and the final state to
 final_state or back into the pool row. o rows past the sequence end are not written.
@@ -125,7 +122,8 @@ class GdnChunkRecurrenceSm90:
     def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
                  v_heads: int, initial_state: bool, pool: bool, final_state: bool,
                  checkpoints: bool, overlap_products: bool = True, v_splits: int = 1,
-                 states_only: bool = False, from_checkpoints: bool = False):
+                 states_only: bool = False, from_checkpoints: bool = False,
+                 from_inverse: bool = False):
         """initial_state: an [N or N_pool, HO, V, K] state is read (with pool: at row
         state_indices[b], and the final state written back there); final_state: the end
         state goes to an [N, HO, V, K] fp32 tensor; checkpoints: [rows, HO, V, K].
@@ -139,12 +137,16 @@ class GdnChunkRecurrenceSm90:
         docstring). from_checkpoints (with states_only): the states pass regenerated from the forward's checkpoints, every ckpt_every tokens (mState0,
         io dtype or float32): one CTA per (checkpoint row, head) walks only its segment
         (its grid covers mState0's rows; rows past the series exit), so a long sequence
-        spreads over many SMs; the states go to mCkpt at every chunk's packed row."""
+        spreads over many SMs; the states go to mCkpt at every chunk's packed row.
+        from_inverse (implied by states_only): W and U are not read but made from T, its
+        column scales and v as in the states pass (module docstring); with o, T gets its
+        own tile and S^T Q^T waits for Delta."""
         assert k_dim in (64, 128) and v_dim in (64, 128)
         assert not states_only or checkpoints
         assert not from_checkpoints or (states_only and initial_state and not pool
                                         and not final_state)
         self.states_only, self.from_checkpoints = states_only, from_checkpoints
+        self.from_inverse = from_inverse or states_only
         assert not pool or initial_state
         self.dtype = dtype
         self.k_dim, self.v_dim = k_dim, v_dim
@@ -191,11 +193,12 @@ class GdnChunkRecurrenceSm90:
                                                    one(sK_layout), (C, K))
         tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, mW, one(sU_layout), (C, Vc))
         tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
-        if const_expr(self.states_only):
-            # the backward's states pass: the W atom loads T (64 x 64; W = T diag(t_w) Kc,
-            # U = T diag(t_u) Vc) and the U atom this CTA's columns of v
-            tma_k, mW_k = cpasync.make_tiled_tma_atom(g2s, select_modes(mInv, [2, 3, 1, 0]),
-                                                      one(sM_layout), (C, C))
+        if const_expr(self.from_inverse):
+            # the W atom loads T (64 x 64; W = T diag(t_w) Kc, U = T diag(t_u) Vc) and the U
+            # atom this CTA's columns of v
+            # (T from work16's first 64 columns, where W would be, without mInv)
+            m_t = mW if const_expr(mInv is None) else select_modes(mInv, [2, 3, 1, 0])
+            tma_k, mW_k = cpasync.make_tiled_tma_atom(g2s, m_t, one(sM_layout), (C, C))
             tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, select_modes(mV, [0, 2, 1]),
                                                       one(sU_layout), (C, Vc))
 
@@ -226,11 +229,14 @@ class GdnChunkRecurrenceSm90:
                 sCk_layout, store_ck, mCk_t = checkpoint_staging()
                 staged_ckpt = (store_ck, mCk_t, sCk_layout)
                 sCk_elems = cute.cosize(sCk_layout)
-        # states_only loads neither Q nor M (they only make o), but K, V and T
-        self.stage_bytes = ((1 if const_expr(self.states_only) else 3)
-                            * cute.size_in_bytes(dt, one(sK_layout))
+        # states_only loads neither Q nor M (they only make o), but K, V and T; with o and
+        # from_inverse: Q, K, V, M and T
+        tiles_k = 1 if const_expr(self.states_only) else (
+            2 if const_expr(self.from_inverse) else 3)
+        tiles_c = 2 if const_expr(self.from_inverse and not self.states_only) else 1
+        self.stage_bytes = (tiles_k * cute.size_in_bytes(dt, one(sK_layout))
                             + cute.size_in_bytes(dt, one(sU_layout))
-                            + cute.size_in_bytes(dt, one(sM_layout)))
+                            + tiles_c * cute.size_in_bytes(dt, one(sM_layout)))
         tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(mWork32, STAGES)
         self.stage_bytes += factor_bytes
         rmem = warpgroup.OperandSource.RMEM
@@ -292,6 +298,10 @@ class GdnChunkRecurrenceSm90:
         sQ = storage.sQ.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sW = storage.sW.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        if const_expr(self.from_inverse and not self.states_only):  # T where W would be
+            sW = cute.make_tensor(cute.recast_ptr(storage.sW.data_ptr(),
+                                                  swizzle_=sM_layout.inner, dtype=self.dtype),
+                                  sM_layout.outer)
         sU = storage.sU.get_tensor(sU_layout.outer, swizzle=sU_layout.inner)
         sM = storage.sM.get_tensor(sM_layout.outer, swizzle=sM_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
@@ -384,6 +394,8 @@ class GdnChunkRecurrenceSm90:
         if const_expr(not self.states_only):  # Q and M only make o
             tiles = tiles + ((tma_m, mW_m, sM, K + V, C),)
             token_tiles = ((tma_q, mQ, sQ, head // self.q_group),) + token_tiles
+            if const_expr(self.from_inverse):  # T where W would be, v's columns (below)
+                tiles = ((tma_k, mW_k, sW, 0, C), (tma_m, mW_m, sM, K + V, C))
         else:  # T into sM; v's columns into sU (below)
             tiles = ((tma_k, mW_k, sM, 0, C),)
         for c in cutlass.range(chunks, unroll=1):
@@ -393,7 +405,7 @@ class GdnChunkRecurrenceSm90:
                 g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, K),
                                     (c, 0))
                 tma_load_tile(atom, g, s, state.index, bar)
-            if const_expr(self.states_only):
+            if const_expr(self.from_inverse):
                 g = cute.local_tile(cute.domain_offset(
                     (start, 0), mW_u[None, None, head // self.v_group]), (C, self.v_rows),
                     (c, split))
@@ -411,10 +423,15 @@ class GdnChunkRecurrenceSm90:
                 mSeqTable, batch: Int32,
                 head: Int32, start: Int32, length: Int32, first_chunk: Int32, chunks: Int32,
                 updates: Int32, consumer_tidx: Int32, split: Int32):
-        # states_only: the "W" B operand is Kc itself (Y^T = S^T Kc^T)
+        # from_inverse: the "W" B operand is Kc itself (Y^T = S^T Kc^T); with o, T's own
+        # B fragment (sW holds T then)
         parts = self.state_parts(mma_tok, mma_state, sQ, sK,
-                                 sK if const_expr(self.states_only) else sW, sM,
+                                 sK if const_expr(self.from_inverse) else sW, sM,
                                  consumer_tidx, split)
+        frag_t = None
+        if const_expr(self.from_inverse and not self.states_only):
+            wg_tok = mma_tok.get_slice((consumer_tidx // THREADS_PER_WG) * THREADS_PER_WG)
+            frag_t = wg_tok.make_fragment_B(wg_tok.partition_B(sW))
         state_row, ckpt_row = self.load_state(parts, mState0, mStateIdx, mCuSeqlens,
                                               ckpt_every, batch, head, mSeqTable)
         every = ckpt_every
@@ -433,7 +450,7 @@ class GdnChunkRecurrenceSm90:
                 self.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
             pipe.consumer_wait(state)
             self.chunk_update(parts, sU[None, None, state.index], state.index,
-                              sF[0, None, state.index], sF[1, None, state.index])
+                              sF[0, None, state.index], sF[1, None, state.index], frag_t)
             cute.arch.sync_warp()
             pipe.consumer_release(state)
             state = advanced(state)
@@ -506,11 +523,11 @@ class GdnChunkRecurrenceSm90:
                 self.save_state(parts, mCkpt, ckpt_row + (c * CHUNK) // ckpt_every, head)
 
     @cute.jit
-    def chunk_update(self, parts, sU, s, factors, scales=None):
-        """One chunk (its tiles in stage s, U (states_only: v's columns) as the 2-D view
-        ``sU``, its factor rows [q_f | k_f | G_L] and (states_only) [t_w | t_u] as the 1-D
-        views ``factors``, ``scales``): O^T into acc_o, the state advanced; every wgmma
-        waited for."""
+    def chunk_update(self, parts, sU, s, factors, scales=None, frag_t=None):
+        """One chunk (its tiles in stage s, U (from_inverse: v's columns) as the 2-D view
+        ``sU``, its factor rows [q_f | k_f | G_L] and (from_inverse) [t_w | t_u] as the 1-D
+        views ``factors``, ``scales``; with o and from_inverse T's B fragment ``frag_t``):
+        O^T into acc_o, the state advanced; every wgmma waited for."""
         mma_tok, mma_state, acc_state = parts.mma_tok, parts.mma_state, parts.acc_state
         acc_x, acc_o, state16, thr_tok = parts.acc_x, parts.acc_o, parts.state16, parts.thr_tok
         delta16, delta_k16 = parts.deltas
@@ -530,13 +547,38 @@ class GdnChunkRecurrenceSm90:
         tSrDk = cute.make_tensor(delta_k16.iterator, acc_as_operand_a(acc_x.layout))
         state16.store(acc_state.load().to(self.dtype))
         wgmma(mma_tok, acc_x, tXrS, tXrW[None, None, None, s], False)
-        if const_expr(self.states_only):  # no o: X^T, Delta^T, the update
+        t_w = t_u = None
+        if const_expr(self.from_inverse):
             t_w = thr_tok.partition_C(cute.make_tensor(
                 cute.domain_offset((W_FACTORS,), scales).iterator, by_token))
             t_u = thr_tok.partition_C(cute.make_tensor(
                 cute.domain_offset((U_FACTORS,), scales).iterator, by_token))
+        if const_expr(self.states_only):  # no o: X^T, Delta^T, the update
             self.update_state(parts, u_t, t_kf, t_w, t_u, factors, tSrDk,
                               tSrK[None, None, None, s], tOrM[None, None, None, s])
+        elif const_expr(self.from_inverse):
+            decay = cute.math.exp(factors[G_LAST], fastmath=True)
+            acc_d = cute.make_rmem_tensor(acc_x.layout, Float32)
+            if const_expr(self.overlap_products):  # S^T Q^T in flight with Y^T
+                wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
+            warpgroup.wait_group(1 if const_expr(self.overlap_products) else 0)  # Y^T
+            for e in cutlass.range_constexpr(cute.size(acc_x)):  # Z^T into delta16's registers
+                delta16[e] = (t_u[e] * u_t[e].to(Float32) - t_w[e] * acc_x[e]).to(self.dtype)
+            wgmma(mma_tok, acc_d, tSrD, frag_t[None, None, None, s], False)  # Delta^T = Z^T T^T
+            warpgroup.wait_group(0)
+            for e in cutlass.range_constexpr(cute.size(acc_x)):
+                delta16[e] = acc_d[e].to(self.dtype)
+                delta_k16[e] = (acc_d[e] * t_kf[e]).to(self.dtype)
+            for e in cutlass.range_constexpr(cute.size(acc_state)):
+                acc_state[e] = acc_state[e] * decay
+            wgmma(mma_state, acc_state, tSrDk, tSrK[None, None, None, s], True)
+            if const_expr(not self.overlap_products):  # S^T Q^T beside the state's update
+                wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
+            warpgroup.wait_group(0)
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[e] = acc_o[e] * t_qf[e]
+            wgmma(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
+            warpgroup.wait_group(0)
         else:
             if const_expr(self.overlap_products):
                 wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)

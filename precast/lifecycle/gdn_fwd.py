@@ -5,7 +5,7 @@ of a call: precast/lifecycle/gdn_rules.py (reused here, never restated). Two ker
 in order on one stream, through a workspace of (T // 64 + N) chunk rows:
 
 * "prepare" (precast/kernels/gdn_chunk_sm90.py): one CTA per (64-token chunk, output head)
-  writes the chunk's WY factors and its total log decay;
+  writes the chunk's T = (I + A)^-1, M, row factors and total log decay (no W or U);
 * "recurrence" (precast/kernels/gdn_recurrence_sm90.py): one CTA per (sequence, output
   head) walks the sequence's chunks with the fp32 state: o, checkpoints, the final state
   (or the pool row, in place).
@@ -274,13 +274,16 @@ def seq_table_kernel():
 def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool: bool,
                       final_state: bool, checkpoint_dtype: Optional[torch.dtype],
                       v_splits: int = 1, states_only: bool = False,
-                      from_checkpoints: bool = False):
+                      from_checkpoints: bool = False, from_inverse: bool = False,
+                      inverse_tensor: bool = True):
     """Stage 2 (GdnChunkRecurrenceSm90) and its fake arguments (q, k, work16, work32,
     cu_seqlens, o, initial state, state_indices, final state, checkpoints, v, inverses,
     ckpt_every, stream); absent tensors are None. states_only: no o, the checkpoints (io
     dtype) stored by TMA, W and U made from v, T and its scales (the backward's states
-    pass); from_checkpoints: that pass started from the
-    forward's checkpoints (passed as the initial state, of ``state_dtype``)."""
+    pass); from_checkpoints: that pass started from the forward's checkpoints (passed as
+    the initial state, of ``state_dtype``); from_inverse: with o, W and U made the same way
+    (a forward whose prepare wrote T and no W, U), T read from the inverse tensor or, with
+    inverse_tensor=False, from work16's first 64 columns."""
     import cutlass
     import cutlass.cute as cute
     from ..kernels.fake import fake_stream, fake_tokens, scalar
@@ -289,7 +292,8 @@ def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool:
     kernel = GdnChunkRecurrenceSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, state_dtype is not None,
                                     pool, final_state, checkpoint_dtype is not None,
                                     v_splits=v_splits, states_only=states_only,
-                                    from_checkpoints=from_checkpoints)
+                                    from_checkpoints=from_checkpoints,
+                                    from_inverse=from_inverse)
     o = None if states_only else fake_tokens(io, cute.sym_int(), s.HO, s.V)
     args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
             *_fake_workspace(s), _fake_offsets(), _fake_offsets(), o,
@@ -297,9 +301,9 @@ def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool:
             _fake_offsets() if pool else None,
             _fake_state(torch.float32, s) if final_state else None,
             None if checkpoint_dtype is None else _fake_state(checkpoint_dtype, s),
-            # the states pass: v and the inverses instead of work16's W and U
-            fake_tokens(io, tokens, s.HV, s.V) if states_only else None,
-            _fake_inverses(s) if states_only else None,
+            # the states pass or from_inverse: v and the inverses instead of W and U
+            fake_tokens(io, tokens, s.HV, s.V) if states_only or from_inverse else None,
+            _fake_inverses(s) if (states_only or from_inverse) and inverse_tensor else None,
             scalar(cutlass.Int32, CHUNK_SIZE), fake_stream())
     return kernel, args
 
@@ -488,13 +492,20 @@ class GdnFwdSm90(Op):
     def _kernel_builders(self) -> Mapping[str, KernelBuilder]:
         s = self.shapes
 
+        # Stage 1 stores T and its column scales instead of W and U (T where W would be,
+        # or with store_inverse in the inverse tensor the backward reads); stage 2 makes W
+        # and U's products from them, k and v: 32 KB fewer stores and 16 KB fewer loads
+        # per (chunk, head), one more 64-deep product on the state's chain. Split or not,
+        # every state row's arithmetic is the same (batch invariance is bitwise).
         def recurrence(v_splits: int = 1):
             return recurrence_kernel(s, state_dtype=s.state_dtype, pool=s.uses_pool,
                                      final_state=s.output_final_state,
-                                     checkpoint_dtype=s.checkpoint_dtype, v_splits=v_splits)
+                                     checkpoint_dtype=s.checkpoint_dtype, v_splits=v_splits,
+                                     from_inverse=True, inverse_tensor=self.store_inverse)
 
         builders = {"seq_table": seq_table_kernel,
-                    "prepare": lambda: prepare_kernel(s, store_inverse=self.store_inverse),
+                    "prepare": lambda: prepare_kernel(s, store_inverse=self.store_inverse,
+                                                      store_wu=False),
                     "recurrence": recurrence,
                     "recurrence_split": lambda: recurrence(v_splits=2)}
         return {mode: builders[mode] for mode in kernel_modes(s.V)}
@@ -637,8 +648,8 @@ class GdnFwdSm90(Op):
                                    cu_seqlens, s.N, every)
             kernels["prepare"](q, k, v, g, beta, cu_seqlens, table, work16, work32, inv,
                                s.scale, handle)
-            # ckpt_every is unused (compiled out) without checkpoints.
+            # ckpt_every is unused (compiled out) without checkpoints; T is in inv, or
+            # else in work16 where W would be
             recurrence = "recurrence_split" if splits_recurrences(s, index) else "recurrence"
             kernels[recurrence](q, k, work16, work32, cu_seqlens, table, o, initial_state,
-                                state_indices, final_state, checkpoints, None, None,
-                                every, handle)
+                                state_indices, final_state, checkpoints, v, inv, every, handle)
