@@ -54,13 +54,13 @@ def io_bytes(q, k, v, g, beta, batch: int) -> int:
 
 
 def workspace_bytes(q, k, v, g, beta, cu) -> int:
-    """What the two-kernel path moves besides its inputs and outputs: the workspace's T and
-    M (64 + 64 of work16's columns; U's are not used) and factor rows, written by the first
-    kernel and read by the second, and v read a second time by the second."""
+    """What the two-kernel path moves besides its inputs and outputs: the workspace ([T | M]
+    and the factor rows), written by the first kernel and read by the second, and v read a
+    second time by the second."""
     op = GdnFwdSm90(q, k, v, g, beta, cu)  # descriptors only: nothing compiled
     s16, s32 = op.workspace_shapes(q.shape[0], cu.shape[0] - 1)
-    used16 = math.prod(s16[:-1]) * 2 * 64  # T and M
-    return 2 * (used16 * q.element_size() + math.prod(s32) * 4) + v.numel() * v.element_size()
+    return (2 * (math.prod(s16) * q.element_size() + math.prod(s32) * 4)
+            + v.numel() * v.element_size())
 
 
 def peer_gdn():

@@ -91,11 +91,10 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     recomputation's up to rounding: the backward's states pass makes Delta from T and
     its column scales, the forward from W and U); with
     many pairs they cost more than they save (bench/RESULTS.md, session 13).
-    ``keep_workspace=True`` keeps the forward's chunk factors (W, U, M, the factor rows and
-    T = (I + A)^-1: about (K + V + 128) x 2 bytes per token and output head, as much again
-    as q, k and v at K = V = 128) until the backward, which then skips recomputing them
-    (its "prepare" kernel: ~23 % of the backward at 4 x 8192 tokens, 64 heads); the forward
-    writes T as well (~9 % more time). The state pool is forward only: with an input
+    ``keep_workspace=True`` keeps the forward's chunk factors (M, T = (I + A)^-1 and the
+    factor rows: about 0.55 KB per token and output head, 70 % of q, k and v at K = V =
+    128) until the backward, which then skips recomputing them (its "prepare" kernel: ~15 %
+    of the backward at 4 x 8192 tokens, 64 heads). The state pool is forward only: with an input
     requiring grad it raises (use torch.no_grad(), or gather the pool rows into an
     initial_state).
     """

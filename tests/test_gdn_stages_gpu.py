@@ -70,7 +70,7 @@ def test_stage1_inverse_and_scales_match_the_reference(kind):
     torch.cuda.synchronize()
     chunks = sum(-(-n // C) for n in LENS)
     F = s32[-1] // 2  # a factor row's padded length
-    got_m, got_f = work16[:chunks, ..., K + V:], work32[:chunks, :, :2 * C + 1]
+    got_m, got_f = work16[:chunks, ..., C:], work32[:chunks, :, :2 * C + 1]  # [T | M]
     got_s, got_t = work32[:chunks, :, F:F + 2 * C], got_inv[:chunks]
     for name, got in (("M", got_m), ("factors", got_f), ("scales", got_s), ("T", got_t)):
         assert not torch.isnan(got).any(), name
@@ -80,13 +80,13 @@ def test_stage1_inverse_and_scales_match_the_reference(kind):
     torch.testing.assert_close(got_s, scales[:chunks], rtol=1e-4, atol=1e-5)
     err = rel_err(got_t, inv[:chunks])
     assert err < 2e-2, f"T: max|got - want| / max|want| = {err:.3g}"
-    if kind == "backward":  # no W or U: their columns stay as they were
-        assert torch.isnan(work16[:chunks, ..., :K + V]).all()
+    # T goes to the inverse tensor only: work16's T columns stay as they were
+    assert torch.isnan(work16[:chunks, ..., :C]).all()
 
 
 def test_stage1_workspace_matches_the_reference():
-    """Stage 1 against the reference workspace: no W or U but T where W would be, M and
-    both factor rows; U's columns and W's past T are left as they were."""
+    """Stage 1 against the reference workspace: [T | M] (no W or U) and both factor
+    rows."""
     q, k, v, gate, beta, cu = batch(LENS)
     op = compiled_op(q, k, v, gate, beta, cu)
     work, factors, inv, scales = gdn_chunk_workspace_reference(
@@ -99,11 +99,10 @@ def test_stage1_workspace_matches_the_reference():
     torch.cuda.synchronize()
     chunks = sum(-(-n // C) for n in LENS)
     F = s32[-1] // 2
-    got_t, got_m = work16[:chunks, ..., :C], work16[:chunks, ..., K + V:]
+    got_t, got_m = work16[:chunks, ..., :C], work16[:chunks, ..., C:]
     got_f, got_s = work32[:chunks, :, :2 * C + 1], work32[:chunks, :, F:F + 2 * C]
     for name, got in (("T", got_t), ("M", got_m), ("factors", got_f), ("scales", got_s)):
         assert not torch.isnan(got).any(), name
-    assert torch.isnan(work16[:chunks, ..., C:K + V]).all()
     for name, got, want in (("T", got_t, inv), ("M", got_m, work[..., K + V:])):
         err = rel_err(got, want[:chunks])
         assert err < 2e-2, f"{name}: max|got - want| / max|want| = {err:.3g}"
@@ -113,8 +112,8 @@ def test_stage1_workspace_matches_the_reference():
 
 def recurrence_on_the_reference_workspace(mode, q, k, v, gate, beta, cu):
     """Stage 2 kernel ``mode`` of the batch's op, fed the reference workspace as stage 1
-    lays it out (T where W would be, U's columns NaN: not read; the factor rows padded as
-    gdn_layout says, the scales in the second): NaN-poisoned (o, final state)."""
+    lays it out ([T | M]; the factor rows padded as gdn_layout says, the scales in the
+    second): NaN-poisoned (o, final state)."""
     op = compiled_op(q, k, v, gate, beta, cu)
     work, factors, inv, scales = gdn_chunk_workspace_reference(
         q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True, with_inverse=True)
@@ -122,9 +121,7 @@ def recurrence_on_the_reference_workspace(mode, q, k, v, gate, beta, cu):
     work32 = torch.zeros(s32, device=DEV)
     work32[..., :2 * C + 1] = factors
     F = s32[-1] // 2
-    work = work.clone()
-    work[..., :C] = inv
-    work[..., C:K + V] = float("nan")  # not read
+    work = torch.cat([inv, work[..., K + V:]], dim=-1)  # [T | M] from [W | U | M]
     work32[..., F:F + 2 * C] = scales
     o = torch.full((sum(LENS), H, V), float("nan"), dtype=q.dtype, device=DEV)
     final = torch.full((len(LENS), H, V, K), float("nan"), device=DEV)

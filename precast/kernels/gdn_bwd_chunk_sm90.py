@@ -57,7 +57,7 @@ from cutlass.utils import LayoutEnum
 from .attention_sm90 import (acc_as_operand_a, load_ldmatrix, select_modes, store_stmatrix,
                              tma_load_tile, tma_store_tile, transposed, wgmma)
 from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90, block_chunk_head, chunk_grid
-from .gdn_layout import CHUNK, gradients_in_place
+from .gdn_layout import CHUNK, M_COL, gradients_in_place
 
 WGS = 2  # warpgroup 0: the q side; warpgroup 1: the WY side
 THREADS = 128 * WGS
@@ -302,7 +302,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         token_tile(*lv, sV, head // self.v_group, V, FIRST_LOADS)
         block_tile(*linv, sT, 0, (C, C), FIRST_LOADS)
         token_tile(*ldo, sDO, head, V, REST_LOADS)
-        block_tile(*lm, sM, K + V, (C, C), REST_LOADS)
+        block_tile(*lm, sM, M_COL, (C, C), REST_LOADS)
         block_tile(*lds, sDS, 0, (V, K), LATE_LOADS)
 
     @cute.jit

@@ -34,7 +34,7 @@ from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
                              tma_pipeline, tma_store_tile, transposed, wgmma)
-from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS, W_FACTORS
+from .gdn_layout import CHUNK, G_LAST, K_FACTORS, M_COL, Q_FACTORS, W_FACTORS
 from .gdn_recurrence_sm90 import factor_row_loads, load_factor_row, packed_chunk_start
 
 THREADS_PER_WG = 128
@@ -193,7 +193,7 @@ class GdnStateGradSm90:
                                     (c, col_tile))
                 tma_load_tile(atom, g, s, state.index, bar)
             for atom, m, s, col, cols in ((tma_w, mW_w, sW, 0, C),
-                                          (tma_m, mW_m, sM, K + self.v_dim, C)):
+                                          (tma_m, mW_m, sM, M_COL, C)):
                 block = m[None, None, head, first_chunk + c]  # (64, F)
                 g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
                 tma_load_tile(atom, g, s, state.index, bar)

@@ -40,8 +40,8 @@ from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (find_in_sequences, select_modes, store_stmatrix, tma_load_tile,
                              tma_store_tile, transposed, warp_inclusive_sum, wgmma)
-from .gdn_layout import (CHUNK, FACTOR_COLS, G_LAST, K_FACTORS, Q_FACTORS, U_FACTORS,
-                         W_FACTORS)
+from .gdn_layout import (CHUNK, FACTOR_COLS, G_LAST, K_FACTORS, M_COL, Q_FACTORS, T_COL,
+                         U_FACTORS, W_FACTORS)
 from .gdn_seq_table_sm90 import find_in_table, has_table
 
 THREADS = 128
@@ -116,6 +116,9 @@ class GdnChunkPrepareSm90:
         (N + 1,) int32; mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none); mWork16
         / mWork32 as gdn_layout.workspace_shapes; mInv (chunks, HO, 64, 64) with
         store_inverse, else None."""
+        # W and U are formed only inside the fused kernel (gdn_fwd_sm90): work16 has no
+        # room for them
+        assert not self.store_wu, "the standalone stage 1 stores T and M, not W and U"
         dt = self.dtype
         C = CHUNK
         layouts, loads, mmas = self.prepare_setup(mQ, mK, mV, 1)
@@ -274,11 +277,9 @@ class GdnChunkPrepareSm90:
             self.sync()
             if warp == 0:  # the whole warp: each TMA copy elects its issuing lane itself
                 K, V = self.k_dim, self.v_dim
-                stores = ((store_m, sM, K + V, C),)
-                if const_expr(self.store_wu):
-                    stores = ((store_w, sK, 0, K), (store_u, sV, K, V)) + stores
-                elif const_expr(not self.store_inverse):  # T where W would be
-                    stores = ((store_m, sInv, 0, C),) + stores
+                stores = ((store_m, sM, M_COL, C),)
+                if const_expr(not self.store_inverse):  # T beside M
+                    stores = ((store_m, sInv, T_COL, C),) + stores
                 for atom, s, col, cols in stores:
                     block = mWork16[None, None, head, packed]  # (64, F)
                     g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))

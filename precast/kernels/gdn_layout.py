@@ -1,10 +1,10 @@
 """The Gated DeltaNet forward's workspace layout: plain Python (neither cutlass nor torch),
 so that the op's execute() sizes it where the compiler is not installed.
 
-Per (chunk, output head), the contract of precast/reference/gdn_workspace.py:
-work16 holds 64 rows of [W | U | M] (K, V and 64 columns, the io dtype), of which the ops'
-stage 1 writes T = (I + A)^-1 into W's first 64 columns and M (their recurrences never
-form W and U; U's columns are unused until the layout shrinks); work32 holds two
+Per (chunk, output head), what precast/reference/gdn_workspace.py computes: work16 holds
+64 rows of [T | M] (64 and 64 columns, the io dtype; T = (I + A)^-1, whose column scales
+make W and U, which no kernel of the ops forms in memory; with store_inverse T goes to the
+inverse tensor instead and its columns here are not written); work32 holds two
 factor rows of FACTOR_COLS floats each (padded so that each starts 32-byte aligned):
 [q_f | k_f | G_L] (64, 64, 1), then, written only by a prepare with store_inverse,
 [t_w | t_u] (64, 64): the column scales of T that make the scaled inverses
@@ -13,6 +13,8 @@ U = Tu V with the raw k and v rows). The backward reads T and these scales inste
 U: 8 KB of T and 0.5 KB of scales per (chunk, head) instead of 32 KB."""
 
 CHUNK = 64
+T_COL, M_COL = 0, CHUNK  # column blocks of a work16 row block
+WORK16_COLS = 2 * CHUNK
 Q_FACTORS, K_FACTORS, G_LAST = 0, CHUNK, 2 * CHUNK  # columns of the first factor row
 W_FACTORS, U_FACTORS = 0, CHUNK  # columns of the second
 FACTOR_COLS = 2 * CHUNK + 8
@@ -25,7 +27,7 @@ def workspace_shapes(total_tokens: int, num_seqs: int, heads: int, k_dim: int, v
     T = (I + A)^-1 (64 x 64, the io dtype) is written only by a prepare kernel with
     store_inverse (the backward's, or a forward whose workspace the backward reuses)."""
     chunks = total_tokens // CHUNK + num_seqs
-    return ((chunks, heads, CHUNK, k_dim + v_dim + CHUNK),
+    return ((chunks, heads, CHUNK, WORK16_COLS),
             (chunks, heads, FACTOR_ROWS * FACTOR_COLS), (chunks, heads, CHUNK, CHUNK))
 
 

@@ -40,8 +40,8 @@ from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
                              tma_pipeline, tma_store_tile, transposed, wgmma)
-from .gdn_layout import (CHUNK, FACTOR_COLS, FACTOR_ROWS, G_LAST, K_FACTORS, Q_FACTORS,
-                         U_FACTORS, W_FACTORS)
+from .gdn_layout import (CHUNK, FACTOR_COLS, FACTOR_ROWS, G_LAST, K_FACTORS, M_COL,
+                         Q_FACTORS, T_COL, U_FACTORS, W_FACTORS)
 from .gdn_seq_table_sm90 import find_in_table, has_table
 
 THREADS_PER_WG = 128
@@ -173,6 +173,8 @@ class GdnChunkRecurrenceSm90:
         mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none); mO (T, HO, V); states
         (rows, HO, V, K); states_only: mV (T, HV, V) and mInv, T (chunks, HO, 64, 64), instead
         of work16's W and U. Unused tensors: None."""
+        # W and U are read only by the fused kernel (gdn_fwd_sm90), from shared memory
+        assert self.from_inverse, "the standalone recurrence reads T, not W and U"
         dt = self.dtype
         K, C = self.k_dim, CHUNK
         # Tiles of one (chunk, head): rows x columns, K-major B operands (Q, W, M) and K read
@@ -392,10 +394,10 @@ class GdnChunkRecurrenceSm90:
         tiles = ((tma_k, mW_k, sW, 0, K), (tma_u, mW_u, sU, K + split * self.v_rows, self.v_rows))
         token_tiles = ((tma_kr, mK, sK, head // self.k_group),)
         if const_expr(not self.states_only):  # Q and M only make o
-            tiles = tiles + ((tma_m, mW_m, sM, K + V, C),)
+            tiles = tiles + ((tma_m, mW_m, sM, M_COL, C),)
             token_tiles = ((tma_q, mQ, sQ, head // self.q_group),) + token_tiles
             if const_expr(self.from_inverse):  # T where W would be, v's columns (below)
-                tiles = ((tma_k, mW_k, sW, 0, C), (tma_m, mW_m, sM, K + V, C))
+                tiles = ((tma_k, mW_k, sW, T_COL, C), (tma_m, mW_m, sM, M_COL, C))
         else:  # T into sM; v's columns into sU (below)
             tiles = ((tma_k, mW_k, sM, 0, C),)
         for c in cutlass.range(chunks, unroll=1):

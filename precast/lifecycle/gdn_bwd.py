@@ -14,7 +14,7 @@ need only prepare's results; joined back before chunk_grad):
   make them, and no V loaded).
   Skipped when the caller passes ``forward_workspace``: the (work16, work32, inv) a
   GdnFwdSm90 compiled with store_inverse=True wrote for these same inputs (training that
-  keeps them trades ~(K + V + 128) x 2 bytes per token and head for this kernel's time);
+  keeps them trades ~(4 x 64 + 17) x 2 bytes per token and head for this kernel's time);
 * "states": the forward's stage 2 (gdn_recurrence_sm90.py) in its states_only mode, writing
   the state entering every chunk (io dtype) into a workspace; it makes each chunk's Delta
   from v, T and its scales (so its states are the forward's up to where the roundings

@@ -513,7 +513,7 @@ class GdnFwdSm90(Op):
     # --- run ----------------------------------------------------------------------------------
     def workspace_shapes(self, total_tokens: int, num_seqs: int) -> Tuple[Tuple[int, ...], ...]:
         """Shapes of the workspace ``execute(workspace=...)`` takes for T tokens in N
-        sequences: the pair (work16, work32), work16 (T // 64 + N, HO, 64, K + V + 64) in the
+        sequences: the pair (work16, work32), work16 (T // 64 + N, HO, 64, 128) in the
         io dtype and work32 (T // 64 + N, HO, 272) float32; with store_inverse the triple
         (work16, work32, inv), inv (T // 64 + N, HO, 64, 64) in the io dtype. All
         contiguous.
