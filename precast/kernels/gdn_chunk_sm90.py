@@ -46,11 +46,9 @@ from .gdn_seq_table_sm90 import find_in_table, has_table
 
 THREADS = 128
 PREPARE_BARRIER = 1
-# 3 CTAs per SM (64 KB of shared memory each at K = V = 128) need <= 170 registers per
-# thread: store_inverse's T took 176 unbounded, which left 2 CTAs per SM (+24 % time).
-CTAS_PER_SM = 3
-# without W and U (and V): 128 registers and ~51 KB of shared memory per CTA
-LEAN_CTAS_PER_SM = 4
+# Without W and U (and V) the standalone kernel fits 128 registers and ~51 KB of shared
+# memory: 4 CTAs per SM (it is latency-bound: 3 per SM, when it made W and U, was 9 % slower).
+CTAS_PER_SM = 4
 INV_BLOCK = 16  # diagonal blocks of T solved by substitution (see invert)
 L2NORM_EPS = 1e-24
 # A's rows in shared memory (fp32), padded: the score epilogue's stores (eight rows per
@@ -147,9 +145,8 @@ class GdnChunkPrepareSm90:
             rows: cute.struct.MemRange[Float32, ROW_VALUES * C]  # see row_values
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
-            # (none without U: V is not loaded, and the smaller footprint fits one more CTA)
-            sV: cute.struct.Align[cute.struct.MemRange[
-                dt, cute.cosize(sV_layout) if self.store_wu else 8], 1024]
+            # (none: V, which only U needs, is not loaded here)
+            sV: cute.struct.Align[cute.struct.MemRange[dt, 8], 1024]
             # A; with store_inverse then T itself (16-bit, swizzled: 1024-byte aligned), so
             # that the inverse costs no shared memory (a separate tile made it 2 CTAs/SM)
             sA: cute.struct.Align[cute.struct.MemRange[Float32, C * A_ROW_STRIDE], 1024]
@@ -165,8 +162,7 @@ class GdnChunkPrepareSm90:
                     mSeqTable, stores[0][1], stores[0][0], stores[1][0], stores[2][0], mWork32,
                     store_inv, num_batches, scale).launch(
             grid=chunk_grid(chunks, self.heads), block=[THREADS, 1, 1], stream=stream,
-            min_blocks_per_mp=CTAS_PER_SM if const_expr(self.store_wu) else LEAN_CTAS_PER_SM,
-            preferred_smem_carveout=-1)
+            min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=-1)
 
     def own_tu_elems(self, sT_layout) -> int:
         """Elements of stage 1's own T diag(beta) buffer: none when the Q tile (64 x K)

@@ -39,7 +39,8 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
                          beta_dtype)
         self.state_role = GdnChunkRecurrenceSm90(dtype, k_dim, v_dim, q_heads, k_heads,
                                                  v_heads, initial_state, pool, final_state,
-                                                 checkpoints, overlap_products=False)
+                                                 checkpoints, overlap_products=False,
+                                                 from_inverse=False)
         self.nwg = v_dim // 64
         self.num_threads = (2 + self.nwg) * THREADS_PER_WG
         # Per-thread register counts of the warpgroups sum to at most 512 (64 K registers,

@@ -6,10 +6,10 @@ Per (chunk, output head), what precast/reference/gdn_workspace.py computes: work
 make W and U, which no kernel of the ops forms in memory; with store_inverse T goes to the
 inverse tensor instead and its columns here are not written); work32 holds two
 factor rows of FACTOR_COLS floats each (padded so that each starts 32-byte aligned):
-[q_f | k_f | G_L] (64, 64, 1), then, written only by a prepare with store_inverse,
-[t_w | t_u] (64, 64): the column scales of T that make the scaled inverses
-Tw = T diag(t_w), t_w = beta gamma r_k, and Tu = T diag(t_u), t_u = beta (W = Tw K and
-U = Tu V with the raw k and v rows). The backward reads T and these scales instead of W and
+[q_f | k_f | G_L] (64, 64, 1), then [t_w | t_u] (64, 64) (the fused kernel, which keeps
+its factors in shared memory, writes neither): the column scales of T that make the scaled
+inverses Tw = T diag(t_w), t_w = beta gamma r_k, and Tu = T diag(t_u), t_u = beta (W = Tw K
+and U = Tu V with the raw k and v rows). The backward reads T and these scales instead of W and
 U: 8 KB of T and 0.5 KB of scales per (chunk, head) instead of 32 KB."""
 
 CHUNK = 64

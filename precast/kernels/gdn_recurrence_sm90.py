@@ -123,7 +123,7 @@ class GdnChunkRecurrenceSm90:
                  v_heads: int, initial_state: bool, pool: bool, final_state: bool,
                  checkpoints: bool, overlap_products: bool = True, v_splits: int = 1,
                  states_only: bool = False, from_checkpoints: bool = False,
-                 from_inverse: bool = False):
+                 from_inverse: bool = True):
         """initial_state: an [N or N_pool, HO, V, K] state is read (with pool: at row
         state_indices[b], and the final state written back there); final_state: the end
         state goes to an [N, HO, V, K] fp32 tensor; checkpoints: [rows, HO, V, K].
@@ -134,19 +134,21 @@ class GdnChunkRecurrenceSm90:
         fewer than the SMs. states_only: no o (mO is None); the checkpoints (in the io
         dtype) leave through a staging tile by TMA stores: the backward's pass that writes
         the state entering every chunk, from T, its column scales and v (module
-        docstring). from_checkpoints (with states_only): the states pass regenerated from the forward's checkpoints, every ckpt_every tokens (mState0,
-        io dtype or float32): one CTA per (checkpoint row, head) walks only its segment
-        (its grid covers mState0's rows; rows past the series exit), so a long sequence
-        spreads over many SMs; the states go to mCkpt at every chunk's packed row.
-        from_inverse (implied by states_only): W and U are not read but made from T, its
-        column scales and v as in the states pass (module docstring); with o, T gets its
-        own tile and S^T Q^T waits for Delta."""
+        docstring). from_checkpoints (with states_only): the states pass regenerated from
+        the forward's checkpoints, every ckpt_every tokens (mState0, io dtype or float32):
+        one CTA per (checkpoint row, head) walks only its segment (its grid covers mState0's
+        rows; rows past the series exit), so a long sequence spreads over many SMs; the
+        states go to mCkpt at every chunk's packed row. from_inverse (every standalone
+        launch): W and U are not read but their products made from T, its column scales
+        and v (module docstring); False only for the fused kernel (gdn_fwd_sm90), which
+        keeps W and U in shared memory and uses chunk_update's other form."""
         assert k_dim in (64, 128) and v_dim in (64, 128)
         assert not states_only or checkpoints
         assert not from_checkpoints or (states_only and initial_state and not pool
                                         and not final_state)
         self.states_only, self.from_checkpoints = states_only, from_checkpoints
-        self.from_inverse = from_inverse or states_only
+        self.from_inverse = from_inverse
+        assert from_inverse or not states_only
         assert not pool or initial_state
         self.dtype = dtype
         self.k_dim, self.v_dim = k_dim, v_dim
@@ -171,38 +173,33 @@ class GdnChunkRecurrenceSm90:
                  ckpt_every: Int32, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K); mWork16 / mWork32 as gdn_layout.workspace_shapes;
         mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none); mO (T, HO, V); states
-        (rows, HO, V, K); states_only: mV (T, HV, V) and mInv, T (chunks, HO, 64, 64), instead
-        of work16's W and U. Unused tensors: None."""
+        (rows, HO, V, K); mV (T, HV, V); mInv: T (chunks, HO, 64, 64), or None when T is in
+        work16. Unused tensors: None."""
         # W and U are read only by the fused kernel (gdn_fwd_sm90), from shared memory
         assert self.from_inverse, "the standalone recurrence reads T, not W and U"
         dt = self.dtype
         K, C = self.k_dim, CHUNK
-        # Tiles of one (chunk, head): rows x columns, K-major B operands (Q, W, M) and K read
-        # transposed; U is read element-wise.
+        # Tiles of one (chunk, head): rows x columns, K-major B operands (Q, M, T) and K read
+        # transposed; v is read element-wise.
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, STAGES)
-        Vc = self.v_rows  # this CTA's columns of U and o
+        Vc = self.v_rows  # this CTA's columns of v and o
         sU_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, STAGES)
         sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, STAGES)
         one = lambda layout: cute.slice_(layout, (None, None, 0))
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         # (chunks, HO, 64, F) -> (64, F, HO, chunks): rows and columns first, as TMA tiles.
         mW = select_modes(mWork16, [2, 3, 1, 0])
-        tma_k, mW_k = cpasync.make_tiled_tma_atom(g2s, mW, one(sK_layout), (C, K))
-        # q and k (T, H, K) -> (T, K, H)
+        # T: from the inverse tensor, or without one from work16 (gdn_layout.T_COL)
+        m_t = mW if const_expr(mInv is None) else select_modes(mInv, [2, 3, 1, 0])
+        tma_k, mW_k = cpasync.make_tiled_tma_atom(g2s, m_t, one(sM_layout), (C, C))
+        # q, k and v (T, H, D) -> (T, D, H); of v this CTA's columns
+        tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, select_modes(mV, [0, 2, 1]),
+                                                  one(sU_layout), (C, Vc))
         tma_q, mQ_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mQ, [0, 2, 1]),
                                                   one(sK_layout), (C, K))
         tma_kr, mK_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mK, [0, 2, 1]),
                                                    one(sK_layout), (C, K))
-        tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, mW, one(sU_layout), (C, Vc))
         tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
-        if const_expr(self.from_inverse):
-            # the W atom loads T (64 x 64; W = T diag(t_w) Kc, U = T diag(t_u) Vc) and the U
-            # atom this CTA's columns of v
-            # (T from work16's first 64 columns, where W would be, without mInv)
-            m_t = mW if const_expr(mInv is None) else select_modes(mInv, [2, 3, 1, 0])
-            tma_k, mW_k = cpasync.make_tiled_tma_atom(g2s, m_t, one(sM_layout), (C, C))
-            tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, select_modes(mV, [0, 2, 1]),
-                                                      one(sU_layout), (C, Vc))
 
         def checkpoint_staging():
             """A (V rows x K) 16-bit staging tile and the TMA store of it to a checkpoint
@@ -231,14 +228,11 @@ class GdnChunkRecurrenceSm90:
                 sCk_layout, store_ck, mCk_t = checkpoint_staging()
                 staged_ckpt = (store_ck, mCk_t, sCk_layout)
                 sCk_elems = cute.cosize(sCk_layout)
-        # states_only loads neither Q nor M (they only make o), but K, V and T; with o and
-        # from_inverse: Q, K, V, M and T
-        tiles_k = 1 if const_expr(self.states_only) else (
-            2 if const_expr(self.from_inverse) else 3)
-        tiles_c = 2 if const_expr(self.from_inverse and not self.states_only) else 1
-        self.stage_bytes = (tiles_k * cute.size_in_bytes(dt, one(sK_layout))
+        # K, v's columns and T; with o also Q and M (states_only loads neither)
+        with_o = 0 if const_expr(self.states_only) else 1
+        self.stage_bytes = ((1 + with_o) * cute.size_in_bytes(dt, one(sK_layout))
                             + cute.size_in_bytes(dt, one(sU_layout))
-                            + tiles_c * cute.size_in_bytes(dt, one(sM_layout)))
+                            + (1 + with_o) * cute.size_in_bytes(dt, one(sM_layout)))
         tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(mWork32, STAGES)
         self.stage_bytes += factor_bytes
         rmem = warpgroup.OperandSource.RMEM
@@ -300,7 +294,7 @@ class GdnChunkRecurrenceSm90:
         sQ = storage.sQ.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sW = storage.sW.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        if const_expr(self.from_inverse and not self.states_only):  # T where W would be
+        if const_expr(not self.states_only):  # T where W would be (beside M in sM)
             sW = cute.make_tensor(cute.recast_ptr(storage.sW.data_ptr(),
                                                   swizzle_=sM_layout.inner, dtype=self.dtype),
                                   sM_layout.outer)
@@ -390,16 +384,14 @@ class GdnChunkRecurrenceSm90:
                 chunks: Int32, split: Int32):
         K, V, C = self.k_dim, self.v_dim, CHUNK
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-        # workspace tiles: (atom, tensor, smem, first column, columns); U: this CTA's columns
-        tiles = ((tma_k, mW_k, sW, 0, K), (tma_u, mW_u, sU, K + split * self.v_rows, self.v_rows))
+        # workspace tiles: (atom, tensor, smem, first column, columns): T (into sM without
+        # o, else into sW beside M; T_COL = 0 is its column in the inverse tensor too); v's
+        # columns go into sU (below)
+        tiles = ((tma_k, mW_k, sM, T_COL, C),)
         token_tiles = ((tma_kr, mK, sK, head // self.k_group),)
         if const_expr(not self.states_only):  # Q and M only make o
-            tiles = tiles + ((tma_m, mW_m, sM, M_COL, C),)
+            tiles = ((tma_k, mW_k, sW, T_COL, C), (tma_m, mW_m, sM, M_COL, C))
             token_tiles = ((tma_q, mQ, sQ, head // self.q_group),) + token_tiles
-            if const_expr(self.from_inverse):  # T where W would be, v's columns (below)
-                tiles = ((tma_k, mW_k, sW, T_COL, C), (tma_m, mW_m, sM, M_COL, C))
-        else:  # T into sM; v's columns into sU (below)
-            tiles = ((tma_k, mW_k, sM, 0, C),)
         for c in cutlass.range(chunks, unroll=1):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
@@ -407,11 +399,10 @@ class GdnChunkRecurrenceSm90:
                 g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, K),
                                     (c, 0))
                 tma_load_tile(atom, g, s, state.index, bar)
-            if const_expr(self.from_inverse):
-                g = cute.local_tile(cute.domain_offset(
-                    (start, 0), mW_u[None, None, head // self.v_group]), (C, self.v_rows),
-                    (c, split))
-                tma_load_tile(tma_u, g, sU, state.index, bar)
+            g = cute.local_tile(cute.domain_offset(
+                (start, 0), mW_u[None, None, head // self.v_group]), (C, self.v_rows),
+                (c, split))
+            tma_load_tile(tma_u, g, sU, state.index, bar)
             for atom, m, s, col, cols in tiles:
                 block = m[None, None, head, first_chunk + c]  # (64, F)
                 g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
@@ -425,13 +416,11 @@ class GdnChunkRecurrenceSm90:
                 mSeqTable, batch: Int32,
                 head: Int32, start: Int32, length: Int32, first_chunk: Int32, chunks: Int32,
                 updates: Int32, consumer_tidx: Int32, split: Int32):
-        # from_inverse: the "W" B operand is Kc itself (Y^T = S^T Kc^T); with o, T's own
-        # B fragment (sW holds T then)
-        parts = self.state_parts(mma_tok, mma_state, sQ, sK,
-                                 sK if const_expr(self.from_inverse) else sW, sM,
-                                 consumer_tidx, split)
+        # the "W" B operand is Kc itself (Y^T = S^T Kc^T); with o, T's own B fragment (sW
+        # holds T then)
+        parts = self.state_parts(mma_tok, mma_state, sQ, sK, sK, sM, consumer_tidx, split)
         frag_t = None
-        if const_expr(self.from_inverse and not self.states_only):
+        if const_expr(not self.states_only):
             wg_tok = mma_tok.get_slice((consumer_tidx // THREADS_PER_WG) * THREADS_PER_WG)
             frag_t = wg_tok.make_fragment_B(wg_tok.partition_B(sW))
         state_row, ckpt_row = self.load_state(parts, mState0, mStateIdx, mCuSeqlens,
@@ -563,11 +552,8 @@ class GdnChunkRecurrenceSm90:
             acc_d = cute.make_rmem_tensor(acc_x.layout, Float32)
             if const_expr(self.overlap_products):  # S^T Q^T in flight with Y^T
                 wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
-            warpgroup.wait_group(1 if const_expr(self.overlap_products) else 0)  # Y^T
-            for e in cutlass.range_constexpr(cute.size(acc_x)):  # Z^T into delta16's registers
-                delta16[e] = (t_u[e] * u_t[e].to(Float32) - t_w[e] * acc_x[e]).to(self.dtype)
-            wgmma(mma_tok, acc_d, tSrD, frag_t[None, None, None, s], False)  # Delta^T = Z^T T^T
-            warpgroup.wait_group(0)
+            self.delta_from_inverse(parts, acc_d, u_t, t_w, t_u, frag_t[None, None, None, s],
+                                    1 if const_expr(self.overlap_products) else 0)
             for e in cutlass.range_constexpr(cute.size(acc_x)):
                 delta16[e] = acc_d[e].to(self.dtype)
                 delta_k16[e] = (acc_d[e] * t_kf[e]).to(self.dtype)
@@ -614,20 +600,29 @@ class GdnChunkRecurrenceSm90:
         Z^T = V^T diag(t_u) - Y^T diag(t_w), Delta^T = Z^T T^T (= U^T - S^T W^T),
         Delta^T diag(k_f) and the state update, waited for."""
         acc_x, acc_state, delta_k16 = parts.acc_x, parts.acc_state, parts.deltas[1]
-        acc_d, z16 = parts.acc_o, parts.deltas[0]  # (free in states_only)
+        acc_d = parts.acc_o  # (free in states_only)
         decay = cute.math.exp(factors[G_LAST], fastmath=True)
-        warpgroup.wait_group(0)  # Y^T
-        for e in cutlass.range_constexpr(cute.size(acc_x)):
-            z16[e] = (t_u[e] * v_t[e].to(Float32) - t_w[e] * acc_x[e]).to(self.dtype)
-        wgmma(parts.mma_tok, acc_d, cute.make_tensor(z16.iterator,
-                                                     acc_as_operand_a(acc_x.layout)),
-              tYrT, False)
-        warpgroup.wait_group(0)
+        self.delta_from_inverse(parts, acc_d, v_t, t_w, t_u, tYrT, 0)
         for e in cutlass.range_constexpr(cute.size(acc_x)):
             delta_k16[e] = (acc_d[e] * t_kf[e]).to(self.dtype)
         for e in cutlass.range_constexpr(cute.size(acc_state)):
             acc_state[e] = acc_state[e] * decay
         wgmma(parts.mma_state, acc_state, tSrDk, tSrK, True)
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def delta_from_inverse(self, parts, acc_d, v_t, t_w, t_u, tYrT, after_y: int):
+        """Delta^T = Z^T T^T into acc_d, Z^T = V^T diag(t_u) - Y^T diag(t_w) (16-bit, in
+        deltas[0]'s registers), waited for; Y^T = S^T Kc^T was issued into acc_x with
+        ``after_y`` wgmma groups after it. V^T as ``v_t`` (the accumulator's partition of
+        v's tile), T as the B fragment ``tYrT``."""
+        acc_x, z16 = parts.acc_x, parts.deltas[0]
+        warpgroup.wait_group(after_y)  # Y^T
+        for e in cutlass.range_constexpr(cute.size(acc_x)):
+            z16[e] = (t_u[e] * v_t[e].to(Float32) - t_w[e] * acc_x[e]).to(self.dtype)
+        wgmma(parts.mma_tok, acc_d, cute.make_tensor(z16.iterator,
+                                                     acc_as_operand_a(acc_x.layout)),
+              tYrT, False)
         warpgroup.wait_group(0)
 
     @cute.jit

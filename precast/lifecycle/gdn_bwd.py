@@ -309,7 +309,7 @@ class GdnBwdSm90(Op):
             return kernel, args
 
         builders = {"seq_table": seq_table_kernel,
-                    "prepare": lambda: prepare_kernel(s, store_inverse=True, store_wu=False),
+                    "prepare": lambda: prepare_kernel(s, store_inverse=True),
                     "states": states,
                     "regenerate": lambda: states(from_checkpoints=True),
                     "regenerate_split": lambda: states(2, from_checkpoints=True),

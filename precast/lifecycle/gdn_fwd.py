@@ -238,13 +238,11 @@ def _fake_offsets():
     return fake_packed(cutlass.Int32, (cute.sym_int(),), 4)
 
 
-def prepare_kernel(s: GdnShapes, store_inverse: bool = False, store_wu: bool = True):
-    """Stage 1 (GdnChunkPrepareSm90) and its fake arguments (q, k, v, g, beta, cu_seqlens,
-    work16, work32, inv, scale, stream); store_inverse: it also writes T = (I + A)^-1 of
-    every (chunk, head) to inv (chunks, HO, 64, 64) in the io dtype and the scaled inverses'
-    column scales to work32's second factor row (the backward's), else inv is None;
-    store_wu=False: no W and U (the backward's own prepare: its kernels read T and the
-    scales)."""
+def prepare_kernel(s: GdnShapes, store_inverse: bool = False):
+    """Stage 1 (GdnChunkPrepareSm90, without W and U: gdn_layout) and its fake arguments
+    (q, k, v, g, beta, cu_seqlens, work16, work32, inv, scale, stream); store_inverse: T
+    = (I + A)^-1 of every (chunk, head) goes to inv (chunks, HO, 64, 64) in the io dtype
+    (the backward's) instead of work16, else inv is None."""
     import cutlass
     import cutlass.cute as cute
     from ..kernels.fake import fake_stream, fake_tokens, scalar
@@ -252,7 +250,7 @@ def prepare_kernel(s: GdnShapes, store_inverse: bool = False, store_wu: bool = T
     io, tokens, chunks = _cute_type(s.dtype), cute.sym_int(), cute.sym_int()
     kernel = GdnChunkPrepareSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, s.use_qk_l2norm_in_kernel,
                                  _cute_type(s.g_dtype), _cute_type(s.beta_dtype),
-                                 store_inverse=store_inverse, store_wu=store_wu)
+                                 store_inverse=store_inverse, store_wu=False)
     inv = _fake_inverses(s, chunks) if store_inverse else None
     args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
             fake_tokens(io, tokens, s.HV, s.V), _fake_gate(s.g_dtype, tokens, s.HO),
@@ -274,16 +272,14 @@ def seq_table_kernel():
 def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool: bool,
                       final_state: bool, checkpoint_dtype: Optional[torch.dtype],
                       v_splits: int = 1, states_only: bool = False,
-                      from_checkpoints: bool = False, from_inverse: bool = False,
-                      inverse_tensor: bool = True):
+                      from_checkpoints: bool = False, inverse_tensor: bool = True):
     """Stage 2 (GdnChunkRecurrenceSm90) and its fake arguments (q, k, work16, work32,
     cu_seqlens, o, initial state, state_indices, final state, checkpoints, v, inverses,
-    ckpt_every, stream); absent tensors are None. states_only: no o, the checkpoints (io
-    dtype) stored by TMA, W and U made from v, T and its scales (the backward's states
-    pass); from_checkpoints: that pass started from the forward's checkpoints (passed as
-    the initial state, of ``state_dtype``); from_inverse: with o, W and U made the same way
-    (a forward whose prepare wrote T and no W, U), T read from the inverse tensor or, with
-    inverse_tensor=False, from work16's first 64 columns."""
+    ckpt_every, stream); absent tensors are None. W and U's products are made from v, T and
+    its scales; T is read from the inverse tensor or, with inverse_tensor=False, from
+    work16. states_only: no o, the checkpoints (io dtype) stored by TMA (the backward's
+    states pass); from_checkpoints: that pass started from the forward's checkpoints
+    (passed as the initial state, of ``state_dtype``)."""
     import cutlass
     import cutlass.cute as cute
     from ..kernels.fake import fake_stream, fake_tokens, scalar
@@ -292,8 +288,7 @@ def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool:
     kernel = GdnChunkRecurrenceSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, state_dtype is not None,
                                     pool, final_state, checkpoint_dtype is not None,
                                     v_splits=v_splits, states_only=states_only,
-                                    from_checkpoints=from_checkpoints,
-                                    from_inverse=from_inverse)
+                                    from_checkpoints=from_checkpoints)
     o = None if states_only else fake_tokens(io, cute.sym_int(), s.HO, s.V)
     args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
             *_fake_workspace(s), _fake_offsets(), _fake_offsets(), o,
@@ -301,9 +296,7 @@ def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool:
             _fake_offsets() if pool else None,
             _fake_state(torch.float32, s) if final_state else None,
             None if checkpoint_dtype is None else _fake_state(checkpoint_dtype, s),
-            # the states pass or from_inverse: v and the inverses instead of W and U
-            fake_tokens(io, tokens, s.HV, s.V) if states_only or from_inverse else None,
-            _fake_inverses(s) if (states_only or from_inverse) and inverse_tensor else None,
+            fake_tokens(io, tokens, s.HV, s.V), _fake_inverses(s) if inverse_tensor else None,
             scalar(cutlass.Int32, CHUNK_SIZE), fake_stream())
     return kernel, args
 
@@ -501,11 +494,10 @@ class GdnFwdSm90(Op):
             return recurrence_kernel(s, state_dtype=s.state_dtype, pool=s.uses_pool,
                                      final_state=s.output_final_state,
                                      checkpoint_dtype=s.checkpoint_dtype, v_splits=v_splits,
-                                     from_inverse=True, inverse_tensor=self.store_inverse)
+                                     inverse_tensor=self.store_inverse)
 
         builders = {"seq_table": seq_table_kernel,
-                    "prepare": lambda: prepare_kernel(s, store_inverse=self.store_inverse,
-                                                      store_wu=False),
+                    "prepare": lambda: prepare_kernel(s, store_inverse=self.store_inverse),
                     "recurrence": recurrence,
                     "recurrence_split": lambda: recurrence(v_splits=2)}
         return {mode: builders[mode] for mode in kernel_modes(s.V)}
