@@ -70,9 +70,9 @@ class GdnStateGradSm90:
                  mSeqTable: cute.Tensor, mDFinal: cute.Tensor, mDStates: cute.Tensor,
                  mDInit: cute.Tensor, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K), mDO (T, HO, V); mWork16 / mWork32 / mInv as
-        gdn_layout.workspace_shapes (of work16 only M is read); mInv T (chunks, HO, 64, 64); mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens:
-        none); mDFinal, mDInit (N, HO, V, K) fp32 or None;
-        mDStates (chunks, HO, V, K) in the io dtype."""
+        gdn_layout.workspace_shapes (of work16 only M is read; mInv: T (chunks, HO, 64,
+        64)); mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none); mDFinal, mDInit
+        (N, HO, V, K) fp32 or None; mDStates (chunks, HO, V, K) in the io dtype."""
         dt = self.dtype
         K, C, Vc = self.k_dim, CHUNK, self.v_rows
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, STAGES)
@@ -83,7 +83,7 @@ class GdnStateGradSm90:
         g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         mW = select_modes(mWork16, [2, 3, 1, 0])  # (64, F, HO, chunks)
         # T (64 x 64) instead of W = T diag(t_w) Kc (half the bytes)
-        tma_w, mW_w = cpasync.make_tiled_tma_atom(g2s, select_modes(mInv, [2, 3, 1, 0]),
+        tma_t, mW_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mInv, [2, 3, 1, 0]),
                                                   one(sM_layout), (C, C))
         tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
         tma_q, mQ_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mQ, [0, 2, 1]),
@@ -111,7 +111,7 @@ class GdnStateGradSm90:
         mma_state_ss = sm90_utils.make_trivial_tiled_mma(dt, dt, mn_major, mn_major, Float32,
                                                          (self.nwg, 1, 1), (64, K))
         # (V rows) x 64 tokens: dDelta^T T (dDelta^T from registers, T read transposed)
-        mma_tw = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, Float32,
+        mma_t = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, Float32,
                                                    (self.nwg, 1, 1), (64, C), rmem)
 
         @cute.struct
@@ -119,7 +119,7 @@ class GdnStateGradSm90:
             bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
+            sT: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
             sDO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDO_layout)], 1024]
             sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
             sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sDS_layout)], 1024]
@@ -127,9 +127,9 @@ class GdnStateGradSm90:
 
         self.storage = SharedStorage
         num_batches = mCuSeqlens.shape[0] - 1
-        loads = ((tma_q, mQ_t), (tma_k, mK_t), (tma_w, mW_w), (tma_m, mW_m), (tma_do, mDO_t),
+        loads = ((tma_q, mQ_t), (tma_k, mK_t), (tma_t, mW_t), (tma_m, mW_m), (tma_do, mDO_t),
                  (tma_f, mF_t))
-        self.kernel((mma_tok, mma_tok_ss, mma_state, mma_state_ss, mma_tw), loads,
+        self.kernel((mma_tok, mma_tok_ss, mma_state, mma_state_ss, mma_t), loads,
                     (store_ds, mDS_t),
                     (sK_layout, sDO_layout, sM_layout, sDS_layout, sF_layout),
                     mCuSeqlens, mSeqTable, mDFinal, mDInit, num_batches).launch(
@@ -152,7 +152,7 @@ class GdnStateGradSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         tiles = tuple(s.get_tensor(layout.outer, swizzle=layout.inner) for s, layout in (
-            (storage.sQ, sK_layout), (storage.sK, sK_layout), (storage.sW, sM_layout),
+            (storage.sQ, sK_layout), (storage.sK, sK_layout), (storage.sT, sM_layout),
             (storage.sM, sM_layout), (storage.sDO, sDO_layout))) + (
                 storage.sF.get_tensor(sF_layout),)
         sDS = storage.sDS.get_tensor(sDS_layout.outer, swizzle=sDS_layout.inner)
@@ -177,9 +177,9 @@ class GdnStateGradSm90:
         """The chunks' q, k (raw rows), W, M, factor row and this CTA's do columns, last
         chunk first."""
         K, C, Vc = self.k_dim, CHUNK, self.v_rows
-        (tma_q, mQ), (tma_k, mK), (tma_w, mW_w), (tma_m, mW_m), (tma_do, mDO), \
+        (tma_q, mQ), (tma_k, mK), (tma_t, mW_t), (tma_m, mW_m), (tma_do, mDO), \
             (tma_f, mF) = loads
-        sQ, sK, sW, sM, sDO, sF = tiles
+        sQ, sK, sT, sM, sDO, sF = tiles
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         for i in cutlass.range(chunks, unroll=1):
             c = chunks - 1 - i
@@ -192,7 +192,7 @@ class GdnStateGradSm90:
                 g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
                                     (c, col_tile))
                 tma_load_tile(atom, g, s, state.index, bar)
-            for atom, m, s, col, cols in ((tma_w, mW_w, sW, 0, C),
+            for atom, m, s, col, cols in ((tma_t, mW_t, sT, 0, C),
                                           (tma_m, mW_m, sM, M_COL, C)):
                 block = m[None, None, head, first_chunk + c]  # (64, F)
                 g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
@@ -208,8 +208,8 @@ class GdnStateGradSm90:
     def consume(self, mmas, tiles, sDS, store, pipe, mDFinal, mDInit,
                 batch: Int32, head: Int32, first_chunk: Int32, chunks: Int32,
                 consumer_tidx: Int32, split: Int32):
-        mma_tok, mma_tok_ss, mma_state, mma_state_ss, mma_tw = mmas
-        sQ, sK, sW, sM, sDO, sF = tiles
+        mma_tok, mma_tok_ss, mma_state, mma_state_ss, mma_t = mmas
+        sQ, sK, sT, sM, sDO, sF = tiles
         store_ds, mDS_t = store
         K, C, rows = self.k_dim, CHUNK, self.v_rows
         wg = consumer_tidx // THREADS_PER_WG
@@ -224,11 +224,11 @@ class GdnStateGradSm90:
         tYrDO = wg_tok_ss.make_fragment_A(wg_tok_ss.partition_A(do_t))
         tYrM = wg_tok_ss.make_fragment_B(wg_tok_ss.partition_B(transposed(sM, C, C)))
         # -dDelta^T W = (-dDelta^T T diag(t_w)) Kc: T read transposed, then Kc read transposed
-        wg_tw = mma_tw.get_slice(wg * THREADS_PER_WG)
-        thr_tw = mma_tw.get_slice(consumer_tidx)
-        tPrTw = wg_tw.make_fragment_B(wg_tw.partition_B(transposed(sW, C, C)))
+        wg_t = mma_t.get_slice(wg * THREADS_PER_WG)
+        thr_t = mma_t.get_slice(consumer_tidx)
+        tPrT = wg_t.make_fragment_B(wg_t.partition_B(transposed(sT, C, C)))
         tSrW = wg_state.make_fragment_B(wg_state.partition_B(transposed(sK, C, K)))
-        acc_p = cute.make_rmem_tensor(wg_tw.partition_shape_C((rows, C)), Float32)
+        acc_p = cute.make_rmem_tensor(wg_t.partition_shape_C((rows, C)), Float32)
         p16 = cute.make_rmem_tensor(acc_p.layout, self.dtype)
         tSrP = cute.make_tensor(p16.iterator, acc_as_operand_a(acc_p.layout))
         tSrDO = wg_state_ss.make_fragment_A(wg_state_ss.partition_A(do_t))
@@ -287,8 +287,8 @@ class GdnStateGradSm90:
                 neg_dd16[e] = (-(acc_dd[e] * t_kf[e] + acc_dm[e])).to(self.dtype)
             # D -= dDelta^T W = (dDelta^T T diag(t_w)) Kc: one more 64-deep product on the
             # chain, 8 KB fewer loads
-            wgmma(mma_tw, acc_p, tSrD, tPrTw[None, None, None, s], False)
-            t_w = thr_tw.partition_C(cute.make_tensor(
+            wgmma(mma_t, acc_p, tSrD, tPrT[None, None, None, s], False)
+            t_w = thr_t.partition_C(cute.make_tensor(
                 cute.domain_offset((W_FACTORS,), sF[1, None, s]).iterator, by_token))
             warpgroup.wait_group(0)
             for e in cutlass.range_constexpr(cute.size(acc_p)):

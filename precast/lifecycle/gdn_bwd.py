@@ -8,13 +8,13 @@ the states pass, which runs on a side stream beside state_grad (launch.side_stre
 need only prepare's results; joined back before chunk_grad):
 
 * "prepare": the forward's stage 1 (precast/kernels/gdn_chunk_sm90.py) with
-  store_inverse and without W and U (store_wu=False): M and the factor rows of every
-  (64-token chunk, output head) and T = (I + A)^-1 with the column scales of the scaled
-  inverses (W = T diag(t_w) K, U = T diag(t_u) V: 8.5 KB instead of 32, no products to
-  make them, and no V loaded).
+  store_inverse (and, as every stage 1 of the ops, without W and U): M and the factor rows
+  of every (64-token chunk, output head) and T = (I + A)^-1 with the column scales of the
+  scaled inverses (W = T diag(t_w) K, U = T diag(t_u) V: 8.5 KB instead of 32, no products
+  to make them, and no V loaded).
   Skipped when the caller passes ``forward_workspace``: the (work16, work32, inv) a
   GdnFwdSm90 compiled with store_inverse=True wrote for these same inputs (training that
-  keeps them trades ~(4 x 64 + 17) x 2 bytes per token and head for this kernel's time);
+  keeps them trades ~3 x 64 x 2 + 17 bytes per token and head for this kernel's time);
 * "states": the forward's stage 2 (gdn_recurrence_sm90.py) in its states_only mode, writing
   the state entering every chunk (io dtype) into a workspace; it makes each chunk's Delta
   from v, T and its scales (so its states are the forward's up to where the roundings
@@ -565,9 +565,9 @@ class GdnBwdSm90(Op):
 def _fake_head_grads(s: GdnShapes, tokens, finals) -> tuple:
     """The chunk kernel's dq, dk, dv outputs: dq_heads, dk_heads (T, HO, K) and dv_heads
     (T, HO, V) in the io dtype, compact but for a 64-bit token stride, for the gradients
-    whose heads are grouped (gdn_layout.gradients_in_place); for the others, which it writes final, the
-    io-dtype gradient strided like its input (``finals="io"``: the chunk kernel's
-    arguments) or None (``finals=None``: the finishing kernel's)."""
+    whose heads are grouped (gdn_layout.gradients_in_place); for the others, which it
+    writes final, the io-dtype gradient strided like its input (``finals="io"``: the chunk
+    kernel's arguments) or None (``finals=None``: the finishing kernel's)."""
     from ..kernels.fake import fake_tokens
     io = _cute_type(s.dtype)
     out = []

@@ -1,7 +1,9 @@
-"""What stage 1 of the Gated DeltaNet forward (precast/kernels/gdn_chunk_sm90.py) leaves in
-its workspace, computed with the reference's chunk factors: the contract between the two
-stages, so a GPU test can check each stage alone (stage 1 against this; stage 2 fed with
-this instead of stage 1's output).
+"""The chunk factors behind stage 1 of the Gated DeltaNet forward
+(precast/kernels/gdn_chunk_sm90.py), computed with the reference's chunk factors: the
+contract between the two stages, so a GPU test can check each stage alone (stage 1 against
+this; stage 2 fed with this instead of stage 1's output). Stage 1 stores M, T and both
+factor rows (laid out as precast/kernels/gdn_layout.py says: work16 = [T | M]); W and U
+are what T and the second factor row make, and what a CPU emulation of stage 2 uses.
 
 Per packed chunk p (sequence b's chunk c is p = sum_{b' < b} ceil(len_b' / 64) + c) and
 output head h, with Q^, K^ the chunk's q, k rows (L2-normalized when asked: q^ = r_q q with
@@ -14,8 +16,8 @@ the per-row factors that turn the raw q, k rows into Qd = diag(q_f) Q and
 Kd = diag(k_f) K (stage 2 reads q and k themselves). Rows past a sequence's end, and
 rows p past the batch's chunk count, are zero.
 
-With ``with_inverse=True`` also what a prepare with store_inverse writes for the backward:
-``inv[p, h]`` = T = (I + A)^-1 (64 x 64; identity rows past a sequence's end) and
+With ``with_inverse=True`` also ``inv[p, h]`` = T = (I + A)^-1 (64 x 64; identity rows past
+a sequence's end) and
 ``scales[p, h]`` = [t_w | t_u] = [beta exp(G) r_k | beta] (64, 64), the column scales of
 the scaled inverses (W = T diag(t_w) K, U = T diag(t_u) V with the raw rows; zero past the
 end): work32's second factor row (precast/kernels/gdn_layout.py).
