@@ -36,6 +36,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu.warp import MmaTF32Op
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (find_in_sequences, select_modes, store_stmatrix, tma_load_tile,
@@ -50,6 +51,7 @@ PREPARE_BARRIER = 1
 # memory: 4 CTAs per SM (it is latency-bound: 3 per SM, when it made W and U, was 9 % slower).
 CTAS_PER_SM = 4
 INV_BLOCK = 16  # diagonal blocks of T solved by substitution (see invert)
+TF32_ROUND = 1 << 12  # half a unit of tf32's last mantissa place (bit 13)
 L2NORM_EPS = 1e-24
 # A's rows in shared memory (fp32), padded: the score epilogue's stores (eight rows per
 # warp store) fall in distinct banks; rows stay 16-byte aligned for the solver's loads.
@@ -76,6 +78,40 @@ def block_chunk_head():
     head, y, z = cute.arch.block_idx()
     return y + z * GRID_Y_MAX, head
 
+
+
+@cute.jit
+def warp_block_product(sA, a_at, b_at, c_at, rows: cutlass.Constexpr,
+                       depth: cutlass.Constexpr, negate: cutlass.Constexpr, lane: Int32):
+    """One warp: C = (-) A B with A (rows x depth) at sA[a_at], B (depth x 8) at sA[b_at],
+    C (rows x 8) written to sA[c_at] (fp32 tiles of A's padded rows, corners given as
+    (row, column)), by tf32 mma.sync (m16n8k8; operands rounded to nearest). On the CUDA
+    cores these products re-read their rows from shared memory for every output: that was
+    most of the inverse's time (shared-memory bound, ~45 % of the kernel)."""
+    mma = cute.make_tiled_mma(cute.make_mma_atom(MmaTF32Op((16, 8, 8))))
+    thr = mma.get_slice(lane)
+    at = lambda corner, shape, stride: cute.make_tensor(  # noqa: E731
+        sA.iterator + (corner[0] * A_ROW_STRIDE + corner[1]),
+        cute.make_layout(shape, stride=stride))
+    t_a = thr.partition_A(at(a_at, (rows, depth), (A_ROW_STRIDE, 1)))
+    t_b = thr.partition_B(at(b_at, (8, depth), (1, A_ROW_STRIDE)))  # (N, K) view of B
+    t_c = thr.partition_C(at(c_at, (rows, 8), (A_ROW_STRIDE, 1)))
+    operands = []
+    for t in (t_a, t_b):
+        r = cute.make_rmem_tensor(t.shape, Float32)
+        r.store(t.load())
+        bits = cute.make_tensor(cute.recast_ptr(r.iterator, dtype=Int32), r.layout)
+        for e in cutlass.range_constexpr(cute.size(r)):  # fp32 -> tf32, to nearest
+            bits[e] = bits[e] + Int32(TF32_ROUND)
+        operands.append(cute.make_tensor(cute.recast_ptr(r.iterator, dtype=cutlass.TFloat32),
+                                         r.layout))
+    acc = cute.make_rmem_tensor(thr.partition_shape_C((rows, 8)), Float32)
+    acc.fill(0.0)
+    cute.gemm(mma, acc, operands[0], operands[1], acc)
+    if const_expr(negate):
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            acc[e] = -acc[e]
+    t_c.store(acc.load())
 
 
 class GdnChunkPrepareSm90:
@@ -474,8 +510,10 @@ class GdnChunkPrepareSm90:
         """T = (I + A)^-1 (unit lower triangular) in fp32, in place over A, by the 128
         threads: the four 16 x 16 diagonal blocks by forward substitution (one column per
         thread), then the blocks below them by doubling, T_21 = -T_22 (A_21 T_11), at 16 and
-        at 32 rows (four products on all threads). The products' intermediates go to A's
-        upper-right 32 x 32 quarter, which holds zeros nobody reads. Then T diag(t_w) and
+        at 32 rows (four products, each warp 8 columns of them by tf32 mma.sync: fp32
+        accumulation, operands to 10 mantissa bits, well under T's 16-bit rounding). The
+        products' intermediates go to A's upper-right 32 x 32 quarter, which holds zeros
+        nobody reads. Then T diag(t_w) and
         T diag(t_u) (the column scales in sRows) in 16 bits: the A operands of W and U, and,
         with ``sInv`` (which overlays A), T itself. One forward substitution over 64 rows on
         64 threads was half of the CTA's time."""
@@ -502,25 +540,25 @@ class GdnChunkPrepareSm90:
         if tidx < C:
             for i in cutlass.range_constexpr(B):
                 sA[b0 + i, b0 + col] = x[i]
-        # 16-row doubling: pair p (threads 64 p ..) makes block (2p + 1, 2p) through the
-        # scratch block at (p, 2 + p), a row and four columns per thread.
-        pair = tidx // C
-        r = tidx % C // 4
-        c = tidx % 4 * 4
+        # 16-row doubling: warp w makes columns 8 (w % 2) .. of block (2p + 1, 2p),
+        # p = w // 2, through the scratch block at (p, 2 + p).
+        warp, lane = tidx // cute.arch.WARP_SIZE, tidx % cute.arch.WARP_SIZE
+        pair = warp // 2
+        half = warp % 2 * 8
         lo, hi, scratch = 2 * pair * B, (2 * pair + 1) * B, 2 * B + pair * B
-        self.sync()
-        self.block_product(sA, B, 4, hi + r, lo, lo, lo + c, pair * B + r, scratch + c, False)
-        self.sync()
-        self.block_product(sA, B, 4, hi + r, hi, pair * B, scratch + c, hi + r, lo + c, True)
-        # 32-row doubling: rows 32.. of columns 0..31, a row and eight columns per thread,
-        # through the scratch quarter.
-        r = tidx // 4
-        c = tidx % 4 * 8
         H = 2 * B
         self.sync()
-        self.block_product(sA, H, 8, H + r, 0, 0, c, r, H + c, False)
+        warp_block_product(sA, (hi, lo), (lo, lo + half), (pair * B, scratch + half), B, B,
+                           False, lane)
+        self.sync()  # every warp read A_21 (the next product writes T_21 over it)
+        warp_block_product(sA, (hi, hi), (pair * B, scratch + half), (hi, lo + half), B, B,
+                           True, lane)
+        # 32-row doubling: warp w makes columns 8 w .. of rows 32.., through the scratch
+        # quarter.
         self.sync()
-        self.block_product(sA, H, 8, H + r, H, 0, H + c, H + r, c, True)
+        warp_block_product(sA, (H, 0), (0, 8 * warp), (0, H + 8 * warp), H, H, False, lane)
+        self.sync()
+        warp_block_product(sA, (H, H), (0, H + 8 * warp), (H, 8 * warp), H, H, True, lane)
         self.sync()
         # Half a row per thread (a warp: 16 rows, lanes 16.. the right halves, so the eight
         # lanes of a 16-byte access read distinct banks) of the scaled 16-bit copies, eight
@@ -554,33 +592,6 @@ class GdnChunkPrepareSm90:
                     for e in cutlass.range_constexpr(8):
                         vals[e] = (t[8 * g + e] * scales[e]).to(self.dtype)
                 cute.autovec_copy(vals, cute.local_tile(dst[row, None], (8,), (c0 // 8 + g,)))
-
-    @cute.jit
-    def block_product(self, sA, depth: cutlass.Constexpr, width: cutlass.Constexpr,
-                      row: Int32, col0: Int32, row0: Int32, col: Int32, out_row: Int32,
-                      out_col: Int32, negate: cutlass.Constexpr):
-        """sA[out_row, out_col + w] = (-) sum_k sA[row, col0 + k] sA[row0 + k, col + w] for
-        k < depth, w < width: a row of width columns of a product of two blocks of sA.
-        Columns are multiples of 4 (16-byte loads and stores)."""
-        acc = cute.make_rmem_tensor(cute.make_layout(width), Float32)
-        acc.fill(0.0)
-        lhs = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-        rhs = cute.make_rmem_tensor(cute.make_layout(width), Float32)
-        for k4 in cutlass.range_constexpr(depth // 4):
-            cute.autovec_copy(cute.local_tile(sA[row, None], (4,), (col0 // 4 + k4,)), lhs)
-            for kk in cutlass.range_constexpr(4):
-                for w4 in cutlass.range_constexpr(width // 4):
-                    cute.autovec_copy(
-                        cute.local_tile(sA[row0 + 4 * k4 + kk, None], (4,), (col // 4 + w4,)),
-                        cute.local_tile(rhs, (4,), (w4,)))
-                for w in cutlass.range_constexpr(width):
-                    acc[w] = acc[w] + lhs[kk] * rhs[w]
-        if const_expr(negate):
-            for w in cutlass.range_constexpr(width):
-                acc[w] = -acc[w]
-        for w4 in cutlass.range_constexpr(width // 4):
-            cute.autovec_copy(cute.local_tile(acc, (4,), (w4,)),
-                              cute.local_tile(sA[out_row, None], (4,), (out_col // 4 + w4,)))
 
     @cute.jit
     def store_acc(self, acc, mma, out, tidx: Int32):
