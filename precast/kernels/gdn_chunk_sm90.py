@@ -47,9 +47,10 @@ from .gdn_seq_table_sm90 import find_in_table, has_table
 
 THREADS = 128
 PREPARE_BARRIER = 1
-# Without W and U (and V) the standalone kernel fits 128 registers and ~51 KB of shared
-# memory: 4 CTAs per SM (it is latency-bound: 3 per SM, when it made W and U, was 9 % slower).
-CTAS_PER_SM = 4
+# Without W and U (and V) the standalone kernel fits ~100 registers and ~34 KB of shared
+# memory (A, T and M over the dead Q and K tiles): 5 CTAs per SM (it is latency-bound: 3
+# per SM, when it made W and U, was 9 % slower than 4).
+CTAS_PER_SM = 5
 INV_BLOCK = 16  # diagonal blocks of T solved by substitution (see invert)
 TF32_ROUND = 1 << 12  # half a unit of tf32's last mantissa place (bit 13)
 L2NORM_EPS = 1e-24
@@ -183,9 +184,6 @@ class GdnChunkPrepareSm90:
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
             # (none: V, which only U needs, is not loaded here)
             sV: cute.struct.Align[cute.struct.MemRange[dt, 8], 1024]
-            # A; with store_inverse then T itself (16-bit, swizzled: 1024-byte aligned), so
-            # that the inverse costs no shared memory (a separate tile made it 2 CTAs/SM)
-            sA: cute.struct.Align[cute.struct.MemRange[Float32, C * A_ROW_STRIDE], 1024]
             # T diag(beta): where Q was when Q holds both scaled inverses (K = 128)
             sTu: cute.struct.Align[cute.struct.MemRange[dt, self.own_tu_elems(sT_layout)],
                                    1024]
@@ -272,7 +270,11 @@ class GdnChunkPrepareSm90:
                 tu_ptr = storage.sQ.data_ptr() + t_elems
             sTu = cute.make_tensor(cute.recast_ptr(tu_ptr, swizzle_=sT_layout.inner,
                                                    dtype=self.dtype), sT_layout.outer)
-            sA = storage.sA.get_tensor(cute.make_layout((C, C), stride=(A_ROW_STRIDE, 1)))
+            # Q and K are dead once the scores are made: A (fp32, 17 KB) goes over Q and the
+            # first KB of K, then T over A; M (16-bit) over K's second half. ~34 KB of shared
+            # memory: 5 CTAs per SM.
+            a_ptr = cute.recast_ptr(storage.sQ.data_ptr(), dtype=Float32)
+            sA = cute.make_tensor(a_ptr, cute.make_layout((C, C), stride=(A_ROW_STRIDE, 1)))
             sGate = storage.gate.get_tensor(cute.make_layout(C))
             sBeta = storage.beta.get_tensor(cute.make_layout(C))
             sRows = storage.rows.get_tensor(cute.make_layout((ROW_VALUES, C), stride=(C, 1)))
@@ -295,16 +297,14 @@ class GdnChunkPrepareSm90:
             sInv = None
             inv2 = None  # its (64, 64) view
             if const_expr(self.stores_t):
-                sInv = cute.make_tensor(cute.recast_ptr(storage.sA.data_ptr(),
+                sInv = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(),
                                                         swizzle_=sM_layout.inner,
                                                         dtype=self.dtype), sM_layout.outer)
                 inv2 = sInv[None, None, 0]
+            sM = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + cute.cosize(
+                sM_layout.outer), swizzle_=sM_layout.inner, dtype=self.dtype), sM_layout.outer)
             self.prepare_chunk(mma_s, mma_wk, mma_wv, sQ, sK, sV, 0, sTw, sTu, sA, sGate,
-                               sBeta, sRows, out, rows, scale, tidx, inv2)
-            sM = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(),
-                                                  swizzle_=sM_layout.inner, dtype=self.dtype),
-                                  sM_layout.outer)
-            store_stmatrix(m16, mma_s, sM[None, None, 0], tidx)
+                               sBeta, sRows, out, rows, scale, tidx, inv2, sM[None, None, 0])
             cute.arch.fence_proxy("async.shared", space="cta")
             self.sync()
             if warp == 0:  # the whole warp: each TMA copy elects its issuing lane itself
@@ -325,13 +325,15 @@ class GdnChunkPrepareSm90:
     @cute.jit
     def prepare_chunk(self, mma_s, mma_wk, mma_wv, sQ, sK, sV, stage, sTw, sTu, sA, sGate,
                       sBeta, sRows, out, rows: Int32, scale: Float32, tidx: Int32,
-                      sInv=None):
+                      sInv=None, sM=None):
         """One warpgroup (thread ``tidx`` of 128), after the chunk's Q, K, V (stage
         ``stage`` of sQ, sK, sV) and its g, beta (sGate, sBeta) are in shared memory:
         writes W, U (2-D views, which may be sK, sV of the stage), M (this thread's
         elements in the score accumulator's order) and the factor row (1-D) into ``out``;
         sGate ends as G. Q and K are only read by it (rows past ``rows`` are zeroed).
-        Shared-memory outputs are written by the generic proxy and not yet fenced."""
+        Shared-memory outputs are written by the generic proxy and not yet fenced. With
+        ``sM`` (a 16-bit tile over dead Q or K rows), M goes there by stmatrix right after
+        the scores instead of waiting in registers through the inverse."""
         C = CHUNK
         q2, k2, v2 = (t[None, None, stage] for t in (sQ, sK, sV))  # (rows, cols) views
         if rows < C:  # rows of the next sequence (or TMA zero fill): zeros
@@ -339,6 +341,8 @@ class GdnChunkPrepareSm90:
         cute.arch.fence_proxy("async.shared", space="cta")
         self.sync()
         self.scores(mma_s, sQ, sK, stage, sA, sGate, sBeta, sRows, out[2], scale, tidx)
+        if const_expr(sM is not None):
+            store_stmatrix(out[2], mma_s, sM, tidx)
         self.sync()
         if tidx < C:
             # T's column scales replace the row scales of token tidx (read only by it here)
