@@ -174,6 +174,9 @@ class GdnChunkPrepareSm90:
             store_inv = cpasync.make_tiled_tma_atom(s2g, select_modes(mInv, [2, 3, 1, 0]),
                                                     one(sM_layout), (C, C))
 
+        a_over_qk = self.a_over_qk()
+        a_elems = 1 if a_over_qk else C * A_ROW_STRIDE
+
         @cute.struct
         class SharedStorage:
             bar: cute.struct.MemRange[cutlass.Int64, 1]
@@ -184,6 +187,10 @@ class GdnChunkPrepareSm90:
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQK_layout)], 1024]
             # (none: V, which only U needs, is not loaded here)
             sV: cute.struct.Align[cute.struct.MemRange[dt, 8], 1024]
+            # A, then T over it (16-bit, swizzled), when the dead Q and K tiles cannot hold
+            # A and M (K = 64); at K = 128 A goes over Q (and K's first KB), M over K's
+            # second half: ~34 KB of shared memory, 5 CTAs per SM
+            sA: cute.struct.Align[cute.struct.MemRange[Float32, a_elems], 1024]
             # T diag(beta): where Q was when Q holds both scaled inverses (K = 128)
             sTu: cute.struct.Align[cute.struct.MemRange[dt, self.own_tu_elems(sT_layout)],
                                    1024]
@@ -197,6 +204,11 @@ class GdnChunkPrepareSm90:
                     store_inv, num_batches, scale).launch(
             grid=chunk_grid(chunks, self.heads), block=[THREADS, 1, 1], stream=stream,
             min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=-1)
+
+    def a_over_qk(self) -> bool:
+        """Whether the dead Q and K tiles (2 x 64 x K 16-bit) hold A (fp32, 64 x 68) and M
+        (16-bit, 64 x 64) side by side."""
+        return 2 * CHUNK * self.k_dim * 2 >= CHUNK * A_ROW_STRIDE * 4 + CHUNK * CHUNK * 2
 
     def own_tu_elems(self, sT_layout) -> int:
         """Elements of stage 1's own T diag(beta) buffer: none when the Q tile (64 x K)
@@ -270,10 +282,12 @@ class GdnChunkPrepareSm90:
                 tu_ptr = storage.sQ.data_ptr() + t_elems
             sTu = cute.make_tensor(cute.recast_ptr(tu_ptr, swizzle_=sT_layout.inner,
                                                    dtype=self.dtype), sT_layout.outer)
-            # Q and K are dead once the scores are made: A (fp32, 17 KB) goes over Q and the
-            # first KB of K, then T over A; M (16-bit) over K's second half. ~34 KB of shared
-            # memory: 5 CTAs per SM.
-            a_ptr = cute.recast_ptr(storage.sQ.data_ptr(), dtype=Float32)
+            # Q and K are dead once the scores are made (see SharedStorage)
+            a_ptr = storage.sA.data_ptr()
+            m_ptr = storage.sQ.data_ptr()
+            if const_expr(self.a_over_qk()):
+                a_ptr = cute.recast_ptr(storage.sQ.data_ptr(), dtype=Float32)
+                m_ptr = storage.sK.data_ptr() + cute.cosize(sM_layout.outer)
             sA = cute.make_tensor(a_ptr, cute.make_layout((C, C), stride=(A_ROW_STRIDE, 1)))
             sGate = storage.gate.get_tensor(cute.make_layout(C))
             sBeta = storage.beta.get_tensor(cute.make_layout(C))
@@ -297,12 +311,12 @@ class GdnChunkPrepareSm90:
             sInv = None
             inv2 = None  # its (64, 64) view
             if const_expr(self.stores_t):
-                sInv = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(),
+                sInv = cute.make_tensor(cute.recast_ptr(a_ptr,
                                                         swizzle_=sM_layout.inner,
                                                         dtype=self.dtype), sM_layout.outer)
                 inv2 = sInv[None, None, 0]
-            sM = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr() + cute.cosize(
-                sM_layout.outer), swizzle_=sM_layout.inner, dtype=self.dtype), sM_layout.outer)
+            sM = cute.make_tensor(cute.recast_ptr(m_ptr, swizzle_=sM_layout.inner,
+                                                  dtype=self.dtype), sM_layout.outer)
             self.prepare_chunk(mma_s, mma_wk, mma_wv, sQ, sK, sV, 0, sTw, sTu, sA, sGate,
                                sBeta, sRows, out, rows, scale, tidx, inv2, sM[None, None, 0])
             cute.arch.fence_proxy("async.shared", space="cta")
