@@ -5,7 +5,7 @@ takes them):
 - one sequence of 32768 tokens, 16 q/k heads and 64 v heads;
 - 64 sequences of 512 tokens, 64 heads.
 
-    python bench/bench_gdn.py [--case NAME ...] [--no-peer]
+    python bench/bench_gdn.py [--case NAME ...] [--no-peer] [--stages]
 
 Times ``gated_delta_net`` (the allocating function: the compiled op is made on the first call,
 outputs are allocated each call) with triton.testing.do_bench (median) and prints per case:
@@ -16,6 +16,7 @@ outputs are allocated each call) with triton.testing.do_bench (median) and print
   two-kernel path moves besides (its workspace written and read once);
 and flash-linear-attention's chunk_gated_delta_rule on the same inputs where it imports
 (q and k expanded to the v heads when grouped), with the RMS error ratio of the outputs.
+``--stages`` also times each kernel of the op alone (prepare, recurrence or its split form).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import sys
 
 import torch
 
-from common import copy_bandwidth, do_bench, environment, gdn_inputs, write_json
+from common import (copy_bandwidth, do_bench, environment, gdn_inputs, kernel_times,
+                    write_json)
 
 from precast import GdnFwdSm90, gated_delta_net
 from precast.reference.gated_delta_net import forward_flops, rms_error_ratio
@@ -71,7 +73,17 @@ def peer_gdn():
     return chunk_gated_delta_rule
 
 
-def run_case(name: str, peer, copy_bw: float) -> dict:
+def stage_times(q, k, v, g, beta, cu) -> dict:
+    """Each forward kernel alone, in the op's order."""
+    op = GdnFwdSm90(q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True,
+                    output_final_state=True).check_support()
+    o = torch.empty_like(v)
+    final = torch.empty(cu.shape[0] - 1, v.shape[1], v.shape[2], q.shape[2], device=q.device)
+    return kernel_times(op, q.device.index,
+                        lambda: op.execute(q, k, v, g, beta, cu, o, final_state=final))
+
+
+def run_case(name: str, peer, copy_bw: float, stages: bool = False) -> dict:
     batch, seqlen, qk_heads, v_heads = CASES[name]
     q, k, v, g, beta, cu = make_inputs(batch, seqlen, qk_heads, v_heads)
     run = lambda: gated_delta_net(q, k, v, g, beta, cu, output_final_state=True,  # noqa: E731
@@ -92,6 +104,10 @@ def run_case(name: str, peer, copy_bw: float) -> dict:
           f"{io_gbs:5.0f} GB/s of inputs and outputs ({moved / 1e9:.2f} GB, "
           f"{row['io_of_copy']:.2f}x copy), {row['with_workspace_gbs']:5.0f} GB/s with the "
           f"workspace ({work / 1e9:.2f} GB)", flush=True)
+    if stages:
+        row["stages_us"] = stage_times(q, k, v, g, beta, cu)
+        print(f"{'':>12}  " + "  ".join(f"{m} {t:.1f}" for m, t in row["stages_us"].items()),
+              flush=True)
     if peer is not None:
         # fla takes [B, T, H, D] (B = 1 with cu_seqlens, int64) and returns its final state
         # K-major: compare o only. Grouped q/k heads are expanded for it.
@@ -115,6 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--case", action="append", choices=sorted(CASES),
                     help="a case to run (repeatable; default: all)")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--stages", action="store_true", help="also time each kernel alone")
     args = ap.parse_args(argv)
     env = environment()
     bw = copy_bandwidth()
@@ -123,7 +140,7 @@ def main(argv=None) -> int:
     peer = None if args.no_peer else peer_gdn()
     if peer is None:
         print("flash-linear-attention: not importable (or --no-peer), skipped")
-    rows = [run_case(name, peer, bw) for name in (args.case or list(CASES))]
+    rows = [run_case(name, peer, bw, args.stages) for name in (args.case or list(CASES))]
     write_json("bench_gdn.json", {"env": env, "copy_bandwidth": bw, "results": rows})
     return 0
 

@@ -29,7 +29,7 @@ import torch
 
 from bench_gdn import DIM
 from bench_gdn import make_inputs as forward_inputs
-from common import do_bench, environment, write_json
+from common import do_bench, environment, kernel_times, write_json
 
 from precast import GdnBwdSm90, gated_delta_net, gated_delta_net_backward
 
@@ -57,23 +57,9 @@ def stage_times(q, k, v, g, beta, cu, do, checkpoints=None, n=None) -> dict:
                     checkpoint_every_n_tokens=n).check_support()
     ws = op.make_workspace(q.shape[0], cu.shape[0] - 1, device="cuda")
     grads = [torch.empty_like(t) for t in (q, k, v, g, beta)]
-    launched = []
-    kernels = op._ready(q.device.index)
-    real = dict(kernels)
-    for mode, fn in real.items():  # record the launches of one execute
-        kernels[mode] = (lambda m, f: lambda *a: launched.append((m, f, a)))(mode, fn)
-    try:
-        op.execute(q, k, v, g, beta, cu, do, *grads, workspace=ws, checkpoints=checkpoints,
-                   checkpoint_every_n_tokens=n)
-    finally:
-        kernels.update(real)
-    times = {}
-    stream = torch.cuda.current_stream().cuda_stream
-    for mode, fn, args in launched:
-        args = args[:-1] + (stream,)  # on the timing stream (execute forks the states pass)
-        fn(*args)
-        times[mode] = do_bench(lambda: fn(*args)) * 1e3
-    return times
+    return kernel_times(op, q.device.index, lambda: op.execute(
+        q, k, v, g, beta, cu, do, *grads, workspace=ws, checkpoints=checkpoints,
+        checkpoint_every_n_tokens=n))
 
 
 def peer_backward(q, k, v, g, beta, cu, do):

@@ -10,8 +10,31 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from precast.benchmarking import (copy_bandwidth, do_bench, environment, gdn_inputs,  # noqa: E402
                                   lmsd_inputs, lmsd_traffic_bytes, matmul_rate)
 
-__all__ = ["copy_bandwidth", "do_bench", "environment", "gdn_inputs", "lmsd_inputs",
-           "lmsd_traffic_bytes", "matmul_rate", "write_json"]
+__all__ = ["copy_bandwidth", "do_bench", "environment", "gdn_inputs", "kernel_times",
+           "lmsd_inputs", "lmsd_traffic_bytes", "matmul_rate", "write_json"]
+
+
+def kernel_times(op, device_index: int, execute) -> dict:
+    """{kernel: us}: each kernel that one ``execute()`` of the compiled ``op`` launches,
+    timed alone (do_bench median) with the same arguments on the current stream (an execute
+    may fork some of them onto a side stream), in launch order."""
+    import torch
+    kernels = op._ready(device_index)
+    real = dict(kernels)
+    launched = []
+    for mode, fn in real.items():  # record the launches of one execute
+        kernels[mode] = (lambda m, f: lambda *a: launched.append((m, f, a)))(mode, fn)
+    try:
+        execute()
+    finally:
+        kernels.update(real)
+    stream = torch.cuda.current_stream().cuda_stream
+    times = {}
+    for mode, fn, args in launched:
+        args = args[:-1] + (stream,)  # every kernel takes its stream last
+        fn(*args)
+        times[mode] = do_bench(lambda: fn(*args)) * 1e3
+    return times
 
 
 def write_json(name: str, payload: dict) -> None:
