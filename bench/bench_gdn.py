@@ -78,7 +78,8 @@ def stage_times(q, k, v, g, beta, cu) -> dict:
     op = GdnFwdSm90(q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True,
                     output_final_state=True).check_support()
     o = torch.empty_like(v)
-    final = torch.empty(cu.shape[0] - 1, v.shape[1], v.shape[2], q.shape[2], device=q.device)
+    final = torch.empty(cu.shape[0] - 1, v.shape[1], v.shape[2], q.shape[2],
+                        dtype=torch.float32, device=q.device)
     return kernel_times(op, q.device.index,
                         lambda: op.execute(q, k, v, g, beta, cu, o, final_state=final))
 

@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from precast.benchmarking import (copy_bandwidth, do_bench, environment, gdn_inputs,  # noqa: E402
@@ -18,7 +20,6 @@ def kernel_times(op, device_index: int, execute) -> dict:
     """{kernel: us}: each kernel that one ``execute()`` of the compiled ``op`` launches,
     timed alone (do_bench median) with the same arguments on the current stream (an execute
     may fork some of them onto a side stream), in launch order."""
-    import torch
     kernels = op._ready(device_index)
     real = dict(kernels)
     launched = []
