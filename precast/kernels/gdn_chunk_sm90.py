@@ -157,25 +157,23 @@ class GdnChunkPrepareSm90:
         dt = self.dtype
         C = CHUNK
         layouts, loads, mmas = self.prepare_setup(mQ, mK, mV, 1)
-        sQK_layout, sV_layout, sT_layout = layouts
+        sQK_layout, sV_layout, _ = layouts  # (T's layout: the fused kernel's)
         tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma = loads
         mma_s, mma_wk, mma_wv = mmas
-        # The outputs leave by TMA stores from shared memory: W over K, U over V, M where
-        # Q was (W, U, M row block of mWork16, viewed (64, F, HO, chunks)).
+        # T and M leave by TMA stores of (64, 64) 16-bit tiles from shared memory into their
+        # column blocks of work16's row block (viewed (64, F, HO, chunks)); with
+        # store_inverse T goes to the inverse tensor instead.
         sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, 1)
         one = lambda layout: cute.slice_(layout, (None, None, 0))  # noqa: E731
         s2g = cpasync.CopyBulkTensorTileS2GOp()
-        mW = select_modes(mWork16, [2, 3, 1, 0])
-        stores = tuple(cpasync.make_tiled_tma_atom(s2g, mW, one(layout), (C, cols))
-                       for layout, cols in ((sQK_layout, self.k_dim), (sV_layout, self.v_dim),
-                                            (sM_layout, C)))
+        store_m, mW_t = cpasync.make_tiled_tma_atom(s2g, select_modes(mWork16, [2, 3, 1, 0]),
+                                                    one(sM_layout), (C, C))
         store_inv = None
         if const_expr(self.store_inverse):  # T, 16-bit over A
             store_inv = cpasync.make_tiled_tma_atom(s2g, select_modes(mInv, [2, 3, 1, 0]),
                                                     one(sM_layout), (C, C))
 
-        a_over_qk = self.a_over_qk()
-        a_elems = 1 if a_over_qk else C * A_ROW_STRIDE
+        a_elems = 1 if self.a_over_qk() else C * A_ROW_STRIDE
 
         @cute.struct
         class SharedStorage:
@@ -191,17 +189,13 @@ class GdnChunkPrepareSm90:
             # A and M (K = 64); at K = 128 A goes over Q (and K's first KB), M over K's
             # second half: ~34 KB of shared memory, 5 CTAs per SM
             sA: cute.struct.Align[cute.struct.MemRange[Float32, a_elems], 1024]
-            # T diag(beta): where Q was when Q holds both scaled inverses (K = 128)
-            sTu: cute.struct.Align[cute.struct.MemRange[dt, self.own_tu_elems(sT_layout)],
-                                   1024]
 
         self.storage = SharedStorage
         chunks = mWork32.shape[0]
         num_batches = mCuSeqlens.shape[0] - 1
         self.kernel(mma_s, mma_wk, mma_wv, mQ_tma, mK_tma, mV_tma, tma_q, tma_k, tma_v,
-                    sQK_layout, sV_layout, sT_layout, sM_layout, mG, mBeta, mCuSeqlens,
-                    mSeqTable, stores[0][1], stores[0][0], stores[1][0], stores[2][0], mWork32,
-                    store_inv, num_batches, scale).launch(
+                    sQK_layout, sV_layout, sM_layout, mG, mBeta, mCuSeqlens,
+                    mSeqTable, mW_t, store_m, mWork32, store_inv, num_batches, scale).launch(
             grid=chunk_grid(chunks, self.heads), block=[THREADS, 1, 1], stream=stream,
             min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=-1)
 
@@ -209,11 +203,6 @@ class GdnChunkPrepareSm90:
         """Whether the dead Q and K tiles (2 x 64 x K 16-bit) hold A (fp32, 64 x 68) and M
         (16-bit, 64 x 64) side by side."""
         return 2 * CHUNK * self.k_dim * 2 >= CHUNK * A_ROW_STRIDE * 4 + CHUNK * CHUNK * 2
-
-    def own_tu_elems(self, sT_layout) -> int:
-        """Elements of stage 1's own T diag(beta) buffer: none when the Q tile (64 x K)
-        holds both 64 x 64 scaled inverses."""
-        return 0 if self.k_dim >= 2 * CHUNK else cute.cosize(sT_layout)
 
     def prepare_setup(self, mQ, mK, mV, stages: int):
         """Host-side pieces of the preparing role: shared-memory layouts (Q/K and V tiles
@@ -253,13 +242,10 @@ class GdnChunkPrepareSm90:
     def kernel(self, mma_s: cute.TiledMma, mma_wk: cute.TiledMma, mma_wv: cute.TiledMma,
                mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, sQK_layout: cute.ComposedLayout,
-               sV_layout: cute.ComposedLayout, sT_layout: cute.ComposedLayout,
-               sM_layout: cute.ComposedLayout, mG: cute.Tensor, mBeta: cute.Tensor,
-               mCuSeqlens: cute.Tensor, mSeqTable: cute.Tensor, mWork16: cute.Tensor,
-               store_w: cute.CopyAtom,
-               store_u: cute.CopyAtom, store_m: cute.CopyAtom, mWork32: cute.Tensor,
-               store_inv,
-               num_batches: Int32, scale: Float32):
+               sV_layout: cute.ComposedLayout, sM_layout: cute.ComposedLayout,
+               mG: cute.Tensor, mBeta: cute.Tensor, mCuSeqlens: cute.Tensor,
+               mSeqTable: cute.Tensor, mWork16: cute.Tensor, store_m: cute.CopyAtom,
+               mWork32: cute.Tensor, store_inv, num_batches: Int32, scale: Float32):
         C = CHUNK
         tidx, _, _ = cute.arch.thread_idx()
         packed, head = block_chunk_head()
@@ -271,17 +257,6 @@ class GdnChunkPrepareSm90:
             sQ = storage.sQ.get_tensor(sQK_layout.outer, swizzle=sQK_layout.inner)
             sK = storage.sK.get_tensor(sQK_layout.outer, swizzle=sQK_layout.inner)
             sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-            # The scaled inverses live where Q was (Q is read only by the score products,
-            # complete before T is solved): 64 KB of shared memory at K = V = 128, 3 CTAs/SM.
-            t_elems = cute.cosize(sT_layout.outer)
-            sTw = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(),
-                                                   swizzle_=sT_layout.inner, dtype=self.dtype),
-                                   sT_layout.outer)
-            tu_ptr = storage.sTu.data_ptr()
-            if const_expr(self.own_tu_elems(sT_layout) == 0):
-                tu_ptr = storage.sQ.data_ptr() + t_elems
-            sTu = cute.make_tensor(cute.recast_ptr(tu_ptr, swizzle_=sT_layout.inner,
-                                                   dtype=self.dtype), sT_layout.outer)
             # Q and K are dead once the scores are made (see SharedStorage)
             a_ptr = storage.sA.data_ptr()
             m_ptr = storage.sQ.data_ptr()
@@ -304,7 +279,7 @@ class GdnChunkPrepareSm90:
                                 chunk, head)
             self.load_gates(mG, mBeta, sGate, sBeta, start + chunk * C, rows, head, tidx)
             cute.arch.mbarrier_wait(bar, 0)
-            # M waits in registers until the scaled inverses over Q are done with
+            # M from the score accumulator, staged into sM by prepare_chunk
             thr_s = mma_s.get_slice(tidx)
             m16 = cute.make_rmem_tensor(thr_s.partition_shape_C((C, C)), self.dtype)
             out = (sK[None, None, 0], sV[None, None, 0], m16, mWork32[packed, head, None])
@@ -317,19 +292,19 @@ class GdnChunkPrepareSm90:
                 inv2 = sInv[None, None, 0]
             sM = cute.make_tensor(cute.recast_ptr(m_ptr, swizzle_=sM_layout.inner,
                                                   dtype=self.dtype), sM_layout.outer)
-            self.prepare_chunk(mma_s, mma_wk, mma_wv, sQ, sK, sV, 0, sTw, sTu, sA, sGate,
+            # (no scaled inverses: only the fused kernel makes W and U)
+            self.prepare_chunk(mma_s, mma_wk, mma_wv, sQ, sK, sV, 0, None, None, sA, sGate,
                                sBeta, sRows, out, rows, scale, tidx, inv2, sM[None, None, 0])
             cute.arch.fence_proxy("async.shared", space="cta")
             self.sync()
             if warp == 0:  # the whole warp: each TMA copy elects its issuing lane itself
-                K, V = self.k_dim, self.v_dim
-                stores = ((store_m, sM, M_COL, C),)
+                tiles = ((sM, M_COL),)
                 if const_expr(not self.store_inverse):  # T beside M
-                    stores = ((store_m, sInv, T_COL, C),) + stores
-                for atom, s, col, cols in stores:
-                    block = mWork16[None, None, head, packed]  # (64, F)
-                    g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
-                    tma_store_tile(atom, s, g)
+                    tiles = ((sInv, T_COL),) + tiles
+                block = mWork16[None, None, head, packed]  # (64, F)
+                for s, col in tiles:
+                    g = cute.local_tile(cute.domain_offset((0, col), block), (C, C), (0, 0))
+                    tma_store_tile(store_m, s, g)
                 if const_expr(self.store_inverse):
                     atom, m_inv = store_inv
                     tma_store_tile(atom, sInv, m_inv[None, None, head, packed])
@@ -342,8 +317,9 @@ class GdnChunkPrepareSm90:
                       sInv=None, sM=None):
         """One warpgroup (thread ``tidx`` of 128), after the chunk's Q, K, V (stage
         ``stage`` of sQ, sK, sV) and its g, beta (sGate, sBeta) are in shared memory:
-        writes W, U (2-D views, which may be sK, sV of the stage), M (this thread's
-        elements in the score accumulator's order) and the factor row (1-D) into ``out``;
+        writes W, U (with store_wu, through the scaled inverses sTw, sTu; else both are
+        None) (2-D views, which may be sK, sV of the stage), M (this thread's elements in
+        the score accumulator's order) and the factor row (1-D) into ``out``;
         sGate ends as G. Q and K are only read by it (rows past ``rows`` are zeroed).
         Shared-memory outputs are written by the generic proxy and not yet fenced. With
         ``sM`` (a 16-bit tile over dead Q or K rows), M goes there by stmatrix right after
@@ -363,7 +339,10 @@ class GdnChunkPrepareSm90:
             t_w, t_u = self.row_values(sGate, sBeta, out[3], rows, scale, sRows, tidx)
             sRows[T_W, tidx] = t_w
             sRows[T_U, tidx] = t_u
-        self.invert(sA, sTw[None, None, 0], sTu[None, None, 0], sRows, tidx, sInv)
+        scaled = (None, None)  # T diag(t_w), T diag(t_u): the A operands of W and U
+        if const_expr(self.store_wu):
+            scaled = (sTw[None, None, 0], sTu[None, None, 0])
+        self.invert(sA, *scaled, sRows, tidx, sInv)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.sync()
         if const_expr(self.store_wu):
