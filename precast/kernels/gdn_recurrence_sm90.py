@@ -19,6 +19,10 @@ run; 16 KB fewer loads per chunk than W and U, one more 64-deep product on the c
     S^T     = exp(G_L) S^T + (Delta^T diag(k_f)) K      (N = K, K read transposed)
     O^T     = (S^T Q^T) diag(q_f) + Delta^T M^T         (beside the state's update)
 
+M is read from the workspace or (makes_m, the plain forward) made by every consumer
+warpgroup beside the state's update: M = exp(m_q_i + m_k_j) (Q K^T)_ij, j <= i, from the
+chunk's raw q and k tiles and the third factor row, 16-bit into the warpgroup's own tile.
+
 The fused kernel (gdn_fwd_sm90) reads W and U instead: X^T = S^T W^T (in flight with
 S^T Q^T), Delta^T = U^T - X^T. The backward's states pass (states_only) is the first form
 without o.
@@ -38,13 +42,26 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
-                             tma_pipeline, tma_store_tile, transposed, wgmma)
+from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, store_stmatrix,
+                             tma_load_tile, tma_pipeline, tma_store_tile, transposed, wgmma)
 from .gdn_layout import (CHUNK, FACTOR_COLS, FACTOR_ROWS, G_LAST, K_FACTORS, M_COL,
-                         Q_FACTORS, T_COL, U_FACTORS, W_FACTORS)
+                         MK_LOGS, MQ_LOGS, Q_FACTORS, T_COL, U_FACTORS, W_FACTORS)
 from .gdn_seq_table_sm90 import find_in_table, has_table
 
 THREADS_PER_WG = 128
+
+
+class MParts(NamedTuple):
+    """What a consumer warpgroup needs to make the chunk's M itself (makes_m): the
+    single-warpgroup Q K^T MMA, its thread slice, the A (Q) and B (K) fragments of every
+    stage, the warpgroup's own 16-bit M tile, its index and its thread's index in it."""
+    mma: object
+    thr: object
+    frag_q: object
+    frag_k: object
+    tile: object
+    wg: object
+    wg_tidx: object
 
 
 class StateParts(NamedTuple):
@@ -65,17 +82,19 @@ class StateParts(NamedTuple):
     split: object
 
 
-def factor_row_loads(mWork32: cute.Tensor, stages: int):
-    """TMA access to work32's two factor rows per (chunk, head) ([q_f | k_f | G_L] and
-    [t_w | t_u], gdn_layout), for recurrences that read them on their chain: returns (TMA
-    atom, work32 as a (2, F, HO, chunks) tensor of (2, F) tiles, the (2, F, stages)
-    shared-memory layout, bytes per (chunk, head)). Reading them from global memory put L2
-    latency on every chunk step."""
-    F, R = FACTOR_COLS, FACTOR_ROWS
-    rows, heads, cols = mWork32.shape
+def factor_row_loads(mWork32: cute.Tensor, stages: int, rows: int = 2):
+    """TMA access to work32's first ``rows`` factor rows per (chunk, head) ([q_f | k_f |
+    G_L], [t_w | t_u] and [m_q | m_k], gdn_layout), for recurrences that read them on their
+    chain: returns (TMA atom, work32 as a (rows, F, HO, chunks) tensor of (rows, F) tiles,
+    the (rows, F, stages) shared-memory layout, bytes per (chunk, head)). Reading them from
+    global memory put L2 latency on every chunk step."""
+    F, R = FACTOR_COLS, rows
+    assert R <= FACTOR_ROWS
+    chunks, heads, cols = mWork32.shape
     view = cute.make_tensor(mWork32.iterator, cute.make_layout(
-        (R, F, heads, rows), stride=(F, 1, cols, heads * cols)))
-    # TMA writes shared memory at 128-byte aligned addresses: stages 288 floats apart
+        (R, F, heads, chunks), stride=(F, 1, cols, heads * cols)))
+    # TMA writes shared memory at 128-byte aligned addresses: stages whole 128-byte lines
+    # apart
     stage_stride = -(-(R * F) // 32) * 32
     layout = cute.make_layout((R, F, stages), stride=(F, 1, stage_stride))
     atom, tma_view = cpasync.make_tiled_tma_atom(
@@ -87,7 +106,7 @@ def factor_row_loads(mWork32: cute.Tensor, stages: int):
 def load_factor_row(atom, m_view, s_rows, head: Int32, chunk: Int32, stage: Int32, bar):
     """The factor rows of (chunk, head) into stage ``stage`` of ``s_rows`` (whole warp)."""
     tma_load_tile(atom, cute.local_tile(m_view[None, None, head, chunk],
-                                        (FACTOR_ROWS, FACTOR_COLS),
+                                        (m_view.shape[0], FACTOR_COLS),
                                         (0, 0)), s_rows, stage, bar)
 
 
@@ -114,6 +133,7 @@ def sum_before(mCuSeqlens: cute.Tensor, batch: Int32, per: Int32):
 
 STAGES = 2
 O_BARRIER = 1  # the consumer warpgroups, around the o staging tile
+M_BARRIER = 2  # + warpgroup: one consumer warpgroup, around its M tile (makes_m)
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
@@ -123,7 +143,7 @@ class GdnChunkRecurrenceSm90:
                  v_heads: int, initial_state: bool, pool: bool, final_state: bool,
                  checkpoints: bool, overlap_products: bool = True, v_splits: int = 1,
                  states_only: bool = False, from_checkpoints: bool = False,
-                 from_inverse: bool = True):
+                 from_inverse: bool = True, makes_m: bool = False):
         """initial_state: an [N or N_pool, HO, V, K] state is read (with pool: at row
         state_indices[b], and the final state written back there); final_state: the end
         state goes to an [N, HO, V, K] fp32 tensor; checkpoints: [rows, HO, V, K].
@@ -141,7 +161,12 @@ class GdnChunkRecurrenceSm90:
         states go to mCkpt at every chunk's packed row. from_inverse (every standalone
         launch): W and U are not read but their products made from T, its column scales
         and v (module docstring); False only for the fused kernel (gdn_fwd_sm90), which
-        keeps W and U in shared memory and uses chunk_update's other form."""
+        keeps W and U in shared memory and uses chunk_update's other form. makes_m (with
+        o, from_inverse): M is not read from work16 but made by each consumer warpgroup
+        from the chunk's q and k tiles and the third factor row (the M-less stage 1 of the
+        plain forward): M = exp(m_q_i + m_k_j) q_i . k_j for j <= i, beside the state's
+        update; every warpgroup makes all of M, so the split form's arithmetic is the
+        same (batch invariance)."""
         assert k_dim in (64, 128) and v_dim in (64, 128)
         assert not states_only or checkpoints
         assert not from_checkpoints or (states_only and initial_state and not pool
@@ -149,6 +174,8 @@ class GdnChunkRecurrenceSm90:
         self.states_only, self.from_checkpoints = states_only, from_checkpoints
         self.from_inverse = from_inverse
         assert from_inverse or not states_only
+        assert not makes_m or (from_inverse and not states_only)
+        self.makes_m = makes_m
         assert not pool or initial_state
         self.dtype = dtype
         self.k_dim, self.v_dim = k_dim, v_dim
@@ -199,7 +226,9 @@ class GdnChunkRecurrenceSm90:
                                                   one(sK_layout), (C, K))
         tma_kr, mK_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mK, [0, 2, 1]),
                                                    one(sK_layout), (C, K))
-        tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
+        tma_m, mW_m = None, None  # M from work16 (else made here: makes_m)
+        if const_expr(not self.makes_m):
+            tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
 
         def checkpoint_staging():
             """A (V rows x K) 16-bit staging tile and the TMA store of it to a checkpoint
@@ -228,12 +257,16 @@ class GdnChunkRecurrenceSm90:
                 sCk_layout, store_ck, mCk_t = checkpoint_staging()
                 staged_ckpt = (store_ck, mCk_t, sCk_layout)
                 sCk_elems = cute.cosize(sCk_layout)
-        # K, v's columns and T; with o also Q and M (states_only loads neither)
+        # K, v's columns and T; with o also Q and (unless made here) M (states_only loads
+        # neither)
         with_o = 0 if const_expr(self.states_only) else 1
+        loads_m = 0 if const_expr(self.states_only or self.makes_m) else 1
         self.stage_bytes = ((1 + with_o) * cute.size_in_bytes(dt, one(sK_layout))
                             + cute.size_in_bytes(dt, one(sU_layout))
-                            + (1 + with_o) * cute.size_in_bytes(dt, one(sM_layout)))
-        tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(mWork32, STAGES)
+                            + (1 + loads_m) * cute.size_in_bytes(dt, one(sM_layout)))
+        # with makes_m also the third factor row (M's log factors)
+        tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(
+            mWork32, STAGES, FACTOR_ROWS if const_expr(self.makes_m) else 2)
         self.stage_bytes += factor_bytes
         rmem = warpgroup.OperandSource.RMEM
         mma_tok = sm90_utils.make_trivial_tiled_mma(  # (V rows) x 64 tokens
@@ -242,6 +275,12 @@ class GdnChunkRecurrenceSm90:
         mma_state = sm90_utils.make_trivial_tiled_mma(  # (V rows) x K
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             (self.nwg, 1, 1), (64, K), rmem)
+        # makes_m: M = Q K^T (64 x 64, both from shared memory), one whole M per consumer
+        # warpgroup, into its own tile of sM (which then holds no stages)
+        assert not self.makes_m or self.nwg <= STAGES
+        mma_m = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            (1, 1, 1), (64, C))
 
         @cute.struct
         class SharedStorage:
@@ -260,7 +299,7 @@ class GdnChunkRecurrenceSm90:
         # one grid column per (sequence) or, from checkpoints, per checkpoint row
         grid = ([mState0.shape[0], self.heads, self.v_splits] if const_expr(self.from_checkpoints)
                 else [self.heads, cutlass.max(num_batches, 1), self.v_splits])
-        self.kernel(mma_tok, mma_state, mQ_t, mK_t, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k,
+        self.kernel(mma_tok, mma_state, mma_m, mQ_t, mK_t, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k,
                     tma_u, tma_m, sK_layout, sU_layout, sM_layout, sO_layout, store_o, mO_t,
                     (tma_f, mF_t, sF_layout), staged_ckpt, mCuSeqlens, mSeqTable, mO, mState0,
                     mStateIdx, mFinal, mCkpt, ckpt_every, num_batches).launch(
@@ -268,7 +307,8 @@ class GdnChunkRecurrenceSm90:
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma, mQ: cute.Tensor,
+    def kernel(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma,
+               mma_m: cute.TiledMma, mQ: cute.Tensor,
                mK: cute.Tensor, mW_k: cute.Tensor, mW_u: cute.Tensor, mW_m: cute.Tensor,
                tma_q: cute.CopyAtom, tma_kr: cute.CopyAtom, tma_k: cute.CopyAtom,
                tma_u: cute.CopyAtom, tma_m: cute.CopyAtom, sK_layout: cute.ComposedLayout,
@@ -328,7 +368,8 @@ class GdnChunkRecurrenceSm90:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume(mma_tok, mma_state, sQ, sK, sW, sU, sM, (sO, store_o, mO_t), pipe,
+            self.consume(mma_tok, mma_state, mma_m, sQ, sK, sW, sU, sM, (sO, store_o, mO_t),
+                         pipe,
                          sF, ckpt_tile, mO,
                          mState0, mStateIdx, mFinal, mCkpt, ckpt_every, mCuSeqlens, mSeqTable,
                          batch, head, start, length, first_chunk, chunks, updates,
@@ -390,7 +431,9 @@ class GdnChunkRecurrenceSm90:
         tiles = ((tma_k, mW_k, sM, T_COL, C),)
         token_tiles = ((tma_kr, mK, sK, head // self.k_group),)
         if const_expr(not self.states_only):  # Q and M only make o
-            tiles = ((tma_k, mW_k, sW, T_COL, C), (tma_m, mW_m, sM, M_COL, C))
+            tiles = ((tma_k, mW_k, sW, T_COL, C),)
+            if const_expr(not self.makes_m):
+                tiles = tiles + ((tma_m, mW_m, sM, M_COL, C),)
             token_tiles = ((tma_q, mQ, sQ, head // self.q_group),) + token_tiles
         for c in cutlass.range(chunks, unroll=1):
             pipe.producer_acquire(state)
@@ -411,7 +454,8 @@ class GdnChunkRecurrenceSm90:
             state = advanced(state)
 
     @cute.jit
-    def consume(self, mma_tok, mma_state, sQ, sK, sW, sU, sM, staged_o, pipe, sF, ckpt_tile,
+    def consume(self, mma_tok, mma_state, mma_m, sQ, sK, sW, sU, sM, staged_o, pipe, sF,
+                ckpt_tile,
                 mO, mState0, mStateIdx, mFinal, mCkpt, ckpt_every: Int32, mCuSeqlens,
                 mSeqTable, batch: Int32,
                 head: Int32, start: Int32, length: Int32, first_chunk: Int32, chunks: Int32,
@@ -423,6 +467,13 @@ class GdnChunkRecurrenceSm90:
         if const_expr(not self.states_only):
             wg_tok = mma_tok.get_slice((consumer_tidx // THREADS_PER_WG) * THREADS_PER_WG)
             frag_t = wg_tok.make_fragment_B(wg_tok.partition_B(sW))
+        m_parts = None
+        if const_expr(self.makes_m):
+            wg, wg_tidx = consumer_tidx // THREADS_PER_WG, consumer_tidx % THREADS_PER_WG
+            thr_m = mma_m.get_slice(wg_tidx)
+            m_parts = MParts(mma_m, thr_m, thr_m.make_fragment_A(thr_m.partition_A(sQ)),
+                             thr_m.make_fragment_B(thr_m.partition_B(sK)),
+                             sM[None, None, wg], wg, wg_tidx)
         state_row, ckpt_row = self.load_state(parts, mState0, mStateIdx, mCuSeqlens,
                                               ckpt_every, batch, head, mSeqTable)
         every = ckpt_every
@@ -441,7 +492,9 @@ class GdnChunkRecurrenceSm90:
                 self.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
             pipe.consumer_wait(state)
             self.chunk_update(parts, sU[None, None, state.index], state.index,
-                              sF[0, None, state.index], sF[1, None, state.index], frag_t)
+                              sF[0, None, state.index], sF[1, None, state.index], frag_t,
+                              m_parts, sF[FACTOR_ROWS - 1, None, state.index]
+                              if const_expr(self.makes_m) else None)
             cute.arch.sync_warp()
             pipe.consumer_release(state)
             state = advanced(state)
@@ -514,10 +567,12 @@ class GdnChunkRecurrenceSm90:
                 self.save_state(parts, mCkpt, ckpt_row + (c * CHUNK) // ckpt_every, head)
 
     @cute.jit
-    def chunk_update(self, parts, sU, s, factors, scales=None, frag_t=None):
+    def chunk_update(self, parts, sU, s, factors, scales=None, frag_t=None, m_parts=None,
+                     m_logs=None):
         """One chunk (its tiles in stage s, U (from_inverse: v's columns) as the 2-D view
         ``sU``, its factor rows [q_f | k_f | G_L] and (from_inverse) [t_w | t_u] as the 1-D
-        views ``factors``, ``scales``; with o and from_inverse T's B fragment ``frag_t``):
+        views ``factors``, ``scales``; with o and from_inverse T's B fragment ``frag_t``;
+        with makes_m the warpgroup's MParts and the third factor row ``m_logs``):
         O^T into acc_o, the state advanced; every wgmma waited for."""
         mma_tok, mma_state, acc_state = parts.mma_tok, parts.mma_state, parts.acc_state
         acc_x, acc_o, state16, thr_tok = parts.acc_x, parts.acc_o, parts.state16, parts.thr_tok
@@ -562,10 +617,20 @@ class GdnChunkRecurrenceSm90:
             wgmma(mma_state, acc_state, tSrDk, tSrK[None, None, None, s], True)
             if const_expr(not self.overlap_products):  # S^T Q^T beside the state's update
                 wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
+            acc_m = None
+            frag_m = tOrM[None, None, None, s]
+            if const_expr(m_parts is not None):  # Q K^T beside the state's update
+                acc_m = cute.make_rmem_tensor(m_parts.thr.partition_shape_C((CHUNK, CHUNK)),
+                                              Float32)
+                wgmma(m_parts.mma, acc_m, m_parts.frag_q[None, None, None, s],
+                      m_parts.frag_k[None, None, None, s], False)
+                frag_m = tOrM[None, None, None, m_parts.wg]
             warpgroup.wait_group(0)
             for e in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[e] = acc_o[e] * t_qf[e]
-            wgmma(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
+            if const_expr(m_parts is not None):
+                self.stage_m(m_parts, acc_m, m_logs)
+            wgmma(mma_tok, acc_o, tSrD, frag_m, True)
             warpgroup.wait_group(0)
         else:
             if const_expr(self.overlap_products):
@@ -592,6 +657,32 @@ class GdnChunkRecurrenceSm90:
             if const_expr(not self.overlap_products):
                 wgmma(mma_state, acc_state, tSrDk, tSrK[None, None, None, s], True)
             warpgroup.wait_group(0)
+
+    @cute.jit
+    def stage_m(self, m_parts, acc_m, m_logs):
+        """M = exp(m_q_i + m_k_j) (Q K^T)_ij for j <= i (0 above the diagonal; rows and
+        columns past the sequence end have m_q, m_k = -inf) from the warpgroup's product
+        ``acc_m``, 16-bit into its M tile, fenced for the wgmma that reads it."""
+        C = CHUNK
+        thr = m_parts.thr
+        coords = thr.partition_C(cute.make_identity_tensor((C, C)))
+        m_q = thr.partition_C(cute.make_tensor(
+            cute.domain_offset((MQ_LOGS,), m_logs).iterator,
+            cute.make_layout((C, C), stride=(1, 0))))
+        m_k = thr.partition_C(cute.make_tensor(
+            cute.domain_offset((MK_LOGS,), m_logs).iterator,
+            cute.make_layout((C, C), stride=(0, 1))))
+        m16 = cute.make_rmem_tensor(acc_m.layout, self.dtype)
+        for e in cutlass.range_constexpr(cute.size(acc_m)):
+            # (above the diagonal the exponent may overflow: selected away)
+            w = cute.math.exp(m_q[e] + m_k[e], fastmath=True)
+            m16[e] = Float32(cutlass.select_(coords[e][1] <= coords[e][0], acc_m[e] * w,
+                                             Float32(0.0))).to(self.dtype)
+        # every warp of the warpgroup is past the previous chunk's product reading the tile
+        cute.arch.barrier(barrier_id=M_BARRIER + m_parts.wg, number_of_threads=THREADS_PER_WG)
+        store_stmatrix(m16, m_parts.mma, m_parts.tile, m_parts.wg_tidx)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=M_BARRIER + m_parts.wg, number_of_threads=THREADS_PER_WG)
 
     @cute.jit
     def update_state(self, parts, v_t, t_kf, t_w, t_u, factors, tSrDk, tSrK, tYrT):
