@@ -19,9 +19,12 @@ run; 16 KB fewer loads per chunk than W and U, one more 64-deep product on the c
     S^T     = exp(G_L) S^T + (Delta^T diag(k_f)) K      (N = K, K read transposed)
     O^T     = (S^T Q^T) diag(q_f) + Delta^T M^T         (beside the state's update)
 
-M is read from the workspace or (makes_m, the plain forward) made by every consumer
-warpgroup beside the state's update: M = exp(m_q_i + m_k_j) (Q K^T)_ij, j <= i, from the
-chunk's raw q and k tiles and the third factor row, 16-bit into the warpgroup's own tile.
+M is read from the workspace or (makes_m, the plain forward) made by the producer
+warpgroup, off the state's chain: M = exp(m_q_i + m_k_j) (Q K^T)_ij, j <= i, from the
+chunk's raw q and k tiles and the third factor row, 16-bit into the stage's M tile, which
+the consumers wait for (an mbarrier per stage) only before their last product. Made on the
+consumers' warps instead (run 23a) it put ~1.2k cycles per chunk on the chain: the
+recurrence went 743 -> 892 us at 4 x 8192.
 
 The fused kernel (gdn_fwd_sm90) reads W and U instead: X^T = S^T W^T (in flight with
 S^T Q^T), Delta^T = U^T - X^T. The backward's states pass (states_only) is the first form
@@ -49,19 +52,6 @@ from .gdn_layout import (CHUNK, FACTOR_COLS, FACTOR_ROWS, G_LAST, K_FACTORS, M_C
 from .gdn_seq_table_sm90 import find_in_table, has_table
 
 THREADS_PER_WG = 128
-
-
-class MParts(NamedTuple):
-    """What a consumer warpgroup needs to make the chunk's M itself (makes_m): the
-    single-warpgroup Q K^T MMA, its thread slice, the A (Q) and B (K) fragments of every
-    stage, the warpgroup's own 16-bit M tile, its index and its thread's index in it."""
-    mma: object
-    thr: object
-    frag_q: object
-    frag_k: object
-    tile: object
-    wg: object
-    wg_tidx: object
 
 
 class StateParts(NamedTuple):
@@ -133,7 +123,9 @@ def sum_before(mCuSeqlens: cute.Tensor, batch: Int32, per: Int32):
 
 STAGES = 2
 O_BARRIER = 1  # the consumer warpgroups, around the o staging tile
-M_BARRIER = 2  # + warpgroup: one consumer warpgroup, around its M tile (makes_m)
+M_BARRIER = 2  # the producer warpgroup (makes_m), after each M product
+M_COLS = 16  # columns of M per product of the producer warpgroup (40 registers: 8 of them
+#              the accumulator)
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
@@ -162,11 +154,10 @@ class GdnChunkRecurrenceSm90:
         launch): W and U are not read but their products made from T, its column scales
         and v (module docstring); False only for the fused kernel (gdn_fwd_sm90), which
         keeps W and U in shared memory and uses chunk_update's other form. makes_m (with
-        o, from_inverse): M is not read from work16 but made by each consumer warpgroup
-        from the chunk's q and k tiles and the third factor row (the M-less stage 1 of the
-        plain forward): M = exp(m_q_i + m_k_j) q_i . k_j for j <= i, beside the state's
-        update; every warpgroup makes all of M, so the split form's arithmetic is the
-        same (batch invariance)."""
+        o, from_inverse): M is not read from work16 but made by the producer warpgroup
+        from the chunk's q and k tiles and the third factor row (after the M-less stage 1
+        of the plain forward): M = exp(m_q_i + m_k_j) q_i . k_j for j <= i; the same
+        arithmetic split or not (batch invariance)."""
         assert k_dim in (64, 128) and v_dim in (64, 128)
         assert not states_only or checkpoints
         assert not from_checkpoints or (states_only and initial_state and not pool
@@ -275,16 +266,16 @@ class GdnChunkRecurrenceSm90:
         mma_state = sm90_utils.make_trivial_tiled_mma(  # (V rows) x K
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             (self.nwg, 1, 1), (64, K), rmem)
-        # makes_m: M = Q K^T (64 x 64, both from shared memory), one whole M per consumer
-        # warpgroup, into its own tile of sM (which then holds no stages)
-        assert not self.makes_m or self.nwg <= STAGES
+        # makes_m: M = Q K^T (both from shared memory) by the producer warpgroup, M_COLS
+        # columns at a time, into the stage's M tile
         mma_m = sm90_utils.make_trivial_tiled_mma(
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            (1, 1, 1), (64, C))
+            (1, 1, 1), (64, M_COLS))
 
         @cute.struct
         class SharedStorage:
             bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            m_full: cute.struct.MemRange[cutlass.Int64, STAGES]  # makes_m: M of the stage
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
@@ -329,6 +320,11 @@ class GdnChunkRecurrenceSm90:
         storage = smem.allocate(self.storage)
         pipe = tma_pipeline(storage.bars.data_ptr(), STAGES, self.stage_bytes,
                             self.nwg * THREADS_PER_WG)
+        m_full = storage.m_full.data_ptr()
+        if const_expr(self.makes_m):  # every producer-warpgroup thread arrives
+            if tidx == 0:
+                for b in cutlass.range_constexpr(STAGES):
+                    cute.arch.mbarrier_init(m_full + b, THREADS_PER_WG)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         sQ = storage.sQ.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -359,17 +355,17 @@ class GdnChunkRecurrenceSm90:
         chunks = (length + CHUNK - 1) // CHUNK
         # chunk updates: a segment's last one would only make the next checkpoint
         updates = cutlass.max(chunks - 1, 0) if const_expr(self.from_checkpoints) else chunks
-        if warp == 0:
+        if warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.produce(mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ, sK,
-                         sW, sU, sM, (tma_f, mF_t, sF), pipe, head, start, first_chunk,
-                         updates, split)
-        elif warp < 4:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            # warp 0 loads the chunks; with makes_m all four make M
+            if warp == 0 or const_expr(self.makes_m):
+                self.produce(mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ,
+                             sK, sW, sU, sM, (tma_f, mF_t, sF), pipe, head, start,
+                             first_chunk, updates, split, mma_m, m_full, warp, tidx)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume(mma_tok, mma_state, mma_m, sQ, sK, sW, sU, sM, (sO, store_o, mO_t),
-                         pipe,
+            self.consume(mma_tok, mma_state, sQ, sK, sW, sU, sM, (sO, store_o, mO_t),
+                         pipe, m_full,
                          sF, ckpt_tile, mO,
                          mState0, mStateIdx, mFinal, mCkpt, ckpt_every, mCuSeqlens, mSeqTable,
                          batch, head, start, length, first_chunk, chunks, updates,
@@ -422,8 +418,11 @@ class GdnChunkRecurrenceSm90:
     @cute.jit
     def produce(self, mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ, sK,
                 sW, sU, sM, factor_rows, pipe, head: Int32, start: Int32, first_chunk: Int32,
-                chunks: Int32, split: Int32):
-        K, V, C = self.k_dim, self.v_dim, CHUNK
+                chunks: Int32, split: Int32, mma_m, m_full, warp: Int32, tidx: Int32):
+        """Warp 0 loads every chunk into the ring. With makes_m the whole warpgroup also
+        makes each chunk's M as soon as its tiles land, and warp 0 loads chunk c + STAGES
+        once M of chunk c has read the stage (and the consumers have released it)."""
+        C = CHUNK
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         # workspace tiles: (atom, tensor, smem, first column, columns): T (into sM without
         # o, else into sW beside M; T_COL = 0 is its column in the inverse tensor too); v's
@@ -435,26 +434,86 @@ class GdnChunkRecurrenceSm90:
             if const_expr(not self.makes_m):
                 tiles = tiles + ((tma_m, mW_m, sM, M_COL, C),)
             token_tiles = ((tma_q, mQ, sQ, head // self.q_group),) + token_tiles
-        for c in cutlass.range(chunks, unroll=1):
-            pipe.producer_acquire(state)
-            bar = pipe.producer_get_barrier(state)
-            for atom, m, s, h in token_tiles:
-                g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, K),
-                                    (c, 0))
-                tma_load_tile(atom, g, s, state.index, bar)
-            g = cute.local_tile(cute.domain_offset(
-                (start, 0), mW_u[None, None, head // self.v_group]), (C, self.v_rows),
-                (c, split))
-            tma_load_tile(tma_u, g, sU, state.index, bar)
-            for atom, m, s, col, cols in tiles:
-                block = m[None, None, head, first_chunk + c]  # (64, F)
-                g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
-                tma_load_tile(atom, g, s, state.index, bar)
-            load_factor_row(*factor_rows, head, first_chunk + c, state.index, bar)
-            state = advanced(state)
+        loads = (tiles, token_tiles, tma_u, mW_u, sU, factor_rows, head, start, first_chunk,
+                 split)
+        if const_expr(not self.makes_m):
+            for c in cutlass.range(chunks, unroll=1):
+                state = self.load_chunk(loads, pipe, state, c)
+        else:
+            if warp == 0:
+                for c in cutlass.range(cutlass.min(chunks, STAGES), unroll=1):
+                    state = self.load_chunk(loads, pipe, state, c)
+            thr = mma_m.get_slice(tidx)
+            landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+            for c in cutlass.range(chunks, unroll=1):
+                pipe.consumer_wait(landed)  # (the consumers release the stage, not us)
+                s = landed.index
+                self.make_m(mma_m, thr, sQ[None, None, s], sK[None, None, s],
+                            sM[None, None, s], factor_rows[2][FACTOR_ROWS - 1, None, s], tidx)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.mbarrier_arrive(m_full + s)
+                # every warp's products have read the stage before warp 0 refills it
+                cute.arch.barrier(barrier_id=M_BARRIER, number_of_threads=THREADS_PER_WG)
+                if warp == 0:
+                    if c + STAGES < chunks:
+                        state = self.load_chunk(loads, pipe, state, c + STAGES)
+                landed = advanced(landed)
 
     @cute.jit
-    def consume(self, mma_tok, mma_state, mma_m, sQ, sK, sW, sU, sM, staged_o, pipe, sF,
+    def load_chunk(self, loads, pipe, state, c: Int32):
+        """Warp 0: chunk c's tiles into the ring stage ``state`` (once free); returns the
+        next producer state."""
+        K, C = self.k_dim, CHUNK
+        tiles, token_tiles, tma_u, mW_u, sU, factor_rows, head, start, first_chunk, split = loads
+        pipe.producer_acquire(state)
+        bar = pipe.producer_get_barrier(state)
+        for atom, m, s, h in token_tiles:
+            g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, K),
+                                (c, 0))
+            tma_load_tile(atom, g, s, state.index, bar)
+        g = cute.local_tile(cute.domain_offset(
+            (start, 0), mW_u[None, None, head // self.v_group]), (C, self.v_rows),
+            (c, split))
+        tma_load_tile(tma_u, g, sU, state.index, bar)
+        for atom, m, s, col, cols in tiles:
+            block = m[None, None, head, first_chunk + c]  # (64, F)
+            g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
+            tma_load_tile(atom, g, s, state.index, bar)
+        load_factor_row(*factor_rows, head, first_chunk + c, state.index, bar)
+        return advanced(state)
+
+    @cute.jit
+    def make_m(self, mma_m, thr, sQ, sK, sM, m_logs, tidx: Int32):
+        """The producer warpgroup (thread ``tidx`` of 128): M = exp(m_q_i + m_k_j)
+        (Q K^T)_ij for j <= i (0 above the diagonal; past the sequence end m_q, m_k =
+        -inf) from the stage's q and k tiles ``sQ``, ``sK`` (2-D) and third factor row
+        ``m_logs``, 16-bit into the M tile ``sM``, M_COLS columns at a time; the stores are
+        not fenced."""
+        C = CHUNK
+        frag_q = thr.make_fragment_A(thr.partition_A(sQ))
+        for h in cutlass.range_constexpr(C // M_COLS):
+            acc = cute.make_rmem_tensor(thr.partition_shape_C((C, M_COLS)), Float32)
+            frag_k = thr.make_fragment_B(thr.partition_B(
+                cute.local_tile(sK, (M_COLS, self.k_dim), (h, 0))))
+            wgmma(mma_m, acc, frag_q, frag_k, False)
+            coords = thr.partition_C(cute.make_identity_tensor((C, M_COLS)))
+            m_q = thr.partition_C(cute.make_tensor(
+                cute.domain_offset((MQ_LOGS,), m_logs).iterator,
+                cute.make_layout((C, M_COLS), stride=(1, 0))))
+            m_k = thr.partition_C(cute.make_tensor(
+                cute.domain_offset((MK_LOGS + h * M_COLS,), m_logs).iterator,
+                cute.make_layout((C, M_COLS), stride=(0, 1))))
+            m16 = cute.make_rmem_tensor(acc.layout, self.dtype)
+            warpgroup.wait_group(0)
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                # (above the diagonal the exponent may overflow: selected away)
+                w = cute.math.exp(m_q[e] + m_k[e], fastmath=True)
+                m16[e] = Float32(cutlass.select_(coords[e][1] + h * M_COLS <= coords[e][0],
+                                                 acc[e] * w, Float32(0.0))).to(self.dtype)
+            store_stmatrix(m16, mma_m, cute.local_tile(sM, (C, M_COLS), (0, h)), tidx)
+
+    @cute.jit
+    def consume(self, mma_tok, mma_state, sQ, sK, sW, sU, sM, staged_o, pipe, m_full, sF,
                 ckpt_tile,
                 mO, mState0, mStateIdx, mFinal, mCkpt, ckpt_every: Int32, mCuSeqlens,
                 mSeqTable, batch: Int32,
@@ -467,13 +526,6 @@ class GdnChunkRecurrenceSm90:
         if const_expr(not self.states_only):
             wg_tok = mma_tok.get_slice((consumer_tidx // THREADS_PER_WG) * THREADS_PER_WG)
             frag_t = wg_tok.make_fragment_B(wg_tok.partition_B(sW))
-        m_parts = None
-        if const_expr(self.makes_m):
-            wg, wg_tidx = consumer_tidx // THREADS_PER_WG, consumer_tidx % THREADS_PER_WG
-            thr_m = mma_m.get_slice(wg_tidx)
-            m_parts = MParts(mma_m, thr_m, thr_m.make_fragment_A(thr_m.partition_A(sQ)),
-                             thr_m.make_fragment_B(thr_m.partition_B(sK)),
-                             sM[None, None, wg], wg, wg_tidx)
         state_row, ckpt_row = self.load_state(parts, mState0, mStateIdx, mCuSeqlens,
                                               ckpt_every, batch, head, mSeqTable)
         every = ckpt_every
@@ -493,7 +545,7 @@ class GdnChunkRecurrenceSm90:
             pipe.consumer_wait(state)
             self.chunk_update(parts, sU[None, None, state.index], state.index,
                               sF[0, None, state.index], sF[1, None, state.index], frag_t,
-                              m_parts, sF[FACTOR_ROWS - 1, None, state.index]
+                              (m_full + state.index, state.phase)
                               if const_expr(self.makes_m) else None)
             cute.arch.sync_warp()
             pipe.consumer_release(state)
@@ -567,12 +619,12 @@ class GdnChunkRecurrenceSm90:
                 self.save_state(parts, mCkpt, ckpt_row + (c * CHUNK) // ckpt_every, head)
 
     @cute.jit
-    def chunk_update(self, parts, sU, s, factors, scales=None, frag_t=None, m_parts=None,
-                     m_logs=None):
+    def chunk_update(self, parts, sU, s, factors, scales=None, frag_t=None, m_made=None):
         """One chunk (its tiles in stage s, U (from_inverse: v's columns) as the 2-D view
         ``sU``, its factor rows [q_f | k_f | G_L] and (from_inverse) [t_w | t_u] as the 1-D
         views ``factors``, ``scales``; with o and from_inverse T's B fragment ``frag_t``;
-        with makes_m the warpgroup's MParts and the third factor row ``m_logs``):
+        with makes_m ``m_made`` = (the stage's M mbarrier, its phase): M is made by the
+        producer warpgroup):
         O^T into acc_o, the state advanced; every wgmma waited for."""
         mma_tok, mma_state, acc_state = parts.mma_tok, parts.mma_state, parts.acc_state
         acc_x, acc_o, state16, thr_tok = parts.acc_x, parts.acc_o, parts.state16, parts.thr_tok
@@ -617,20 +669,12 @@ class GdnChunkRecurrenceSm90:
             wgmma(mma_state, acc_state, tSrDk, tSrK[None, None, None, s], True)
             if const_expr(not self.overlap_products):  # S^T Q^T beside the state's update
                 wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
-            acc_m = None
-            frag_m = tOrM[None, None, None, s]
-            if const_expr(m_parts is not None):  # Q K^T beside the state's update
-                acc_m = cute.make_rmem_tensor(m_parts.thr.partition_shape_C((CHUNK, CHUNK)),
-                                              Float32)
-                wgmma(m_parts.mma, acc_m, m_parts.frag_q[None, None, None, s],
-                      m_parts.frag_k[None, None, None, s], False)
-                frag_m = tOrM[None, None, None, m_parts.wg]
             warpgroup.wait_group(0)
             for e in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[e] = acc_o[e] * t_qf[e]
-            if const_expr(m_parts is not None):
-                self.stage_m(m_parts, acc_m, m_logs)
-            wgmma(mma_tok, acc_o, tSrD, frag_m, True)
+            if const_expr(m_made is not None):
+                cute.arch.mbarrier_wait(*m_made)
+            wgmma(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
             warpgroup.wait_group(0)
         else:
             if const_expr(self.overlap_products):
@@ -657,32 +701,6 @@ class GdnChunkRecurrenceSm90:
             if const_expr(not self.overlap_products):
                 wgmma(mma_state, acc_state, tSrDk, tSrK[None, None, None, s], True)
             warpgroup.wait_group(0)
-
-    @cute.jit
-    def stage_m(self, m_parts, acc_m, m_logs):
-        """M = exp(m_q_i + m_k_j) (Q K^T)_ij for j <= i (0 above the diagonal; rows and
-        columns past the sequence end have m_q, m_k = -inf) from the warpgroup's product
-        ``acc_m``, 16-bit into its M tile, fenced for the wgmma that reads it."""
-        C = CHUNK
-        thr = m_parts.thr
-        coords = thr.partition_C(cute.make_identity_tensor((C, C)))
-        m_q = thr.partition_C(cute.make_tensor(
-            cute.domain_offset((MQ_LOGS,), m_logs).iterator,
-            cute.make_layout((C, C), stride=(1, 0))))
-        m_k = thr.partition_C(cute.make_tensor(
-            cute.domain_offset((MK_LOGS,), m_logs).iterator,
-            cute.make_layout((C, C), stride=(0, 1))))
-        m16 = cute.make_rmem_tensor(acc_m.layout, self.dtype)
-        for e in cutlass.range_constexpr(cute.size(acc_m)):
-            # (above the diagonal the exponent may overflow: selected away)
-            w = cute.math.exp(m_q[e] + m_k[e], fastmath=True)
-            m16[e] = Float32(cutlass.select_(coords[e][1] <= coords[e][0], acc_m[e] * w,
-                                             Float32(0.0))).to(self.dtype)
-        # every warp of the warpgroup is past the previous chunk's product reading the tile
-        cute.arch.barrier(barrier_id=M_BARRIER + m_parts.wg, number_of_threads=THREADS_PER_WG)
-        store_stmatrix(m16, m_parts.mma, m_parts.tile, m_parts.wg_tidx)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=M_BARRIER + m_parts.wg, number_of_threads=THREADS_PER_WG)
 
     @cute.jit
     def update_state(self, parts, v_t, t_kf, t_w, t_u, factors, tSrDk, tSrK, tYrT):
