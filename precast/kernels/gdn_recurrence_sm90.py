@@ -420,8 +420,10 @@ class GdnChunkRecurrenceSm90:
                 sW, sU, sM, factor_rows, pipe, head: Int32, start: Int32, first_chunk: Int32,
                 chunks: Int32, split: Int32, mma_m, m_full, warp: Int32, tidx: Int32):
         """Warp 0 loads every chunk into the ring. With makes_m the whole warpgroup also
-        makes each chunk's M as soon as its tiles land, and warp 0 loads chunk c + STAGES
-        once M of chunk c has read the stage (and the consumers have released it)."""
+        makes each chunk's M as soon as its tiles land, and warp 0 loads chunk c + 1 after
+        M of chunk c (its stage once the consumers released chunk c + 1 - STAGES): loading
+        chunk c + STAGES there instead (23b) made M of chunk c + 1 wait for the consumers'
+        release of chunk c, late for their last product of chunk c + 1."""
         C = CHUNK
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         # workspace tiles: (atom, tensor, smem, first column, columns): T (into sM without
@@ -441,8 +443,8 @@ class GdnChunkRecurrenceSm90:
                 state = self.load_chunk(loads, pipe, state, c)
         else:
             if warp == 0:
-                for c in cutlass.range(cutlass.min(chunks, STAGES), unroll=1):
-                    state = self.load_chunk(loads, pipe, state, c)
+                if chunks > 0:
+                    state = self.load_chunk(loads, pipe, state, Int32(0))
             thr = mma_m.get_slice(tidx)
             landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
             for c in cutlass.range(chunks, unroll=1):
@@ -455,8 +457,8 @@ class GdnChunkRecurrenceSm90:
                 # every warp's products have read the stage before warp 0 refills it
                 cute.arch.barrier(barrier_id=M_BARRIER, number_of_threads=THREADS_PER_WG)
                 if warp == 0:
-                    if c + STAGES < chunks:
-                        state = self.load_chunk(loads, pipe, state, c + STAGES)
+                    if c + 1 < chunks:
+                        state = self.load_chunk(loads, pipe, state, c + 1)
                 landed = advanced(landed)
 
     @cute.jit
