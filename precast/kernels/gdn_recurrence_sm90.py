@@ -121,7 +121,8 @@ def sum_before(mCuSeqlens: cute.Tensor, batch: Int32, per: Int32):
     return total
 
 
-STAGES = 2
+STAGES = 2  # the ring's stages with checkpoints and in the states pass (else STAGES_O)
+STAGES_O = 3  # the forward without checkpoints: one more chunk in flight (fits ~213 KB)
 O_BARRIER = 1  # the consumer warpgroups, around the o staging tile
 M_BARRIER = 2  # the producer warpgroup (makes_m), after each M product
 M_COLS = 16  # columns of M per product of the producer warpgroup (40 registers: 8 of them
@@ -167,6 +168,7 @@ class GdnChunkRecurrenceSm90:
         assert from_inverse or not states_only
         assert not makes_m or (from_inverse and not states_only)
         self.makes_m = makes_m
+        self.stages = STAGES if states_only or checkpoints else STAGES_O
         assert not pool or initial_state
         self.dtype = dtype
         self.k_dim, self.v_dim = k_dim, v_dim
@@ -199,10 +201,10 @@ class GdnChunkRecurrenceSm90:
         K, C = self.k_dim, CHUNK
         # Tiles of one (chunk, head): rows x columns, K-major B operands (Q, M, T) and K read
         # transposed; v is read element-wise.
-        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, STAGES)
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, self.stages)
         Vc = self.v_rows  # this CTA's columns of v and o
-        sU_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, STAGES)
-        sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, STAGES)
+        sU_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, self.stages)
+        sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, self.stages)
         one = lambda layout: cute.slice_(layout, (None, None, 0))
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         # (chunks, HO, 64, F) -> (64, F, HO, chunks): rows and columns first, as TMA tiles.
@@ -257,7 +259,7 @@ class GdnChunkRecurrenceSm90:
                             + (1 + loads_m) * cute.size_in_bytes(dt, one(sM_layout)))
         # with makes_m also the third factor row (M's log factors)
         tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(
-            mWork32, STAGES, FACTOR_ROWS if const_expr(self.makes_m) else 2)
+            mWork32, self.stages, FACTOR_ROWS if const_expr(self.makes_m) else 2)
         self.stage_bytes += factor_bytes
         rmem = warpgroup.OperandSource.RMEM
         mma_tok = sm90_utils.make_trivial_tiled_mma(  # (V rows) x 64 tokens
@@ -274,11 +276,12 @@ class GdnChunkRecurrenceSm90:
 
         @cute.struct
         class SharedStorage:
-            bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
-            m_full: cute.struct.MemRange[cutlass.Int64, STAGES]  # makes_m: M of the stage
+            bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            m_full: cute.struct.MemRange[cutlass.Int64, self.stages]  # makes_m: M of the stage
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            # T's tiles (with o; unused in states_only, whose T goes into sM)
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
             sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
@@ -318,22 +321,18 @@ class GdnChunkRecurrenceSm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.storage)
-        pipe = tma_pipeline(storage.bars.data_ptr(), STAGES, self.stage_bytes,
+        pipe = tma_pipeline(storage.bars.data_ptr(), self.stages, self.stage_bytes,
                             self.nwg * THREADS_PER_WG)
         m_full = storage.m_full.data_ptr()
         if const_expr(self.makes_m):  # every producer-warpgroup thread arrives
             if tidx == 0:
-                for b in cutlass.range_constexpr(STAGES):
+                for b in cutlass.range_constexpr(self.stages):
                     cute.arch.mbarrier_init(m_full + b, THREADS_PER_WG)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         sQ = storage.sQ.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sW = storage.sW.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        if const_expr(not self.states_only):  # T where W would be (beside M in sM)
-            sW = cute.make_tensor(cute.recast_ptr(storage.sW.data_ptr(),
-                                                  swizzle_=sM_layout.inner, dtype=self.dtype),
-                                  sM_layout.outer)
+        sW = storage.sW.get_tensor(sM_layout.outer, swizzle=sM_layout.inner)  # T (with o)
         sU = storage.sU.get_tensor(sU_layout.outer, swizzle=sU_layout.inner)
         sM = storage.sM.get_tensor(sM_layout.outer, swizzle=sM_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
@@ -420,12 +419,12 @@ class GdnChunkRecurrenceSm90:
                 sW, sU, sM, factor_rows, pipe, head: Int32, start: Int32, first_chunk: Int32,
                 chunks: Int32, split: Int32, mma_m, m_full, warp: Int32, tidx: Int32):
         """Warp 0 loads every chunk into the ring. With makes_m the whole warpgroup also
-        makes each chunk's M as soon as its tiles land, and warp 0 loads chunk c + 1 after
-        M of chunk c (its stage once the consumers released chunk c + 1 - STAGES): loading
-        chunk c + STAGES there instead (23b) made M of chunk c + 1 wait for the consumers'
-        release of chunk c, late for their last product of chunk c + 1."""
+        makes each chunk's M as soon as its tiles land, and then warp 0 loads chunk
+        c + stages into the stage (once the consumers release it). Loading chunk c + 1
+        after M of chunk c instead (run 23c) put the load's latency and M's on the chain:
+        +14 % at 4 x 8192, +46 % split."""
         C = CHUNK
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         # workspace tiles: (atom, tensor, smem, first column, columns): T (into sM without
         # o, else into sW beside M; T_COL = 0 is its column in the inverse tensor too); v's
         # columns go into sU (below)
@@ -443,10 +442,10 @@ class GdnChunkRecurrenceSm90:
                 state = self.load_chunk(loads, pipe, state, c)
         else:
             if warp == 0:
-                if chunks > 0:
-                    state = self.load_chunk(loads, pipe, state, Int32(0))
+                for c in cutlass.range(cutlass.min(chunks, self.stages), unroll=1):
+                    state = self.load_chunk(loads, pipe, state, c)
             thr = mma_m.get_slice(tidx)
-            landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+            landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             for c in cutlass.range(chunks, unroll=1):
                 pipe.consumer_wait(landed)  # (the consumers release the stage, not us)
                 s = landed.index
@@ -457,8 +456,8 @@ class GdnChunkRecurrenceSm90:
                 # every warp's products have read the stage before warp 0 refills it
                 cute.arch.barrier(barrier_id=M_BARRIER, number_of_threads=THREADS_PER_WG)
                 if warp == 0:
-                    if c + 1 < chunks:
-                        state = self.load_chunk(loads, pipe, state, c + 1)
+                    if c + self.stages < chunks:
+                        state = self.load_chunk(loads, pipe, state, c + self.stages)
                 landed = advanced(landed)
 
     @cute.jit
@@ -536,7 +535,7 @@ class GdnChunkRecurrenceSm90:
         # the checkpoints' staging tile: the o tile's in states_only, their own beside o (io
         # dtype); fp32 checkpoints are stored element by element (checkpoint)
         ckpt_stage = staged_o if const_expr(self.states_only) else ckpt_tile
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for c in cutlass.range(updates, unroll=1):
             if const_expr(ckpt_stage is not None):
                 if (c * CHUNK) % every == 0:
