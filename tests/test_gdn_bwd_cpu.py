@@ -330,7 +330,7 @@ def test_execute_launches_every_stage_in_order(launches):
     # prepare(q, k, v, g, beta, cu_seqlens, table, work16, work32, inv, scale, stream)
     assert same(prep[:7], [q, k, v, g, beta, cu, cu]) and prep[10:] == (0.5, 7)
     assert [tuple(t.shape) for t in prep[7:10]] == [(CHUNKS, HO, 64, 128),
-                                                    (CHUNKS, HO, 408), (CHUNKS, HO, 64, 64)]
+                                                    (CHUNKS, HO, 272), (CHUNKS, HO, 64, 64)]
     # states(q, k, work16, work32, cu_seqlens, table, no o, initial state, None, None,
     # states, v, inv, 64, stream): on a side stream forked after prepare, joined before
     # chunk_grad (W and U made from v, T and its scales)
@@ -594,7 +594,7 @@ def test_make_workspace_defaults_to_the_cuda_device(monkeypatch):
 def test_workspace_shapes():
     op = bwd()
     shapes = op.workspace_shapes(T, N)
-    assert shapes == {"work16": (CHUNKS, HO, 64, 128), "work32": (CHUNKS, HO, 408),
+    assert shapes == {"work16": (CHUNKS, HO, 64, 128), "work32": (CHUNKS, HO, 272),
                       "inv": (CHUNKS, HO, 64, 64), "dstates": (CHUNKS, HO, V, K),
                       "states": (CHUNKS, HO, V, K),
                       "dq_heads": (T, HO, K), "dk_heads": (T, HO, K)}  # v: no grouped heads

@@ -421,7 +421,7 @@ def test_execute_launches_prepare_then_recurrence(launches):
     rec = after_qk(prep, rec)
     work16, work32 = op._workspaces[(None, 7)]  # (device index, stream): meta has no index
     assert tuple(work16.shape) == (CHUNKS, HO, 64, F) and work16.dtype == BF
-    assert tuple(work32.shape) == (CHUNKS, HO, 408) and work32.dtype == F32
+    assert tuple(work32.shape) == (CHUNKS, HO, 272) and work32.dtype == F32
     # prepare(q, k, v, g, beta, cu_seqlens, table, work16, work32, inv, scale, stream): no
     # inverse (the backward's); N <= 32 sequences: no table (cu_seqlens stands in)
     assert len(prep) == 12
@@ -439,7 +439,7 @@ def test_execute_launches_prepare_then_recurrence(launches):
     # the workspace made once, uninitialized (prepare writes what the recurrence reads), on
     # the launch stream, after asking whether it captures
     assert launches.events == [("stream", 7, None), ("empty", (CHUNKS, HO, 64, F), BF),
-                               ("empty", (CHUNKS, HO, 408), F32), ("end stream",),
+                               ("empty", (CHUNKS, HO, 272), F32), ("end stream",),
                                ("launch", "prepare"), ("launch", "recurrence")]
     assert launches.capture_queries == [7] and launches.ready == [None]
     assert op._table_buffers == {}
@@ -506,7 +506,7 @@ def test_execute_runtime_batches_and_strided_views(launches):
 def test_workspace_shapes_delegate_to_the_kernel_module():
     from precast.kernels.gdn_layout import workspace_shapes
     op = gdn()
-    assert op.workspace_shapes(T, N) == ((CHUNKS, HO, 64, F), (CHUNKS, HO, 408))
+    assert op.workspace_shapes(T, N) == ((CHUNKS, HO, 64, F), (CHUNKS, HO, 272))
     for t, n in [(0, 0), (0, 3), (63, 1), (64, 1), (65, 2), (10**6, 1000)]:
         assert op.workspace_shapes(t, n) == workspace_shapes(t, n, HO, K, V)[:2]
         assert gdn(store_inverse=True).workspace_shapes(t, n) == workspace_shapes(
@@ -550,7 +550,7 @@ def test_store_inverse_makes_the_workspace_a_triple(launches, fixed_sources):
     op = gdn(store_inverse=True).check_support()
     assert op.static_config() == {**BASE_CONFIG, "store_inverse": True}
     shapes = op.workspace_shapes(T, N)
-    assert shapes == ((CHUNKS, HO, 64, F), (CHUNKS, HO, 408), (CHUNKS, HO, 64, 64))
+    assert shapes == ((CHUNKS, HO, 64, F), (CHUNKS, HO, 272), (CHUNKS, HO, 64, 64))
     assert op.workspace_dtypes() == (BF, F32, BF)
     ws = op.make_workspace(T, N, device="meta")
     assert [(tuple(t.shape), t.dtype) for t in ws] == list(zip(shapes, (BF, F32, BF)))
@@ -1006,7 +1006,7 @@ def test_custom_op_fake_under_fake_tensor_mode():
     assert tuple(final.shape) == (N, 16, 128, 64) and final.dtype == F32
     assert tuple(ckpt.shape) == (T // 64 + N, 16, 128, 64) and ckpt.dtype == FP
     assert [tuple(t.shape) for t in kept] == [(T // 64 + N, 16, 64, 128),
-                                              (T // 64 + N, 16, 408), (T // 64 + N, 16, 64, 64)]
+                                              (T // 64 + N, 16, 272), (T // 64 + N, 16, 64, 64)]
 
 
 def test_custom_op_schemas():
@@ -1083,7 +1083,7 @@ def test_kernel_builder_arguments(stub_kernels, config, none_args):
     assert g.shape[1] == beta.shape[1] == 8 and g.stride[1] == 1
     assert tuple(work16.shape[1:]) == (8, 64, 64 + 128 + 64)
     assert work16.element_type == cutlass.Float16 and work32.element_type == cutlass.Float32
-    assert work16.shape[0] is work32.shape[0] and tuple(work32.shape[1:]) == (8, 408)
+    assert work16.shape[0] is work32.shape[0] and tuple(work32.shape[1:]) == (8, 272)
     assert isinstance(prep[10], cutlass.Float32)
     kernel, rec = builders["recurrence"]()
     assert [tuple(t.shape[1:]) for t in rec[:2]] == [(2, 64), (8, 64)]  # q, k

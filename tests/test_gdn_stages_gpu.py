@@ -42,12 +42,11 @@ def rel_err(got, want):
 
 @pytest.mark.parametrize("kind", ["forward", "backward", "forward keeping its workspace"])
 def test_stage1_matches_the_reference(kind):
-    """Stage 1 against the reference workspace: the factor rows ([q_f | k_f | G_L] and
-    [t_w | t_u]), T = (I + A)^-1 and M. The plain forward writes T into work16's first
-    columns and, instead of M (its recurrence makes M), M's log factors [m_q | m_k] into the
-    third factor row, leaving work16's M columns as they were; a prepare with store_inverse
-    (the backward's own, and a forward's that keeps its workspace for the backward) writes
-    M and T into the inverse tensor, leaving work16's T columns as they were."""
+    """Stage 1 against the reference workspace: M, both factor rows ([q_f | k_f | G_L] and
+    [t_w | t_u]) and T = (I + A)^-1, which the plain forward writes into work16 ([T | M])
+    and a prepare with store_inverse (the backward's own, and a forward's that keeps its
+    workspace for the backward) into the inverse tensor, leaving work16's T columns as they
+    were."""
     q, k, v, gate, beta, cu = batch(LENS)
     config = dict(dtype="bfloat16", k_dim=K, v_dim=V, q_heads=H, k_heads=H, v_heads=H,
                   g_dtype="float32", beta_dtype="float32", use_qk_l2norm_in_kernel=True)
@@ -66,9 +65,8 @@ def test_stage1_matches_the_reference(kind):
                                     store_inverse=True)  # test_gdn_bwd_gpu's keep-mode entry
         s16, s32, s_inv = op.workspace_shapes(q.shape[0], len(LENS))
     prepare = op.check_support().compile()._ready(0)["prepare"]
-    work, factors, inv, scales, m_logs = gdn_chunk_workspace_reference(
-        q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True, with_inverse=True,
-        with_m_logs=True)
+    work, factors, inv, scales = gdn_chunk_workspace_reference(
+        q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True, with_inverse=True)
     work16 = torch.full(s16, float("nan"), dtype=q.dtype, device=DEV)
     work32 = torch.full(s32, float("nan"), device=DEV)
     got_inv = (None if s_inv is None
@@ -77,47 +75,34 @@ def test_stage1_matches_the_reference(kind):
             torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     chunks = sum(-(-n // C) for n in LENS)
-    F = s32[-1] // 3  # a factor row's padded length
+    F = s32[-1] // 2  # a factor row's padded length
     got_m, got_f = work16[:chunks, ..., C:], work32[:chunks, :, :2 * C + 1]  # [T | M]
     got_s = work32[:chunks, :, F:F + 2 * C]
-    got_logs = work32[:chunks, :, 2 * F:2 * F + 2 * C]
     got_t = work16[:chunks, ..., :C] if got_inv is None else got_inv[:chunks]
-    makes_m = kind != "forward"
-    checked = [("T", got_t), ("factors", got_f), ("scales", got_s)]
-    checked.append(("M", got_m) if makes_m else ("M's log factors", got_logs))
-    for name, got in checked:
+    for name, got in (("T", got_t), ("M", got_m), ("factors", got_f), ("scales", got_s)):
         assert not torch.isnan(got).any(), name
-    err = rel_err(got_t, inv[:chunks])
-    assert err < 2e-2, f"T: max|got - want| / max|want| = {err:.3g}"
+    for name, got, want in (("T", got_t, inv), ("M", got_m, work[..., K + V:])):
+        err = rel_err(got, want[:chunks])
+        assert err < 2e-2, f"{name}: max|got - want| / max|want| = {err:.3g}"
     torch.testing.assert_close(got_f, factors[:chunks], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got_s, scales[:chunks], rtol=1e-4, atol=1e-5)
-    if makes_m:
-        err = rel_err(got_m, work[:chunks, ..., K + V:])
-        assert err < 2e-2, f"M: max|got - want| / max|want| = {err:.3g}"
-    else:  # M's log factors (-inf past each sequence's end), and no M
-        torch.testing.assert_close(got_logs, m_logs[:chunks], rtol=1e-5, atol=1e-4)
-        assert torch.isnan(got_m).all()
     if got_inv is not None:  # T goes to the inverse tensor only
         assert torch.isnan(work16[:chunks, ..., :C]).all()
 
 
 def recurrence_on_the_reference_workspace(mode, q, k, v, gate, beta, cu):
-    """Stage 2 kernel ``mode`` of the batch's op (the plain forward's: it makes M from q, k
-    and M's log factors), fed the reference workspace as stage 1 lays it out (T in
-    work16's first columns, its M columns NaN: never read; the factor rows padded as
-    gdn_layout says: the scales in the second, M's log factors in the third):
-    NaN-poisoned (o, final state)."""
+    """Stage 2 kernel ``mode`` of the batch's op, fed the reference workspace as stage 1
+    lays it out ([T | M]; the factor rows padded as gdn_layout says, the scales in the
+    second): NaN-poisoned (o, final state)."""
     op = compiled_op(q, k, v, gate, beta, cu)
-    work, factors, inv, scales, m_logs = gdn_chunk_workspace_reference(
-        q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True, with_inverse=True,
-        with_m_logs=True)
+    work, factors, inv, scales = gdn_chunk_workspace_reference(
+        q, k, v, gate, beta, cu, use_qk_l2norm_in_kernel=True, with_inverse=True)
     _, s32 = op.workspace_shapes(q.shape[0], len(LENS))
     work32 = torch.zeros(s32, device=DEV)
     work32[..., :2 * C + 1] = factors
-    F = s32[-1] // 3
-    work = torch.cat([inv, torch.full_like(inv, float("nan"))], dim=-1)  # [T | M]
+    F = s32[-1] // 2
+    work = torch.cat([inv, work[..., K + V:]], dim=-1)  # [T | M] from [W | U | M]
     work32[..., F:F + 2 * C] = scales
-    work32[..., 2 * F:2 * F + 2 * C] = m_logs
     o = torch.full((sum(LENS), H, V), float("nan"), dtype=q.dtype, device=DEV)
     final = torch.full((len(LENS), H, V, K), float("nan"), device=DEV)
     op._ready(0)[mode](q, k, work.to(q.dtype), work32, cu, cu, o, None, None, final, None,

@@ -134,37 +134,3 @@ def test_inverse_and_its_scales_make_w_and_u(lens, hq, hv, l2norm):
         start += length
     chunks = sum(-(-n // C) for n in lens)
     assert torch.count_nonzero(inv[chunks:]) == 0 and torch.count_nonzero(scales[chunks:]) == 0
-
-
-@pytest.mark.parametrize("lens,l2norm", [([130, 1, 0, 64, 65], True), ([7] * 3 + [1], False)])
-def test_m_logs_make_m_from_the_raw_rows(lens, l2norm):
-    """The third factor row [m_q | m_k] that the plain forward's stage 1 writes instead of
-    M: exp(m_q_i + m_k_j) q_i . k_j (j <= i) with the raw q and k rows is the contract's M;
-    past a sequence's end, and in chunk rows past the batch, both are -inf."""
-    g = torch.Generator().manual_seed(5)
-    T, HO, K, V = sum(lens), 2, 32, 16
-    f64 = dict(dtype=torch.float64)
-    cu = offsets_from_lengths(lens)
-    q, k = (torch.randn(T, HO, K, generator=g, **f64) for _ in range(2))
-    v = torch.randn(T, HO, V, generator=g, **f64)
-    gate, beta = -0.5 * torch.rand(T, HO, generator=g, **f64), torch.rand(T, HO, generator=g, **f64)
-    work, factors, m_logs = gdn_chunk_workspace_reference(
-        q, k, v, gate, beta, cu, scale=0.3, use_qk_l2norm_in_kernel=l2norm,
-        compute_dtype=torch.float64, with_m_logs=True)
-    assert m_logs.shape == (T // C + len(lens), HO, 2 * C)
-    causal = torch.ones(C, C, dtype=torch.bool).tril()
-    p = start = 0
-    for length in lens:
-        for c in range(-(-length // C)):
-            rows = min(length - c * C, C)
-            qc, kc = (x[start + c * C:start + c * C + rows].movedim(1, 0) for x in (q, k))
-            m_q, m_k = m_logs[p, :, :rows], m_logs[p, :, C:C + rows]
-            m = torch.exp(m_q[:, :, None] + m_k[:, None, :]) * (qc @ kc.transpose(-1, -2))
-            m = m * causal[:rows, :rows]
-            torch.testing.assert_close(m, work[p, :, :rows, K + V:K + V + rows],
-                                       rtol=1e-10, atol=1e-12)
-            assert torch.isneginf(m_logs[p, :, rows:C]).all()
-            assert torch.isneginf(m_logs[p, :, C + rows:]).all()
-            p += 1
-        start += length
-    assert torch.isneginf(m_logs[p:]).all()

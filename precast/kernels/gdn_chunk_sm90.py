@@ -14,9 +14,7 @@ Qc Qc^T and Kc Kc^T, so q and k are never rewritten), in-chunk cumulative log ga
     q_f = scale gamma r_q,   k_f = exp(G_L - G) r_k        (zero past the sequence end)
 
 M goes, 16-bit, into one workspace row block per (chunk, head) and [q_f | k_f | G_L] into
-its fp32 factor row; with store_m=False (the plain forward's, whose recurrence makes M from
-the q and k tiles it loads anyway) no Q K^T is made and M's log factors [m_q | m_k] go to
-the third factor row instead (q is then loaded only for r_q, with the L2 norm). With store_wu=False (what the ops run) W and U are neither made nor
+its fp32 factor row. With store_wu=False (what the ops run) W and U are neither made nor
 stored, nor V loaded: T itself goes where W would be (or, with store_inverse, into the
 inverse row block the backward reads) and the column scales of the scaled inverses
 Tw = T diag(beta gamma r_k), Tu = T diag(beta) (W = Tw Kc, U = Tu Vc) into the second
@@ -43,8 +41,8 @@ from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (find_in_sequences, select_modes, store_stmatrix, tma_load_tile,
                              tma_store_tile, transposed, warp_inclusive_sum, wgmma)
-from .gdn_layout import (CHUNK, FACTOR_COLS, G_LAST, K_FACTORS, M_COL, MK_LOGS, MQ_LOGS,
-                         Q_FACTORS, T_COL, U_FACTORS, W_FACTORS)
+from .gdn_layout import (CHUNK, FACTOR_COLS, G_LAST, K_FACTORS, M_COL, Q_FACTORS, T_COL,
+                         U_FACTORS, W_FACTORS)
 from .gdn_seq_table_sm90 import find_in_table, has_table
 
 THREADS = 128
@@ -120,16 +118,14 @@ def warp_block_product(sA, a_at, b_at, c_at, rows: cutlass.Constexpr,
 class GdnChunkPrepareSm90:
     def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
                  v_heads: int, l2norm: bool, g_dtype, beta_dtype, store_inverse: bool = False,
-                 store_wu: bool = True, store_m: bool = True):
+                 store_wu: bool = True):
         """store_inverse: T = (I + A)^-1 itself (16-bit) also goes to a (chunks, HO, 64, 64)
         tensor and the scaled inverses' column scales [t_w | t_u] to the second factor row
         (gdn_layout), for the backward. store_wu=False (with store_inverse: the backward's
         own prepare, whose kernels use T and those scales instead): neither W nor U is
         computed or stored; without store_inverse T then goes into work16's first 64
         columns (where W would be) and the scales to the second factor row, for a
-        recurrence with from_inverse. store_m=False (the plain forward's, whose recurrence
-        makes M from its own q and k tiles): no Q K^T, no M; M's logarithmic factors go to
-        the third factor row instead, and q is loaded only for its L2 row scales."""
+        recurrence with from_inverse."""
         assert k_dim in (64, 128) and v_dim in (64, 128)
         self.dtype = dtype
         self.k_dim, self.v_dim = k_dim, v_dim
@@ -141,10 +137,6 @@ class GdnChunkPrepareSm90:
         self.g_dtype, self.beta_dtype = g_dtype, beta_dtype
         self.store_inverse = store_inverse
         self.store_wu = store_wu
-        assert store_m or not (store_wu or store_inverse), "only the plain forward's leaves M"
-        self.store_m = store_m
-        # Q is read for M and (with the L2 norm) for q_f's row scales
-        self.loads_q = store_m or l2norm
         # T and the scales leave this kernel: for the backward (store_inverse, into the
         # inverse tensor) or for a recurrence that makes W and U's products itself
         self.stores_t = store_inverse or not store_wu
@@ -230,8 +222,7 @@ class GdnChunkPrepareSm90:
         tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, one(sQK_layout), (C, K))
         tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, one(sV_layout), (C, V))
         # V only makes U: a prepare without W and U loads Q and K alone
-        self.load_bytes = ((2 if const_expr(self.loads_q) else 1)
-                           * cute.size_in_bytes(dt, one(sQK_layout))
+        self.load_bytes = (2 * cute.size_in_bytes(dt, one(sQK_layout))
                            + (cute.size_in_bytes(dt, one(sV_layout))
                               if const_expr(self.store_wu) else 0))
         # Scores: 64 x 64 from K-major Q / K tiles. Factors: 64 x D from T (K-major A) and
@@ -289,10 +280,8 @@ class GdnChunkPrepareSm90:
             self.load_gates(mG, mBeta, sGate, sBeta, start + chunk * C, rows, head, tidx)
             cute.arch.mbarrier_wait(bar, 0)
             # M from the score accumulator, staged into sM by prepare_chunk
-            m16 = None
-            if const_expr(self.store_m):
-                thr_s = mma_s.get_slice(tidx)
-                m16 = cute.make_rmem_tensor(thr_s.partition_shape_C((C, C)), self.dtype)
+            thr_s = mma_s.get_slice(tidx)
+            m16 = cute.make_rmem_tensor(thr_s.partition_shape_C((C, C)), self.dtype)
             out = (sK[None, None, 0], sV[None, None, 0], m16, mWork32[packed, head, None])
             sInv = None
             inv2 = None  # its (64, 64) view
@@ -305,14 +294,11 @@ class GdnChunkPrepareSm90:
                                                   dtype=self.dtype), sM_layout.outer)
             # (no scaled inverses: only the fused kernel makes W and U)
             self.prepare_chunk(mma_s, mma_wk, mma_wv, sQ, sK, sV, 0, None, None, sA, sGate,
-                               sBeta, sRows, out, rows, scale, tidx, inv2,
-                               sM[None, None, 0] if const_expr(self.store_m) else None)
+                               sBeta, sRows, out, rows, scale, tidx, inv2, sM[None, None, 0])
             cute.arch.fence_proxy("async.shared", space="cta")
             self.sync()
             if warp == 0:  # the whole warp: each TMA copy elects its issuing lane itself
-                tiles = ()
-                if const_expr(self.store_m):
-                    tiles = ((sM, M_COL),)
+                tiles = ((sM, M_COL),)
                 if const_expr(not self.store_inverse):  # T beside M
                     tiles = ((sInv, T_COL),) + tiles
                 block = mWork16[None, None, head, packed]  # (64, F)
@@ -390,9 +376,7 @@ class GdnChunkPrepareSm90:
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bar, self.load_bytes)
         heads = (head // self.q_group, head // self.k_group, head // self.v_group)
-        tiles = ((tma_k, mK, sK, K, heads[1]),)
-        if const_expr(self.loads_q):
-            tiles = ((tma_q, mQ, sQ, K, heads[0]),) + tiles
+        tiles = ((tma_q, mQ, sQ, K, heads[0]), (tma_k, mK, sK, K, heads[1]))
         if const_expr(self.store_wu):  # V only makes U
             tiles = tiles + ((tma_v, mV, sV, V, heads[2]),)
         for atom, m, s, d, h in tiles:
@@ -418,8 +402,7 @@ class GdnChunkPrepareSm90:
         K, V, C = self.k_dim, self.v_dim, CHUNK
         for idx in cutlass.range(tidx, C * K, THREADS, unroll=1):
             if idx // K >= rows:
-                if const_expr(self.loads_q):
-                    sQ[idx // K, idx % K] = self.dtype(0.0)
+                sQ[idx // K, idx % K] = self.dtype(0.0)
                 sK[idx // K, idx % K] = self.dtype(0.0)
         if const_expr(self.store_wu):  # (V is not loaded without U)
             for idx in cutlass.range(tidx, C * V, THREADS, unroll=1):
@@ -441,7 +424,7 @@ class GdnChunkPrepareSm90:
     def scores(self, mma_s, sQ, sK, stage, sA, sGate, sBeta, sRows, t_m, scale: Float32,
                tidx: Int32):
         """Warp 0: G (cumulative gates, over sGate) beside the first product. K K^T -> A
-        (gated, strictly lower, fp32 in shared memory); with store_m, Q K^T -> M (gated,
+        (gated, strictly lower, fp32 in shared memory); Q K^T -> M (gated,
         causal with the diagonal, scaled; 16-bit into ``t_m``, this thread's elements in
         accumulator order); with the L2 norm, r_q and
         r_k from the diagonals of Q Q^T and K K^T into sRows first. Ends with the
@@ -453,6 +436,7 @@ class GdnChunkPrepareSm90:
         tSrKa = thr.make_fragment_A(thr.partition_A(sK))[None, None, None, stage]
         tSrKb = thr.make_fragment_B(thr.partition_B(sK))[None, None, None, stage]
         acc_kk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
+        acc_qk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
         coords = thr.partition_C(cute.make_identity_tensor((C, C)))
         wgmma(mma_s, acc_kk, tSrKa, tSrKb, False)
         if tidx < cute.arch.WARP_SIZE:  # G, while the tensor cores work
@@ -467,10 +451,7 @@ class GdnChunkPrepareSm90:
                     eps = Float32(L2NORM_EPS)
                     sRows[R_Q, i] = cute.math.rsqrt(cutlass.max(acc_qq[e], eps))
                     sRows[R_K, i] = cute.math.rsqrt(cutlass.max(acc_kk[e], eps))
-        acc_qk = None
-        if const_expr(self.store_m):
-            acc_qk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
-            wgmma(mma_s, acc_qk, tSrQa, tSrKb, False)
+        wgmma(mma_s, acc_qk, tSrQa, tSrKb, False)
         warpgroup.wait_group(0)
         self.sync()  # G and the row scales
         for e in cutlass.range_constexpr(cute.size(acc_kk)):
@@ -480,25 +461,24 @@ class GdnChunkPrepareSm90:
             decay = cute.math.exp(cutlass.select_(seen, sGate[i] - sGate[j], Float32(0.0)),
                                   fastmath=True)
             kk = acc_kk[e]
+            qk = acc_qk[e] * scale
             if const_expr(self.l2norm):
-                kk = kk * sRows[R_K, i] * sRows[R_K, j]
+                r_kj = sRows[R_K, j]
+                kk = kk * sRows[R_K, i] * r_kj
+                qk = qk * sRows[R_Q, i] * r_kj
             a = Float32(0.0)
+            m = Float32(0.0)
             if j < i:
                 a = sBeta[i] * kk * decay
+            if seen:
+                m = qk * decay
             sA[i, j] = a
-            if const_expr(self.store_m):
-                qk = acc_qk[e] * scale
-                if const_expr(self.l2norm):
-                    qk = qk * sRows[R_Q, i] * sRows[R_K, j]
-                m = Float32(0.0)
-                if seen:
-                    m = qk * decay
-                t_m[e] = m.to(self.dtype)
+            t_m[e] = m.to(self.dtype)
 
     @cute.jit
     def row_values(self, sGate, sBeta, out_f, rows: Int32, scale: Float32, sRows, j: Int32):
         """Thread j < 64: token j's factors q_f, k_f (and, thread 0, G_L) into the factor
-        row ``out_f`` (without store_m also M's log factors m_q, m_k, gdn_layout); returns its column scales of T for W and U (beta gamma r_k, beta).
+        row ``out_f``; returns its column scales of T for W and U (beta gamma r_k, beta).
         Reads the row scales r_q, r_k from sRows (with the L2 norm)."""
         C = CHUNK
         g = sGate[j]
@@ -516,12 +496,6 @@ class GdnChunkPrepareSm90:
             real, cute.math.exp(g_last - g, fastmath=True) * r_k, Float32(0.0))
         if j == 0:
             out_f[G_LAST] = g_last
-        if const_expr(not self.store_m):  # M's log factors (third factor row)
-            never = Float32(-float("inf"))
-            out_f[2 * FACTOR_COLS + MQ_LOGS + j] = cutlass.select_(
-                real, g + cute.math.log(scale * r_q, fastmath=True), never)
-            out_f[2 * FACTOR_COLS + MK_LOGS + j] = cutlass.select_(
-                real, cute.math.log(r_k, fastmath=True) - g, never)
         t_w = beta * cute.math.exp(g, fastmath=True) * r_k
         if const_expr(self.stores_t):  # the scales of T (second factor row)
             out_f[FACTOR_COLS + W_FACTORS + j] = t_w

@@ -9,11 +9,7 @@ factor rows of FACTOR_COLS floats each (padded so that each starts 32-byte align
 [q_f | k_f | G_L] (64, 64, 1), then [t_w | t_u] (64, 64) (the fused kernel, which keeps
 its factors in shared memory, writes neither): the column scales of T that make the scaled
 inverses Tw = T diag(t_w), t_w = beta gamma r_k, and Tu = T diag(t_u), t_u = beta (W = Tw K
-and U = Tu V with the raw k and v rows), then, from a prepare that leaves M to the
-recurrence (the plain forward's), [m_q | m_k] (64, 64): M's logarithmic row and column
-factors m_q = G + log(scale r_q), m_k = log(r_k) - G (-inf past the sequence end), so that
-M = exp(m_q_i + m_k_j) q_i . k_j (j <= i) costs one exp per element and never overflows
-where exp(G) alone would underflow. The backward reads T and these scales instead of W and
+and U = Tu V with the raw k and v rows). The backward reads T and these scales instead of W and
 U: 8 KB of T and 0.5 KB of scales per (chunk, head) instead of 32 KB."""
 
 CHUNK = 64
@@ -21,9 +17,8 @@ T_COL, M_COL = 0, CHUNK  # column blocks of a work16 row block
 WORK16_COLS = 2 * CHUNK
 Q_FACTORS, K_FACTORS, G_LAST = 0, CHUNK, 2 * CHUNK  # columns of the first factor row
 W_FACTORS, U_FACTORS = 0, CHUNK  # columns of the second
-MQ_LOGS, MK_LOGS = 0, CHUNK  # columns of the third
 FACTOR_COLS = 2 * CHUNK + 8
-FACTOR_ROWS = 3
+FACTOR_ROWS = 2
 
 
 def workspace_shapes(total_tokens: int, num_seqs: int, heads: int, k_dim: int, v_dim: int):

@@ -19,13 +19,6 @@ run; 16 KB fewer loads per chunk than W and U, one more 64-deep product on the c
     S^T     = exp(G_L) S^T + (Delta^T diag(k_f)) K      (N = K, K read transposed)
     O^T     = (S^T Q^T) diag(q_f) + Delta^T M^T         (beside the state's update)
 
-M is read from the workspace or (makes_m, the plain forward) made by the producer
-warpgroup, off the state's chain: M = exp(m_q_i + m_k_j) (Q K^T)_ij, j <= i, from the
-chunk's raw q and k tiles and the third factor row, 16-bit into the stage's M tile, which
-the consumers wait for (an mbarrier per stage) only before their last product. Made on the
-consumers' warps instead (run 23a) it put ~1.2k cycles per chunk on the chain: the
-recurrence went 743 -> 892 us at 4 x 8192.
-
 The fused kernel (gdn_fwd_sm90) reads W and U instead: X^T = S^T W^T (in flight with
 S^T Q^T), Delta^T = U^T - X^T. The backward's states pass (states_only) is the first form
 without o.
@@ -45,10 +38,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, store_stmatrix,
-                             tma_load_tile, tma_pipeline, tma_store_tile, transposed, wgmma)
+from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
+                             tma_pipeline, tma_store_tile, transposed, wgmma)
 from .gdn_layout import (CHUNK, FACTOR_COLS, FACTOR_ROWS, G_LAST, K_FACTORS, M_COL,
-                         MK_LOGS, MQ_LOGS, Q_FACTORS, T_COL, U_FACTORS, W_FACTORS)
+                         Q_FACTORS, T_COL, U_FACTORS, W_FACTORS)
 from .gdn_seq_table_sm90 import find_in_table, has_table
 
 THREADS_PER_WG = 128
@@ -72,19 +65,17 @@ class StateParts(NamedTuple):
     split: object
 
 
-def factor_row_loads(mWork32: cute.Tensor, stages: int, rows: int = 2):
-    """TMA access to work32's first ``rows`` factor rows per (chunk, head) ([q_f | k_f |
-    G_L], [t_w | t_u] and [m_q | m_k], gdn_layout), for recurrences that read them on their
-    chain: returns (TMA atom, work32 as a (rows, F, HO, chunks) tensor of (rows, F) tiles,
-    the (rows, F, stages) shared-memory layout, bytes per (chunk, head)). Reading them from
-    global memory put L2 latency on every chunk step."""
-    F, R = FACTOR_COLS, rows
-    assert R <= FACTOR_ROWS
-    chunks, heads, cols = mWork32.shape
+def factor_row_loads(mWork32: cute.Tensor, stages: int):
+    """TMA access to work32's two factor rows per (chunk, head) ([q_f | k_f | G_L] and
+    [t_w | t_u], gdn_layout), for recurrences that read them on their chain: returns (TMA
+    atom, work32 as a (2, F, HO, chunks) tensor of (2, F) tiles, the (2, F, stages)
+    shared-memory layout, bytes per (chunk, head)). Reading them from global memory put L2
+    latency on every chunk step."""
+    F, R = FACTOR_COLS, FACTOR_ROWS
+    rows, heads, cols = mWork32.shape
     view = cute.make_tensor(mWork32.iterator, cute.make_layout(
-        (R, F, heads, chunks), stride=(F, 1, cols, heads * cols)))
-    # TMA writes shared memory at 128-byte aligned addresses: stages whole 128-byte lines
-    # apart
+        (R, F, heads, rows), stride=(F, 1, cols, heads * cols)))
+    # TMA writes shared memory at 128-byte aligned addresses: stages 288 floats apart
     stage_stride = -(-(R * F) // 32) * 32
     layout = cute.make_layout((R, F, stages), stride=(F, 1, stage_stride))
     atom, tma_view = cpasync.make_tiled_tma_atom(
@@ -96,7 +87,7 @@ def factor_row_loads(mWork32: cute.Tensor, stages: int, rows: int = 2):
 def load_factor_row(atom, m_view, s_rows, head: Int32, chunk: Int32, stage: Int32, bar):
     """The factor rows of (chunk, head) into stage ``stage`` of ``s_rows`` (whole warp)."""
     tma_load_tile(atom, cute.local_tile(m_view[None, None, head, chunk],
-                                        (m_view.shape[0], FACTOR_COLS),
+                                        (FACTOR_ROWS, FACTOR_COLS),
                                         (0, 0)), s_rows, stage, bar)
 
 
@@ -121,12 +112,8 @@ def sum_before(mCuSeqlens: cute.Tensor, batch: Int32, per: Int32):
     return total
 
 
-STAGES = 2  # the ring's stages with checkpoints and in the states pass (else STAGES_O)
-STAGES_O = 3  # the forward without checkpoints: one more chunk in flight (fits ~213 KB)
+STAGES = 2
 O_BARRIER = 1  # the consumer warpgroups, around the o staging tile
-M_BARRIER = 2  # the producer warpgroup (makes_m), after each M product
-M_COLS = 16  # columns of M per product of the producer warpgroup (40 registers: 8 of them
-#              the accumulator)
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
@@ -136,7 +123,7 @@ class GdnChunkRecurrenceSm90:
                  v_heads: int, initial_state: bool, pool: bool, final_state: bool,
                  checkpoints: bool, overlap_products: bool = True, v_splits: int = 1,
                  states_only: bool = False, from_checkpoints: bool = False,
-                 from_inverse: bool = True, makes_m: bool = False):
+                 from_inverse: bool = True):
         """initial_state: an [N or N_pool, HO, V, K] state is read (with pool: at row
         state_indices[b], and the final state written back there); final_state: the end
         state goes to an [N, HO, V, K] fp32 tensor; checkpoints: [rows, HO, V, K].
@@ -154,11 +141,7 @@ class GdnChunkRecurrenceSm90:
         states go to mCkpt at every chunk's packed row. from_inverse (every standalone
         launch): W and U are not read but their products made from T, its column scales
         and v (module docstring); False only for the fused kernel (gdn_fwd_sm90), which
-        keeps W and U in shared memory and uses chunk_update's other form. makes_m (with
-        o, from_inverse): M is not read from work16 but made by the producer warpgroup
-        from the chunk's q and k tiles and the third factor row (after the M-less stage 1
-        of the plain forward): M = exp(m_q_i + m_k_j) q_i . k_j for j <= i; the same
-        arithmetic split or not (batch invariance)."""
+        keeps W and U in shared memory and uses chunk_update's other form."""
         assert k_dim in (64, 128) and v_dim in (64, 128)
         assert not states_only or checkpoints
         assert not from_checkpoints or (states_only and initial_state and not pool
@@ -166,9 +149,6 @@ class GdnChunkRecurrenceSm90:
         self.states_only, self.from_checkpoints = states_only, from_checkpoints
         self.from_inverse = from_inverse
         assert from_inverse or not states_only
-        assert not makes_m or (from_inverse and not states_only)
-        self.makes_m = makes_m
-        self.stages = STAGES if states_only or checkpoints else STAGES_O
         assert not pool or initial_state
         self.dtype = dtype
         self.k_dim, self.v_dim = k_dim, v_dim
@@ -201,10 +181,10 @@ class GdnChunkRecurrenceSm90:
         K, C = self.k_dim, CHUNK
         # Tiles of one (chunk, head): rows x columns, K-major B operands (Q, M, T) and K read
         # transposed; v is read element-wise.
-        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, self.stages)
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, STAGES)
         Vc = self.v_rows  # this CTA's columns of v and o
-        sU_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, self.stages)
-        sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, self.stages)
+        sU_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, STAGES)
+        sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, STAGES)
         one = lambda layout: cute.slice_(layout, (None, None, 0))
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         # (chunks, HO, 64, F) -> (64, F, HO, chunks): rows and columns first, as TMA tiles.
@@ -219,9 +199,7 @@ class GdnChunkRecurrenceSm90:
                                                   one(sK_layout), (C, K))
         tma_kr, mK_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mK, [0, 2, 1]),
                                                    one(sK_layout), (C, K))
-        tma_m, mW_m = None, None  # M from work16 (else made here: makes_m)
-        if const_expr(not self.makes_m):
-            tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
+        tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
 
         def checkpoint_staging():
             """A (V rows x K) 16-bit staging tile and the TMA store of it to a checkpoint
@@ -250,16 +228,12 @@ class GdnChunkRecurrenceSm90:
                 sCk_layout, store_ck, mCk_t = checkpoint_staging()
                 staged_ckpt = (store_ck, mCk_t, sCk_layout)
                 sCk_elems = cute.cosize(sCk_layout)
-        # K, v's columns and T; with o also Q and (unless made here) M (states_only loads
-        # neither)
+        # K, v's columns and T; with o also Q and M (states_only loads neither)
         with_o = 0 if const_expr(self.states_only) else 1
-        loads_m = 0 if const_expr(self.states_only or self.makes_m) else 1
         self.stage_bytes = ((1 + with_o) * cute.size_in_bytes(dt, one(sK_layout))
                             + cute.size_in_bytes(dt, one(sU_layout))
-                            + (1 + loads_m) * cute.size_in_bytes(dt, one(sM_layout)))
-        # with makes_m also the third factor row (M's log factors)
-        tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(
-            mWork32, self.stages, FACTOR_ROWS if const_expr(self.makes_m) else 2)
+                            + (1 + with_o) * cute.size_in_bytes(dt, one(sM_layout)))
+        tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(mWork32, STAGES)
         self.stage_bytes += factor_bytes
         rmem = warpgroup.OperandSource.RMEM
         mma_tok = sm90_utils.make_trivial_tiled_mma(  # (V rows) x 64 tokens
@@ -268,20 +242,13 @@ class GdnChunkRecurrenceSm90:
         mma_state = sm90_utils.make_trivial_tiled_mma(  # (V rows) x K
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             (self.nwg, 1, 1), (64, K), rmem)
-        # makes_m: M = Q K^T (both from shared memory) by the producer warpgroup, M_COLS
-        # columns at a time, into the stage's M tile
-        mma_m = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            (1, 1, 1), (64, M_COLS))
 
         @cute.struct
         class SharedStorage:
-            bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            m_full: cute.struct.MemRange[cutlass.Int64, self.stages]  # makes_m: M of the stage
+            bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            # T's tiles (with o; unused in states_only, whose T goes into sM)
-            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
             sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
@@ -293,7 +260,7 @@ class GdnChunkRecurrenceSm90:
         # one grid column per (sequence) or, from checkpoints, per checkpoint row
         grid = ([mState0.shape[0], self.heads, self.v_splits] if const_expr(self.from_checkpoints)
                 else [self.heads, cutlass.max(num_batches, 1), self.v_splits])
-        self.kernel(mma_tok, mma_state, mma_m, mQ_t, mK_t, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k,
+        self.kernel(mma_tok, mma_state, mQ_t, mK_t, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k,
                     tma_u, tma_m, sK_layout, sU_layout, sM_layout, sO_layout, store_o, mO_t,
                     (tma_f, mF_t, sF_layout), staged_ckpt, mCuSeqlens, mSeqTable, mO, mState0,
                     mStateIdx, mFinal, mCkpt, ckpt_every, num_batches).launch(
@@ -301,8 +268,7 @@ class GdnChunkRecurrenceSm90:
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma,
-               mma_m: cute.TiledMma, mQ: cute.Tensor,
+    def kernel(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma, mQ: cute.Tensor,
                mK: cute.Tensor, mW_k: cute.Tensor, mW_u: cute.Tensor, mW_m: cute.Tensor,
                tma_q: cute.CopyAtom, tma_kr: cute.CopyAtom, tma_k: cute.CopyAtom,
                tma_u: cute.CopyAtom, tma_m: cute.CopyAtom, sK_layout: cute.ComposedLayout,
@@ -321,18 +287,17 @@ class GdnChunkRecurrenceSm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.storage)
-        pipe = tma_pipeline(storage.bars.data_ptr(), self.stages, self.stage_bytes,
+        pipe = tma_pipeline(storage.bars.data_ptr(), STAGES, self.stage_bytes,
                             self.nwg * THREADS_PER_WG)
-        m_full = storage.m_full.data_ptr()
-        if const_expr(self.makes_m):  # every producer-warpgroup thread arrives
-            if tidx == 0:
-                for b in cutlass.range_constexpr(self.stages):
-                    cute.arch.mbarrier_init(m_full + b, THREADS_PER_WG)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         sQ = storage.sQ.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sW = storage.sW.get_tensor(sM_layout.outer, swizzle=sM_layout.inner)  # T (with o)
+        sW = storage.sW.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        if const_expr(not self.states_only):  # T where W would be (beside M in sM)
+            sW = cute.make_tensor(cute.recast_ptr(storage.sW.data_ptr(),
+                                                  swizzle_=sM_layout.inner, dtype=self.dtype),
+                                  sM_layout.outer)
         sU = storage.sU.get_tensor(sU_layout.outer, swizzle=sU_layout.inner)
         sM = storage.sM.get_tensor(sM_layout.outer, swizzle=sM_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
@@ -354,17 +319,16 @@ class GdnChunkRecurrenceSm90:
         chunks = (length + CHUNK - 1) // CHUNK
         # chunk updates: a segment's last one would only make the next checkpoint
         updates = cutlass.max(chunks - 1, 0) if const_expr(self.from_checkpoints) else chunks
-        if warp < 4:
+        if warp == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            # warp 0 loads the chunks; with makes_m all four make M
-            if warp == 0 or const_expr(self.makes_m):
-                self.produce(mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ,
-                             sK, sW, sU, sM, (tma_f, mF_t, sF), pipe, head, start,
-                             first_chunk, updates, split, mma_m, m_full, warp, tidx)
+            self.produce(mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ, sK,
+                         sW, sU, sM, (tma_f, mF_t, sF), pipe, head, start, first_chunk,
+                         updates, split)
+        elif warp < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume(mma_tok, mma_state, sQ, sK, sW, sU, sM, (sO, store_o, mO_t),
-                         pipe, m_full,
+            self.consume(mma_tok, mma_state, sQ, sK, sW, sU, sM, (sO, store_o, mO_t), pipe,
                          sF, ckpt_tile, mO,
                          mState0, mStateIdx, mFinal, mCkpt, ckpt_every, mCuSeqlens, mSeqTable,
                          batch, head, start, length, first_chunk, chunks, updates,
@@ -417,105 +381,37 @@ class GdnChunkRecurrenceSm90:
     @cute.jit
     def produce(self, mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ, sK,
                 sW, sU, sM, factor_rows, pipe, head: Int32, start: Int32, first_chunk: Int32,
-                chunks: Int32, split: Int32, mma_m, m_full, warp: Int32, tidx: Int32):
-        """Warp 0 loads every chunk into the ring. With makes_m the whole warpgroup also
-        makes each chunk's M as soon as its tiles land, and then warp 0 loads chunk
-        c + stages into the stage (once the consumers release it). Loading chunk c + 1
-        after M of chunk c instead (run 23c) put the load's latency and M's on the chain:
-        +14 % at 4 x 8192, +46 % split."""
-        C = CHUNK
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                chunks: Int32, split: Int32):
+        K, V, C = self.k_dim, self.v_dim, CHUNK
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         # workspace tiles: (atom, tensor, smem, first column, columns): T (into sM without
         # o, else into sW beside M; T_COL = 0 is its column in the inverse tensor too); v's
         # columns go into sU (below)
         tiles = ((tma_k, mW_k, sM, T_COL, C),)
         token_tiles = ((tma_kr, mK, sK, head // self.k_group),)
         if const_expr(not self.states_only):  # Q and M only make o
-            tiles = ((tma_k, mW_k, sW, T_COL, C),)
-            if const_expr(not self.makes_m):
-                tiles = tiles + ((tma_m, mW_m, sM, M_COL, C),)
+            tiles = ((tma_k, mW_k, sW, T_COL, C), (tma_m, mW_m, sM, M_COL, C))
             token_tiles = ((tma_q, mQ, sQ, head // self.q_group),) + token_tiles
-        loads = (tiles, token_tiles, tma_u, mW_u, sU, factor_rows, head, start, first_chunk,
-                 split)
-        if const_expr(not self.makes_m):
-            for c in cutlass.range(chunks, unroll=1):
-                state = self.load_chunk(loads, pipe, state, c)
-        else:
-            if warp == 0:
-                for c in cutlass.range(cutlass.min(chunks, self.stages), unroll=1):
-                    state = self.load_chunk(loads, pipe, state, c)
-            thr = mma_m.get_slice(tidx)
-            landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            for c in cutlass.range(chunks, unroll=1):
-                pipe.consumer_wait(landed)  # (the consumers release the stage, not us)
-                s = landed.index
-                self.make_m(mma_m, thr, sQ[None, None, s], sK[None, None, s],
-                            sM[None, None, s], factor_rows[2][FACTOR_ROWS - 1, None, s], tidx)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.mbarrier_arrive(m_full + s)
-                # every warp's products have read the stage before warp 0 refills it
-                cute.arch.barrier(barrier_id=M_BARRIER, number_of_threads=THREADS_PER_WG)
-                if warp == 0:
-                    if c + self.stages < chunks:
-                        state = self.load_chunk(loads, pipe, state, c + self.stages)
-                landed = advanced(landed)
+        for c in cutlass.range(chunks, unroll=1):
+            pipe.producer_acquire(state)
+            bar = pipe.producer_get_barrier(state)
+            for atom, m, s, h in token_tiles:
+                g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, K),
+                                    (c, 0))
+                tma_load_tile(atom, g, s, state.index, bar)
+            g = cute.local_tile(cute.domain_offset(
+                (start, 0), mW_u[None, None, head // self.v_group]), (C, self.v_rows),
+                (c, split))
+            tma_load_tile(tma_u, g, sU, state.index, bar)
+            for atom, m, s, col, cols in tiles:
+                block = m[None, None, head, first_chunk + c]  # (64, F)
+                g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
+                tma_load_tile(atom, g, s, state.index, bar)
+            load_factor_row(*factor_rows, head, first_chunk + c, state.index, bar)
+            state = advanced(state)
 
     @cute.jit
-    def load_chunk(self, loads, pipe, state, c: Int32):
-        """Warp 0: chunk c's tiles into the ring stage ``state`` (once free); returns the
-        next producer state."""
-        K, C = self.k_dim, CHUNK
-        tiles, token_tiles, tma_u, mW_u, sU, factor_rows, head, start, first_chunk, split = loads
-        pipe.producer_acquire(state)
-        bar = pipe.producer_get_barrier(state)
-        for atom, m, s, h in token_tiles:
-            g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, K),
-                                (c, 0))
-            tma_load_tile(atom, g, s, state.index, bar)
-        g = cute.local_tile(cute.domain_offset(
-            (start, 0), mW_u[None, None, head // self.v_group]), (C, self.v_rows),
-            (c, split))
-        tma_load_tile(tma_u, g, sU, state.index, bar)
-        for atom, m, s, col, cols in tiles:
-            block = m[None, None, head, first_chunk + c]  # (64, F)
-            g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
-            tma_load_tile(atom, g, s, state.index, bar)
-        load_factor_row(*factor_rows, head, first_chunk + c, state.index, bar)
-        return advanced(state)
-
-    @cute.jit
-    def make_m(self, mma_m, thr, sQ, sK, sM, m_logs, tidx: Int32):
-        """The producer warpgroup (thread ``tidx`` of 128): M = exp(m_q_i + m_k_j)
-        (Q K^T)_ij for j <= i (0 above the diagonal; past the sequence end m_q, m_k =
-        -inf) from the stage's q and k tiles ``sQ``, ``sK`` (2-D) and third factor row
-        ``m_logs``, 16-bit into the M tile ``sM``, M_COLS columns at a time; the stores are
-        not fenced."""
-        C = CHUNK
-        frag_q = thr.make_fragment_A(thr.partition_A(sQ))
-        for h in cutlass.range_constexpr(C // M_COLS):
-            acc = cute.make_rmem_tensor(thr.partition_shape_C((C, M_COLS)), Float32)
-            frag_k = thr.make_fragment_B(thr.partition_B(
-                cute.local_tile(sK, (M_COLS, self.k_dim), (h, 0))))
-            wgmma(mma_m, acc, frag_q, frag_k, False)
-            coords = thr.partition_C(cute.make_identity_tensor((C, M_COLS)))
-            m_q = thr.partition_C(cute.make_tensor(
-                cute.domain_offset((MQ_LOGS,), m_logs).iterator,
-                cute.make_layout((C, M_COLS), stride=(1, 0))))
-            m_k = thr.partition_C(cute.make_tensor(
-                cute.domain_offset((MK_LOGS + h * M_COLS,), m_logs).iterator,
-                cute.make_layout((C, M_COLS), stride=(0, 1))))
-            m16 = cute.make_rmem_tensor(acc.layout, self.dtype)
-            warpgroup.wait_group(0)
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                # (above the diagonal the exponent may overflow: selected away)
-                w = cute.math.exp(m_q[e] + m_k[e], fastmath=True)
-                m16[e] = Float32(cutlass.select_(coords[e][1] + h * M_COLS <= coords[e][0],
-                                                 acc[e] * w, Float32(0.0))).to(self.dtype)
-            store_stmatrix(m16, mma_m, cute.local_tile(sM, (C, M_COLS), (0, h)), tidx)
-
-    @cute.jit
-    def consume(self, mma_tok, mma_state, sQ, sK, sW, sU, sM, staged_o, pipe, m_full, sF,
-                ckpt_tile,
+    def consume(self, mma_tok, mma_state, sQ, sK, sW, sU, sM, staged_o, pipe, sF, ckpt_tile,
                 mO, mState0, mStateIdx, mFinal, mCkpt, ckpt_every: Int32, mCuSeqlens,
                 mSeqTable, batch: Int32,
                 head: Int32, start: Int32, length: Int32, first_chunk: Int32, chunks: Int32,
@@ -535,7 +431,7 @@ class GdnChunkRecurrenceSm90:
         # the checkpoints' staging tile: the o tile's in states_only, their own beside o (io
         # dtype); fp32 checkpoints are stored element by element (checkpoint)
         ckpt_stage = staged_o if const_expr(self.states_only) else ckpt_tile
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for c in cutlass.range(updates, unroll=1):
             if const_expr(ckpt_stage is not None):
                 if (c * CHUNK) % every == 0:
@@ -545,9 +441,7 @@ class GdnChunkRecurrenceSm90:
                 self.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
             pipe.consumer_wait(state)
             self.chunk_update(parts, sU[None, None, state.index], state.index,
-                              sF[0, None, state.index], sF[1, None, state.index], frag_t,
-                              (m_full + state.index, state.phase)
-                              if const_expr(self.makes_m) else None)
+                              sF[0, None, state.index], sF[1, None, state.index], frag_t)
             cute.arch.sync_warp()
             pipe.consumer_release(state)
             state = advanced(state)
@@ -620,12 +514,10 @@ class GdnChunkRecurrenceSm90:
                 self.save_state(parts, mCkpt, ckpt_row + (c * CHUNK) // ckpt_every, head)
 
     @cute.jit
-    def chunk_update(self, parts, sU, s, factors, scales=None, frag_t=None, m_made=None):
+    def chunk_update(self, parts, sU, s, factors, scales=None, frag_t=None):
         """One chunk (its tiles in stage s, U (from_inverse: v's columns) as the 2-D view
         ``sU``, its factor rows [q_f | k_f | G_L] and (from_inverse) [t_w | t_u] as the 1-D
-        views ``factors``, ``scales``; with o and from_inverse T's B fragment ``frag_t``;
-        with makes_m ``m_made`` = (the stage's M mbarrier, its phase): M is made by the
-        producer warpgroup):
+        views ``factors``, ``scales``; with o and from_inverse T's B fragment ``frag_t``):
         O^T into acc_o, the state advanced; every wgmma waited for."""
         mma_tok, mma_state, acc_state = parts.mma_tok, parts.mma_state, parts.acc_state
         acc_x, acc_o, state16, thr_tok = parts.acc_x, parts.acc_o, parts.state16, parts.thr_tok
@@ -673,8 +565,6 @@ class GdnChunkRecurrenceSm90:
             warpgroup.wait_group(0)
             for e in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[e] = acc_o[e] * t_qf[e]
-            if const_expr(m_made is not None):
-                cute.arch.mbarrier_wait(*m_made)
             wgmma(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
             warpgroup.wait_group(0)
         else:

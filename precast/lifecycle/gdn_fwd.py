@@ -238,12 +238,11 @@ def _fake_offsets():
     return fake_packed(cutlass.Int32, (cute.sym_int(),), 4)
 
 
-def prepare_kernel(s: GdnShapes, store_inverse: bool = False, store_m: bool = True):
+def prepare_kernel(s: GdnShapes, store_inverse: bool = False):
     """Stage 1 (GdnChunkPrepareSm90, without W and U: gdn_layout) and its fake arguments
     (q, k, v, g, beta, cu_seqlens, work16, work32, inv, scale, stream); store_inverse: T
     = (I + A)^-1 of every (chunk, head) goes to inv (chunks, HO, 64, 64) in the io dtype
-    (the backward's) instead of work16, else inv is None. store_m=False: M's log factors
-    instead of M (for a recurrence that makes M: recurrence_kernel(makes_m=True))."""
+    (the backward's) instead of work16, else inv is None."""
     import cutlass
     import cutlass.cute as cute
     from ..kernels.fake import fake_stream, fake_tokens, scalar
@@ -251,8 +250,7 @@ def prepare_kernel(s: GdnShapes, store_inverse: bool = False, store_m: bool = Tr
     io, tokens, chunks = _cute_type(s.dtype), cute.sym_int(), cute.sym_int()
     kernel = GdnChunkPrepareSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, s.use_qk_l2norm_in_kernel,
                                  _cute_type(s.g_dtype), _cute_type(s.beta_dtype),
-                                 store_inverse=store_inverse, store_wu=False,
-                                 store_m=store_m)
+                                 store_inverse=store_inverse, store_wu=False)
     inv = _fake_inverses(s, chunks) if store_inverse else None
     args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
             fake_tokens(io, tokens, s.HV, s.V), _fake_gate(s.g_dtype, tokens, s.HO),
@@ -274,16 +272,14 @@ def seq_table_kernel():
 def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool: bool,
                       final_state: bool, checkpoint_dtype: Optional[torch.dtype],
                       v_splits: int = 1, states_only: bool = False,
-                      from_checkpoints: bool = False, inverse_tensor: bool = True,
-                      makes_m: bool = False):
+                      from_checkpoints: bool = False, inverse_tensor: bool = True):
     """Stage 2 (GdnChunkRecurrenceSm90) and its fake arguments (q, k, work16, work32,
     cu_seqlens, o, initial state, state_indices, final state, checkpoints, v, inverses,
     ckpt_every, stream); absent tensors are None. W and U's products are made from v, T and
     its scales; T is read from the inverse tensor or, with inverse_tensor=False, from
     work16. states_only: no o, the checkpoints (io dtype) stored by TMA (the backward's
     states pass); from_checkpoints: that pass started from the forward's checkpoints
-    (passed as the initial state, of ``state_dtype``); makes_m: M made from q, k and the
-    third factor row (after prepare_kernel(store_m=False)), not read from work16."""
+    (passed as the initial state, of ``state_dtype``)."""
     import cutlass
     import cutlass.cute as cute
     from ..kernels.fake import fake_stream, fake_tokens, scalar
@@ -292,7 +288,7 @@ def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool:
     kernel = GdnChunkRecurrenceSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, state_dtype is not None,
                                     pool, final_state, checkpoint_dtype is not None,
                                     v_splits=v_splits, states_only=states_only,
-                                    from_checkpoints=from_checkpoints, makes_m=makes_m)
+                                    from_checkpoints=from_checkpoints)
     o = None if states_only else fake_tokens(io, cute.sym_int(), s.HO, s.V)
     args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
             *_fake_workspace(s), _fake_offsets(), _fake_offsets(), o,
@@ -492,21 +488,16 @@ class GdnFwdSm90(Op):
         # Stage 1 stores T and its column scales instead of W and U (T where W would be,
         # or with store_inverse in the inverse tensor the backward reads); stage 2 makes W
         # and U's products from them, k and v: 32 KB fewer stores and 16 KB fewer loads
-        # per (chunk, head), one more 64-deep product on the state's chain. Without
-        # store_inverse stage 2 also makes M (Q K^T beside the state's update, from the
-        # tiles it loads anyway): 8 KB fewer stores and loads per (chunk, head) and no Q K^T
-        # in stage 1; the backward (store_inverse's reader) needs M in the workspace. Split
-        # or not, every state row's arithmetic is the same (batch invariance is bitwise).
+        # per (chunk, head), one more 64-deep product on the state's chain. Split or not,
+        # every state row's arithmetic is the same (batch invariance is bitwise).
         def recurrence(v_splits: int = 1):
             return recurrence_kernel(s, state_dtype=s.state_dtype, pool=s.uses_pool,
                                      final_state=s.output_final_state,
                                      checkpoint_dtype=s.checkpoint_dtype, v_splits=v_splits,
-                                     inverse_tensor=self.store_inverse,
-                                     makes_m=not self.store_inverse)
+                                     inverse_tensor=self.store_inverse)
 
         builders = {"seq_table": seq_table_kernel,
-                    "prepare": lambda: prepare_kernel(s, store_inverse=self.store_inverse,
-                                                      store_m=self.store_inverse),
+                    "prepare": lambda: prepare_kernel(s, store_inverse=self.store_inverse),
                     "recurrence": recurrence,
                     "recurrence_split": lambda: recurrence(v_splits=2)}
         return {mode: builders[mode] for mode in kernel_modes(s.V)}
@@ -515,7 +506,7 @@ class GdnFwdSm90(Op):
     def workspace_shapes(self, total_tokens: int, num_seqs: int) -> Tuple[Tuple[int, ...], ...]:
         """Shapes of the workspace ``execute(workspace=...)`` takes for T tokens in N
         sequences: the pair (work16, work32), work16 (T // 64 + N, HO, 64, 128) in the
-        io dtype and work32 (T // 64 + N, HO, 408) float32; with store_inverse the triple
+        io dtype and work32 (T // 64 + N, HO, 272) float32; with store_inverse the triple
         (work16, work32, inv), inv (T // 64 + N, HO, 64, 64) in the io dtype. All
         contiguous.
         No zeroing needed: the prepare kernel writes every row the recurrence (and the

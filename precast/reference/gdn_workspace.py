@@ -21,11 +21,6 @@ a sequence's end) and
 ``scales[p, h]`` = [t_w | t_u] = [beta exp(G) r_k | beta] (64, 64), the column scales of
 the scaled inverses (W = T diag(t_w) K, U = T diag(t_u) V with the raw rows; zero past the
 end): work32's second factor row (precast/kernels/gdn_layout.py).
-
-With ``with_m_logs=True`` also ``m_logs[p, h]`` = [m_q | m_k] (64, 64), work32's third
-factor row, which the plain forward's stage 1 writes instead of M (its recurrence makes M):
-    m_q = G + log(scale r_q),   m_k = log(r_k) - G   (-inf past the end),
-so that M_ij = exp(m_q_i + m_k_j) (Q K^T)_ij for j <= i with the raw q and k rows.
 """
 from __future__ import annotations
 
@@ -39,10 +34,10 @@ from .offsets import sequence_offsets
 def gdn_chunk_workspace_reference(q, k, v, g, beta, cu_seqlens, *, scale=None,
                                   use_qk_l2norm_in_kernel: bool = False,
                                   compute_dtype: torch.dtype = torch.float32,
-                                  with_inverse: bool = False, with_m_logs: bool = False):
+                                  with_inverse: bool = False):
     """(work [T // 64 + N, HO, 64, K + V + 64], factors [T // 64 + N, HO, 129]) in
     ``compute_dtype``, on q's device; with_inverse: also (inv [T // 64 + N, HO, 64, 64],
-    scales [T // 64 + N, HO, 128]); with_m_logs: then m_logs [T // 64 + N, HO, 128]."""
+    scales [T // 64 + N, HO, 128])."""
     T, HQ, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     HO = max(HQ, HV)
@@ -60,8 +55,6 @@ def gdn_chunk_workspace_reference(q, k, v, g, beta, cu_seqlens, *, scale=None,
     factors = q.new_zeros((chunks, HO, 2 * C + 1), dtype=compute_dtype)
     inv = q.new_zeros((chunks, HO, C, C), dtype=compute_dtype)
     scales = q.new_zeros((chunks, HO, 2 * C), dtype=compute_dtype)
-    never = float("-inf")
-    m_logs = q.new_full((chunks, HO, 2 * C), never, dtype=compute_dtype)
     p = 0
     for b in range(N):
         s, e = offs[b], offs[b + 1]
@@ -80,9 +73,5 @@ def gdn_chunk_workspace_reference(q, k, v, g, beta, cu_seqlens, *, scale=None,
         bc = to_chunks(beta[s:e], C)  # zero past the end
         inv[p:p + n] = Tm.movedim(1, 0)
         scales[p:p + n] = torch.cat([bc * torch.exp(G) * rk, bc], dim=-1).movedim(1, 0)
-        m_q = torch.where(real > 0, G + torch.log(scale * rq), never)
-        m_k = torch.where(real > 0, torch.log(rk) - G, never)
-        m_logs[p:p + n] = torch.cat([m_q, m_k], dim=-1).movedim(1, 0)
         p += n
-    return ((work, factors) + ((inv, scales) if with_inverse else ())
-            + ((m_logs,) if with_m_logs else ()))
+    return (work, factors, inv, scales) if with_inverse else (work, factors)
