@@ -140,12 +140,12 @@ def tma_load_tile(atom, g, s, stage, bar):
 
 
 @cute.jit
-def tma_store_tile(atom, s, g, stage=0):
-    """TMA copy of stage ``stage`` of the shared-memory tile ``s`` to the 2-D global tile
-    ``g`` (not committed: the caller commits the bulk group). The whole warp calls it."""
+def tma_store_tile(atom, s, g):
+    """TMA copy of stage 0 of the shared-memory tile ``s`` to the 2-D global tile ``g``
+    (not committed: the caller commits the bulk group). The whole warp calls it."""
     t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
                                      cute.group_modes(g, 0, 2))
-    cute.copy(atom, t_s[None, stage], t_g)
+    cute.copy(atom, t_s[None, 0], t_g)
 
 
 @cute.jit

@@ -113,11 +113,7 @@ def sum_before(mCuSeqlens: cute.Tensor, batch: Int32, per: Int32):
 
 
 STAGES = 2
-O_BARRIER = 1  # the consumer warpgroups, around the o staging tile (+ wg: OWN_O_TILES)
-SKEW_BARRIER = 4  # the second consumer warpgroup starts once the first issued a product
-SQ_AFTER_DELTA = True  # S^T Q^T issued behind Delta (the tensor pipe's idle gap), not Y^T
-OWN_O_TILES = True  # each consumer warpgroup stores its own o columns (no shared barrier)
-SKEW = True
+O_BARRIER = 1  # the consumer warpgroups, around the o staging tile
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
@@ -219,13 +215,10 @@ class GdnChunkRecurrenceSm90:
             sO_layout, store_o, mO_t = checkpoint_staging()
         else:
             # o of a whole chunk leaves by a TMA store of a (64 tokens, V) staging tile
-            # (OWN_O_TILES: one (64 tokens, 64) tile per consumer warpgroup, its columns)
-            o_cols, o_tiles = (64, self.nwg) if const_expr(OWN_O_TILES) else (Vc, 1)
-            sO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, o_cols), dt,
-                                                      o_tiles)
+            sO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, 1)
             store_o, mO_t = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
                                                         select_modes(mO, [0, 2, 1]),
-                                                        one(sO_layout), (C, o_cols))
+                                                        one(sO_layout), (C, Vc))
         # Checkpoints in the io dtype beside o leave through their own (V rows x K) staging
         # tile by TMA stores too (per-thread stores of the state cost ~0.8 ms per GB written)
         staged_ckpt = None
@@ -439,11 +432,6 @@ class GdnChunkRecurrenceSm90:
         # dtype); fp32 checkpoints are stored element by element (checkpoint)
         ckpt_stage = staged_o if const_expr(self.states_only) else ckpt_tile
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-        if const_expr(SKEW and self.nwg == 2 and not self.states_only):
-            # the second warpgroup starts once the first has issued its first products
-            if consumer_tidx >= THREADS_PER_WG and updates > 0:
-                cute.arch.barrier(barrier_id=SKEW_BARRIER,
-                                  number_of_threads=2 * THREADS_PER_WG)
         for c in cutlass.range(updates, unroll=1):
             if const_expr(ckpt_stage is not None):
                 if (c * CHUNK) % every == 0:
@@ -452,12 +440,8 @@ class GdnChunkRecurrenceSm90:
             else:
                 self.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
             pipe.consumer_wait(state)
-            skew_arrive = None
-            if const_expr(SKEW and self.nwg == 2 and not self.states_only):
-                skew_arrive = (c == 0) & (consumer_tidx < THREADS_PER_WG)
             self.chunk_update(parts, sU[None, None, state.index], state.index,
-                              sF[0, None, state.index], sF[1, None, state.index], frag_t,
-                              skew_arrive)
+                              sF[0, None, state.index], sF[1, None, state.index], frag_t)
             cute.arch.sync_warp()
             pipe.consumer_release(state)
             state = advanced(state)
@@ -466,9 +450,7 @@ class GdnChunkRecurrenceSm90:
         if const_expr(self.from_checkpoints):
             if chunks > 0:  # the state entering the segment's last chunk
                 self.save_state_staged(parts, ckpt_stage, ckpt_row + updates, head)
-        # the staging tile's last store has read it (each warpgroup's, OWN_O_TILES)
-        if consumer_tidx % (THREADS_PER_WG if const_expr(OWN_O_TILES) else 1 << 16) < \
-                cute.arch.WARP_SIZE:
+        if consumer_tidx < cute.arch.WARP_SIZE:  # the staging tile's last store has read it
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_state(parts, mState0, mFinal, state_row, batch, head)
 
@@ -532,7 +514,7 @@ class GdnChunkRecurrenceSm90:
                 self.save_state(parts, mCkpt, ckpt_row + (c * CHUNK) // ckpt_every, head)
 
     @cute.jit
-    def chunk_update(self, parts, sU, s, factors, scales=None, frag_t=None, skew_arrive=None):
+    def chunk_update(self, parts, sU, s, factors, scales=None, frag_t=None):
         """One chunk (its tiles in stage s, U (from_inverse: v's columns) as the 2-D view
         ``sU``, its factor rows [q_f | k_f | G_L] and (from_inverse) [t_w | t_u] as the 1-D
         views ``factors``, ``scales``; with o and from_inverse T's B fragment ``frag_t``):
@@ -568,16 +550,10 @@ class GdnChunkRecurrenceSm90:
         elif const_expr(self.from_inverse):
             decay = cute.math.exp(factors[G_LAST], fastmath=True)
             acc_d = cute.make_rmem_tensor(acc_x.layout, Float32)
-            sq = None
-            if const_expr(self.overlap_products):
-                if const_expr(SQ_AFTER_DELTA):  # S^T Q^T behind Delta^T, waited for later
-                    sq = (acc_o, tXrS, tXrQ[None, None, None, s])
-                else:  # S^T Q^T in flight with Y^T
-                    wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
+            if const_expr(self.overlap_products):  # S^T Q^T in flight with Y^T
+                wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
             self.delta_from_inverse(parts, acc_d, u_t, t_w, t_u, frag_t[None, None, None, s],
-                                    1 if const_expr(self.overlap_products
-                                                    and not SQ_AFTER_DELTA) else 0, sq,
-                                    skew_arrive)
+                                    1 if const_expr(self.overlap_products) else 0)
             for e in cutlass.range_constexpr(cute.size(acc_x)):
                 delta16[e] = acc_d[e].to(self.dtype)
                 delta_k16[e] = (acc_d[e] * t_kf[e]).to(self.dtype)
@@ -635,13 +611,11 @@ class GdnChunkRecurrenceSm90:
         warpgroup.wait_group(0)
 
     @cute.jit
-    def delta_from_inverse(self, parts, acc_d, v_t, t_w, t_u, tYrT, after_y: int, sq=None,
-                           skew_arrive=None):
+    def delta_from_inverse(self, parts, acc_d, v_t, t_w, t_u, tYrT, after_y: int):
         """Delta^T = Z^T T^T into acc_d, Z^T = V^T diag(t_u) - Y^T diag(t_w) (16-bit, in
         deltas[0]'s registers), waited for; Y^T = S^T Kc^T was issued into acc_x with
         ``after_y`` wgmma groups after it. V^T as ``v_t`` (the accumulator's partition of
-        v's tile), T as the B fragment ``tYrT``. ``sq`` = (acc, A, B): a product issued
-        behind Delta^T and left in flight."""
+        v's tile), T as the B fragment ``tYrT``."""
         acc_x, z16 = parts.acc_x, parts.deltas[0]
         warpgroup.wait_group(after_y)  # Y^T
         for e in cutlass.range_constexpr(cute.size(acc_x)):
@@ -649,13 +623,7 @@ class GdnChunkRecurrenceSm90:
         wgmma(parts.mma_tok, acc_d, cute.make_tensor(z16.iterator,
                                                      acc_as_operand_a(acc_x.layout)),
               tYrT, False)
-        if const_expr(sq is not None):
-            wgmma(parts.mma_tok, *sq, False)
-        if const_expr(skew_arrive is not None):
-            if skew_arrive:  # the first warpgroup's first chunk: let the second start
-                cute.arch.barrier_arrive(barrier_id=SKEW_BARRIER,
-                                         number_of_threads=2 * THREADS_PER_WG)
-        warpgroup.wait_group(1 if const_expr(sq is not None) else 0)
+        warpgroup.wait_group(0)
 
     @cute.jit
     def store_o(self, parts, mO, start: Int32, length: Int32, c: Int32, head: Int32,
@@ -677,19 +645,11 @@ class GdnChunkRecurrenceSm90:
     def store_o_staged(self, parts, staged_o, start: Int32, c: Int32, head: Int32):
         sO, store_o, mO_t = staged_o
         V, C = 64 * self.nwg, CHUNK
-        if const_expr(OWN_O_TILES):  # (v, t) -> tile v // 64, element (t, v % 64)
-            wg = parts.consumer_tidx // THREADS_PER_WG
-            s_t = parts.thr_tok.partition_C(cute.composition(
-                sO, cute.make_ordered_layout((V, C), order=(1, 0))))
-            self.store_staged(parts, parts.acc_o, s_t, store_o, sO, lambda: cute.local_tile(
-                cute.domain_offset((start + c * C, 0), mO_t[None, None, head]), (C, 64),
-                (0, parts.split * self.nwg + wg)), wg)
-        else:
-            s_t = parts.thr_tok.partition_C(cute.composition(
-                sO[None, None, 0], cute.make_ordered_layout((V, C), order=(1, 0))))
-            self.store_staged(parts, parts.acc_o, s_t, store_o, sO, lambda: cute.local_tile(
-                cute.domain_offset((start + c * C, 0), mO_t[None, None, head]), (C, V),
-                (0, parts.split)))
+        s_t = parts.thr_tok.partition_C(cute.composition(
+            sO[None, None, 0], cute.make_ordered_layout((V, C), order=(1, 0))))
+        self.store_staged(parts, parts.acc_o, s_t, store_o, sO, lambda: cute.local_tile(
+            cute.domain_offset((start + c * C, 0), mO_t[None, None, head]), (C, V),
+            (0, parts.split)))
 
     @cute.jit
     def save_state_staged(self, parts, staged, row: Int32, head: Int32):
@@ -701,27 +661,20 @@ class GdnChunkRecurrenceSm90:
                               (parts.split, 0)))
 
     @cute.jit
-    def store_staged(self, parts, values, t_stage, atom, s_tile, global_tile, wg=None):
+    def store_staged(self, parts, values, t_stage, atom, s_tile, global_tile):
         """A consumer thread's ``values`` into its elements ``t_stage`` of the 16-bit staging
         tile ``s_tile`` (once the previous store from it has read it), then one TMA store
-        of the tile to ``global_tile()`` issued by the first consumer warp. With ``wg``:
-        each consumer warpgroup its own stage ``wg`` of the tile, synchronized and stored
-        by itself."""
-        threads, bar_id = self.nwg * THREADS_PER_WG, O_BARRIER
+        of the tile to ``global_tile()`` issued by the first consumer warp."""
         issuer = parts.consumer_tidx < cute.arch.WARP_SIZE
-        stage = 0
-        if const_expr(wg is not None):
-            threads, bar_id, stage = THREADS_PER_WG, O_BARRIER + 1 + wg, wg
-            issuer = parts.consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE
         if issuer:  # the previous store has read the tile
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=bar_id, number_of_threads=threads)
+        cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
         for e in cutlass.range_constexpr(cute.size(values)):
             t_stage[e] = values[e].to(self.dtype)
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=bar_id, number_of_threads=threads)
+        cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
         if issuer:  # the whole warp: the TMA copy elects its issuing lane itself
-            tma_store_tile(atom, s_tile, global_tile(), stage)
+            tma_store_tile(atom, s_tile, global_tile())
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
