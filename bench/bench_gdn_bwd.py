@@ -13,8 +13,8 @@ their ratio, and forward + backward tokens per second; with ``--checkpoints N`` 
 1024, 0: off) also the training pair that keeps fp32 checkpoints every N tokens (the
 forward writes them, the backward's states pass starts from them, one CTA per checkpoint
 row and head); the training pair that keeps the forward's workspace (keep_workspace=True:
-the forward also stores T, the backward skips its prepare kernel; ``--no-keep`` skips it);
-``--stages`` also times each of the
+the forward returns its workspace, the backward skips its prepare kernel; ``--no-keep``
+skips it); ``--stages`` also times each of the
 backward's kernels alone (GdnBwdSm90.execute with a caller-owned workspace, kernels
 launched one by one from the op's loaded modes). flash-linear-attention's backward is
 attempted for reference (its Triton kernels may refuse this Triton version on Hopper; the

@@ -37,7 +37,7 @@ def digest(fn, args, tag):
 
 FWD = [dict(state_dtype="float32", output_final_state=True, checkpoint_dtype="io",
             use_qk_l2norm_in_kernel=True),
-       dict(store_inverse=True, output_final_state=True, use_qk_l2norm_in_kernel=True),
+       dict(output_final_state=True, use_qk_l2norm_in_kernel=True),
        dict(k_dim=64, v_dim=64, state_dtype="io", state_pool=True)]
 BWD = [dict(k_dim=128, v_dim=128, q_heads=4, k_heads=4, v_heads=4, use_qk_l2norm_in_kernel=True,
             state_dtype="float32", checkpoint_dtype="float32"),

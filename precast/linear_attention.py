@@ -12,7 +12,7 @@ Custom ops (each with a fake implementation: they trace under torch.compile):
   state's gradient is the backward's dfinal; checkpoints are not differentiable, and the
   backward starts its states pass from them (at n = 64 in the io dtype they are its chunk
   states; see GdnBwdSm90). With keep_workspace it also returns the forward's chunk factors
-  (work16, work32, inv; placeholders otherwise), which the backward then reuses.
+  (work16, work32; placeholders otherwise), which the backward then reuses.
 * ``torch.ops.precast.gated_delta_net_backward``: dq, dk, dv, dg, dbeta, dinitial_state.
 * ``torch.ops.precast.gated_delta_net_pool``: the forward with a state pool updated in
   place (inference only: the pool has no gradient).
@@ -25,7 +25,7 @@ import torch
 
 from .lifecycle.gdn_bwd import GdnBwdSm90, check_forward_inputs, refuse_state_pool
 from .lifecycle.gdn_bwd import static_config_of as backward_config
-from .lifecycle.gdn_fwd import GdnFwdSm90, op_static_config, readable_in_place
+from .lifecycle.gdn_fwd import GdnFwdSm90, readable_in_place, static_config_of
 from .lifecycle.gdn_rules import check_gdn_inputs, max_checkpoint_rows
 from .kernels.gdn_layout import workspace_shapes
 from .lifecycle.launch import in_stream_order
@@ -37,7 +37,7 @@ from .op_cache import compiled_op
 class GatedDeltaNetResults(Results):
     """Unpacks like ``(o, final_state)`` (final_state None unless output_final_state);
     ``.checkpoints`` is the checkpoint series or None; ``.workspace`` the forward's chunk
-    factors (work16, work32, inv) with keep_workspace outside autograd (for
+    factors (work16, work32) with keep_workspace outside autograd (for
     gated_delta_net_backward(forward_workspace=...)), else None."""
 
     _fields = ("o", "final_state")
@@ -92,8 +92,8 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     its column scales, the forward from W and U); with
     many pairs they cost more than they save (bench/RESULTS.md, session 13).
     ``keep_workspace=True`` keeps the forward's chunk factors (M, T = (I + A)^-1 and the
-    factor rows: about 0.4 KB per token and output head, half of q, k and v's at K = V =
-    128) until the backward, which then skips recomputing them (its "prepare" kernel: ~15 %
+    factor rows: about 0.28 KB per token and output head, a third of q, k and v's at K =
+    V = 128) until the backward, which then skips recomputing them (its "prepare" kernel: ~15 %
     of the backward at 4 x 8192 tokens, 64 heads). The state pool is forward only: with an
     input requiring grad it raises (use torch.no_grad(), or gather the pool rows into an
     initial_state).
@@ -146,10 +146,10 @@ def _forward(q, k, v, g, beta, cu_seqlens, *, scale, initial_state, output_final
                        checkpoint_dtype=checkpoint_dtype, batch_invariant=batch_invariant)
         s = check_gdn_inputs(q, k, v, g, beta, cu_seqlens, initial_state=initial_state,
                              state_indices=state_indices, **options)
-        key = ("gated_delta_net",) + tuple(sorted(op_static_config(s, keep_workspace).items()))
+        key = ("gated_delta_net",) + tuple(sorted(static_config_of(s).items()))
         op = compiled_op(key, lambda: GdnFwdSm90(
             q, k, v, g, beta, cu_seqlens, sample_initial_state=initial_state,
-            sample_state_indices=state_indices, store_inverse=keep_workspace, **options))
+            sample_state_indices=state_indices, **options))
         o = q.new_empty((s.T, s.HO, s.V))
         final_state = (q.new_empty(s.state_shape, dtype=torch.float32) if output_final_state
                        else None)
@@ -235,9 +235,9 @@ def _gated_delta_net_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         state_indices: Optional[torch.Tensor], batch_invariant: bool,
                         keep_workspace: bool = False
                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                   torch.Tensor, torch.Tensor]:
-    """(o, final_state, checkpoints, work16, work32, inv); custom ops return tensors only,
-    so an output not asked for is an empty [0, HO, V, K] tensor (the last three but with
+                                   torch.Tensor]:
+    """(o, final_state, checkpoints, work16, work32); custom ops return tensors only,
+    so an output not asked for is an empty [0, HO, V, K] tensor (the last two but with
     keep_workspace). Functional (it has an autograd formula): state_indices must be None;
     a state pool goes through gated_delta_net_pool."""
     _refuse_pool_in_functional_op(state_indices)
@@ -247,7 +247,7 @@ def _gated_delta_net_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         checkpoint_every_n_tokens=checkpoint_every_n_tokens, checkpoint_dtype=checkpoint_dtype,
         state_indices=None, batch_invariant=batch_invariant, keep_workspace=keep_workspace,
         stream=None)
-    workspace = r.workspace or tuple(_absent_output(q, v) for _ in range(3))
+    workspace = r.workspace or tuple(_absent_output(q, v) for _ in range(2))
     return (o, _absent_output(q, v) if final_state is None else final_state,
             _absent_output(q, v) if r.checkpoints is None else r.checkpoints, *workspace)
 
@@ -283,11 +283,10 @@ def _(q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
         rows = (max_checkpoint_rows(T, N, n) if isinstance(T, int) and isinstance(N, int)
                 else T // n + N)
         checkpoints = q.new_empty((rows, HO, V, K), dtype=checkpoint_dtype or q.dtype)
-    workspace = tuple(_absent_output(q, v) for _ in range(3))
+    workspace = tuple(_absent_output(q, v) for _ in range(2))
     if keep_workspace:
-        shape16, shape32, shape_inv = workspace_shapes(T, N, HO, K, V)  # T, N may be symbolic
-        workspace = (q.new_empty(shape16), q.new_empty(shape32, dtype=torch.float32),
-                     q.new_empty(shape_inv))
+        shape16, shape32 = workspace_shapes(T, N, HO, K, V)  # T, N may be symbolic
+        workspace = (q.new_empty(shape16), q.new_empty(shape32, dtype=torch.float32))
     return (o, final_state, checkpoints) + workspace
 
 
@@ -299,12 +298,12 @@ def _gated_delta_net_backward_op(
         initial_state: Optional[torch.Tensor], dfinal: Optional[torch.Tensor],
         checkpoints: Optional[torch.Tensor], checkpoint_every_n_tokens: Optional[int],
         use_qk_l2norm_in_kernel: bool, work16: Optional[torch.Tensor] = None,
-        work32: Optional[torch.Tensor] = None, inv: Optional[torch.Tensor] = None
+        work32: Optional[torch.Tensor] = None
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dg, dbeta, dinitial_state) of gated_delta_net_backward; without an
-    initial state dinitial_state is an empty [0, HO, V, K] tensor. work16, work32, inv: the
-    forward's kept workspace (all three or none)."""
-    kept = (work16, work32, inv)
+    initial state dinitial_state is an empty [0, HO, V, K] tensor. work16, work32: the
+    forward's kept workspace (both or none)."""
+    kept = (work16, work32)
     *grads, dinitial_state = gated_delta_net_backward(
         q, k, v, g, beta, cu_seqlens, do, scale=scale, initial_state=initial_state,
         dfinal=dfinal, checkpoints=checkpoints,
@@ -316,7 +315,7 @@ def _gated_delta_net_backward_op(
 
 @_gated_delta_net_backward_op.register_fake
 def _(q, k, v, g, beta, cu_seqlens, do, scale, initial_state, dfinal, checkpoints,
-      checkpoint_every_n_tokens, use_qk_l2norm_in_kernel, work16=None, work32=None, inv=None):
+      checkpoint_every_n_tokens, use_qk_l2norm_in_kernel, work16=None, work32=None):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             g.new_empty(g.shape), beta.new_empty(beta.shape),
             _absent_output(q, v) if initial_state is None
@@ -331,7 +330,7 @@ def _setup_context(ctx, inputs, output):
     if not output_final_state:  # the empty placeholder
         ctx.mark_non_differentiable(final_state)
     ctx.set_materialize_grads(False)  # an unused final state costs no dfinal
-    kept = workspace if keep and keep[0] else [None] * 3
+    kept = workspace if keep and keep[0] else [None] * 2
     ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state,
                           checkpoints if checkpoint_every_n_tokens is not None else None, *kept)
     ctx.scale, ctx.n, ctx.l2norm = scale, checkpoint_every_n_tokens, use_qk_l2norm_in_kernel

@@ -66,13 +66,13 @@ def bwd(**kw) -> GdnBwdSm90:
 
 
 def keeping_forward() -> GdnFwdSm90:
-    """The forward of bwd()'s inputs compiled to keep its workspace (store_inverse)."""
-    return GdnFwdSm90(**{n: t for n, t in samples().items() if n != "sample_do"},
-                      store_inverse=True).check_support()
+    """The forward of bwd()'s inputs (whose workspace a backward may reuse)."""
+    return GdnFwdSm90(**{n: t for n, t in samples().items() if n != "sample_do"}
+                      ).check_support()
 
 
 def kept_factors(forward: GdnFwdSm90):
-    """Meta tensors of its kept workspace (work16, work32, inv) for T tokens, N sequences
+    """Meta tensors of its kept workspace (work16, work32) for T tokens, N sequences
     (made here, not by the op under test: ``launches`` records allocations)."""
     return tuple(meta(*shape, dtype=dtype) for shape, dtype in zip(
         forward.workspace_shapes(T, N), forward.workspace_dtypes()))
@@ -327,36 +327,34 @@ def test_execute_launches_every_stage_in_order(launches):
     (_, prep), (_, states), (_, sgrad), (_, cgrad), (_, fin) = launches.calls
     q, k, v, g, beta, cu, do = (a[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "do"))
     # N <= 32 sequences: no table, cu_seqlens stands in for it (the argument after it)
-    # prepare(q, k, v, g, beta, cu_seqlens, table, work16, work32, inv, scale, stream)
-    assert same(prep[:7], [q, k, v, g, beta, cu, cu]) and prep[10:] == (0.5, 7)
-    assert [tuple(t.shape) for t in prep[7:10]] == [(CHUNKS, HO, 64, 128),
-                                                    (CHUNKS, HO, 272), (CHUNKS, HO, 64, 64)]
+    # prepare(q, k, v, g, beta, cu_seqlens, table, work16, work32, scale, stream)
+    assert same(prep[:7], [q, k, v, g, beta, cu, cu]) and prep[9:] == (0.5, 7)
+    assert [tuple(t.shape) for t in prep[7:9]] == [(CHUNKS, HO, 64, 128), (CHUNKS, HO, 272)]
     # states(q, k, work16, work32, cu_seqlens, table, no o, initial state, None, None,
-    # states, v, inv, 64, stream): on a side stream forked after prepare, joined before
+    # states, v, 64, stream): on a side stream forked after prepare, joined before
     # chunk_grad (W and U made from v, T and its scales)
     assert same(states[:6], [q, k, prep[7], prep[8], cu, cu])
-    assert states[6:10] == (None, None, None, None) and states[13:] == (64, 7 + SIDE_OFFSET)
-    assert states[11] is a["v"] and states[12] is prep[9]
+    assert states[6:10] == (None, None, None, None) and states[12:] == (64, 7 + SIDE_OFFSET)
+    assert states[11] is a["v"]
     assert [e for e in launches.events if e[0] in ("fork", "join", "launch")] == [
         ("launch", "prepare"), ("fork", 7), ("launch", "states"), ("launch", "state_grad"),
         ("join", 7), ("launch", "chunk_grad"), ("launch", "finish")]
     assert tuple(states[10].shape) == (CHUNKS, HO, V, K) and states[10].dtype == BF
-    # state_grad(q, k, do, work16, work32, inv, cu_seqlens, table, dfinal, dstates, dinit,
-    # stream)
-    assert same(sgrad[:8], [q, k, do, prep[7], prep[8], prep[9], cu, cu]) and sgrad[8] is None
-    assert tuple(sgrad[9].shape) == (CHUNKS, HO, V, K) and sgrad[9].dtype == BF
-    assert sgrad[10:] == (None, 7)
-    # chunk_grad(q, k, v, g, beta, cu_seqlens, table, do, work16, work32, inv, states,
+    # state_grad(q, k, do, work16, work32, cu_seqlens, table, dfinal, dstates, dinit, stream)
+    assert same(sgrad[:7], [q, k, do, prep[7], prep[8], cu, cu]) and sgrad[7] is None
+    assert tuple(sgrad[8].shape) == (CHUNKS, HO, V, K) and sgrad[8].dtype == BF
+    assert sgrad[9:] == (None, 7)
+    # chunk_grad(q, k, v, g, beta, cu_seqlens, table, do, work16, work32, states,
     # dstates, dq_heads, dk_heads, dv (v's heads are not grouped: final there), dg, dbeta,
     # scale,
     # stream)
-    assert same(cgrad[:13], [q, k, v, g, beta, cu, cu, do, prep[7], prep[8], prep[9],
-                             states[10], sgrad[9]])
-    assert [(tuple(t.shape), t.dtype) for t in cgrad[13:15]] == [
-        ((T, HO, K), BF), ((T, HO, K), BF)] and cgrad[15] is a["dv"]
-    assert same(cgrad[16:18], [a["dg"], a["dbeta"]]) and cgrad[18:] == (0.5, 7)
+    assert same(cgrad[:12], [q, k, v, g, beta, cu, cu, do, prep[7], prep[8], states[10],
+                             sgrad[8]])
+    assert [(tuple(t.shape), t.dtype) for t in cgrad[12:14]] == [
+        ((T, HO, K), BF), ((T, HO, K), BF)] and cgrad[14] is a["dv"]
+    assert same(cgrad[15:17], [a["dg"], a["dbeta"]]) and cgrad[17:] == (0.5, 7)
     # finish(q, k, dq_heads, dk_heads, no dv_heads, dq, dk, dv, stream)
-    assert same(fin[:4], [q, k, *cgrad[13:15]]) and fin[4] is None
+    assert same(fin[:4], [q, k, *cgrad[12:14]]) and fin[4] is None
     assert same(fin[5:8], [a["dq"], a["dk"], a["dv"]]) and fin[-1] == 7
     # the op's buffers, made once on the launch stream before the launches
     assert kinds(launches)[-5:] == ["launch"] * 5 and "launch" not in kinds(launches)[:-5]
@@ -391,8 +389,8 @@ def test_checkpoints_at_64_in_the_io_dtype_are_reused(launches):
     op.execute(**call(), initial_state=s0, dinitial_state=ds0, checkpoints=ckpt,
                checkpoint_every_n_tokens=64, stream=3)
     assert [m for m, _ in launches.calls] == ["prepare", "state_grad", "chunk_grad", "finish"]
-    assert launches.calls[2][1][11] is ckpt
-    assert launches.calls[1][1][10] is ds0  # a float32 initial state: written in place
+    assert launches.calls[2][1][10] is ckpt
+    assert launches.calls[1][1][9] is ds0  # a float32 initial state: written in place
     assert all("states" not in key and "o" not in key for key in op._workspaces)
 
 
@@ -410,13 +408,12 @@ def test_states_are_regenerated_from_coarse_or_float32_checkpoints(launches, n, 
     assert [m for m, _ in launches.calls] == ["prepare", "regenerate", "state_grad",
                                               "chunk_grad", "finish"]
     # regenerate(q, k, work16, work32, cu_seqlens, table, no o, checkpoints, None, None,
-    # states, v, inv, n, stream)
+    # states, v, n, stream)
     states = launches.calls[1][1]
     assert states[5] is states[4]  # N <= 32: cu_seqlens stands in for the table
     assert states[6] is None and states[7] is ckpt and states[8:10] == (None, None)
-    assert tuple(states[10].shape) == (CHUNKS, HO, V, K) and states[13:] == (n, 3 + SIDE_OFFSET)
-    assert tuple(states[12].shape) == (CHUNKS, HO, 64, 64)
-    assert launches.calls[3][1][11] is states[10]
+    assert tuple(states[10].shape) == (CHUNKS, HO, V, K) and states[12:] == (n, 3 + SIDE_OFFSET)
+    assert launches.calls[3][1][10] is states[10]
     assert not any(x is s0 for x in states)
 
 
@@ -442,10 +439,10 @@ def test_io_initial_state_gradient_is_converted_on_the_stream(launches):
     s0, ds0, dfin = meta(N, HO, V, K), meta(N, HO, V, K), meta(N, HO, V, K, dtype=F32)
     op.execute(**call(), initial_state=s0, dinitial_state=ds0, dfinal=dfin, stream=5)
     sgrad = launches.calls[2][1]
-    assert sgrad[8] is dfin and sgrad[10].dtype == F32
-    assert tuple(sgrad[10].shape) == (N, HO, V, K)
+    assert sgrad[7] is dfin and sgrad[9].dtype == F32
+    assert tuple(sgrad[9].shape) == (N, HO, V, K)
     assert launches.calls[1][1][7] is s0
-    assert launches.events[-3:] == [("stream", 5, None), ("copy", ds0, sgrad[10]),
+    assert launches.events[-3:] == [("stream", 5, None), ("copy", ds0, sgrad[9]),
                                     ("end stream",)]
     assert op.workspace_shapes(T, N)["dinit32"] == (N, HO, V, K)
     assert "dinit32" not in bwd(sample_initial_state=state()).workspace_shapes(T, N)
@@ -459,7 +456,7 @@ def test_int64_cu_seqlens_run_from_an_int32_copy(launches):
     assert offsets.dtype == I32 and tuple(offsets.shape) == (N + 1,)
     assert launches.calls[0][1][6] is offsets  # the table's stand-in too
     assert same(launches.calls[1][1][4:6], [offsets] * 2)  # states
-    assert same(launches.calls[2][1][6:8], [offsets] * 2)  # state_grad
+    assert same(launches.calls[2][1][5:7], [offsets] * 2)  # state_grad
     assert same(launches.calls[3][1][5:7], [offsets] * 2)
     copies = [e for e in launches.events if e[0] == "copy"]
     assert copies[-1][1] is offsets and copies[-1][2] is cu64
@@ -469,17 +466,17 @@ def test_scale_is_a_runtime_value(launches):
     op = bwd(scale=0.5).check_support()
     op.execute(**call(), stream=1)
     op.execute(**call(), stream=1, scale=0.25)
-    assert [c[10] for m, c in launches.calls if m == "prepare"] == [0.5, 0.25]
-    assert [c[18] for m, c in launches.calls if m == "chunk_grad"] == [0.5, 0.25]
+    assert [c[9] for m, c in launches.calls if m == "prepare"] == [0.5, 0.25]
+    assert [c[17] for m, c in launches.calls if m == "chunk_grad"] == [0.5, 0.25]
     bwd().check_support().execute(**call(), stream=1)
-    assert launches.calls[-5][1][10] == 1 / math.sqrt(K)
+    assert launches.calls[-5][1][9] == 1 / math.sqrt(K)
 
 
 # --- the per-sequence table (gdn_fwd.sequence_table) ----------------------------------------------
 MANY = fwd_module.TABLE_MIN_SEQS + 8  # 40 sequences: the table
 TABLE = 2 * (MANY + 1)  # its int32 entries
 # where each kernel that locates chunks takes cu_seqlens (the table right after it)
-CU_AT = {"prepare": 5, "states": 4, "regenerate": 4, "state_grad": 6, "chunk_grad": 5}
+CU_AT = {"prepare": 5, "states": 4, "regenerate": 4, "state_grad": 5, "chunk_grad": 5}
 
 
 def tables(rec):
@@ -595,13 +592,12 @@ def test_workspace_shapes():
     op = bwd()
     shapes = op.workspace_shapes(T, N)
     assert shapes == {"work16": (CHUNKS, HO, 64, 128), "work32": (CHUNKS, HO, 272),
-                      "inv": (CHUNKS, HO, 64, 64), "dstates": (CHUNKS, HO, V, K),
-                      "states": (CHUNKS, HO, V, K),
+                      "dstates": (CHUNKS, HO, V, K), "states": (CHUNKS, HO, V, K),
                       "dq_heads": (T, HO, K), "dk_heads": (T, HO, K)}  # v: no grouped heads
-    assert op.workspace_shapes(0, 3)["inv"][0] == 3
+    assert op.workspace_shapes(0, 3)["work16"][0] == 3
     assert op.workspace_shapes(65, 2)["dq_heads"][0] == 65
     assert {n: op.workspace_dtype(n) for n in shapes} == {
-        **{n: BF for n in ("work16", "inv", "dstates", "states", "dq_heads", "dk_heads")},
+        **{n: BF for n in ("work16", "dstates", "states", "dq_heads", "dk_heads")},
         "work32": F32}
     ws = op.make_workspace(T, N, device="meta")
     assert {n: (tuple(t.shape), t.dtype) for n, t in ws.items()} == {
@@ -631,10 +627,10 @@ def test_execute_with_a_workspace_allocates_nothing(launches):
     op.execute(**args, workspace=ws, stream=3)
     assert kinds(launches) == ["launch"] * 5 and op._workspaces == {}
     (_, prep), (_, states), (_, sgrad), (_, cgrad), _ = launches.calls
-    assert same(prep[7:10], [ws["work16"], ws["work32"], ws["inv"]])
-    assert states[6] is None and states[10] is ws["states"] and states[12] is ws["inv"]
-    assert sgrad[9] is ws["dstates"] and cgrad[12] is ws["dstates"] and sgrad[5] is ws["inv"]
-    assert same(cgrad[13:16], [ws["dq_heads"], ws["dk_heads"], args["dv"]])
+    assert same(prep[7:9], [ws["work16"], ws["work32"]])
+    assert states[6] is None and states[10] is ws["states"]
+    assert sgrad[8] is ws["dstates"] and cgrad[11] is ws["dstates"]
+    assert same(cgrad[12:15], [ws["dq_heads"], ws["dk_heads"], args["dv"]])
     # reusing checkpoints, states may be left out
     ckpt = meta(CHUNKS, HO, V, K)
     del ws["states"]
@@ -647,33 +643,33 @@ def test_execute_with_a_workspace_allocates_nothing(launches):
 
 
 def test_forward_workspace_skips_prepare(launches):
-    """The factors a forward compiled with store_inverse wrote (work16, work32, inv: the
-    same shapes as the backward's) replace the prepare kernel."""
+    """The factors a forward wrote (its workspace: work16, work32, the same shapes as the
+    backward's) replace the prepare kernel."""
     op = bwd().check_support()
     forward = keeping_forward()
     shapes = op.workspace_shapes(T, N)
-    names = ("work16", "work32", "inv")
+    names = ("work16", "work32")
     assert forward.workspace_shapes(T, N) == tuple(shapes[n] for n in names)
     factors = kept_factors(forward)
     a = call()
     op.execute(**a, forward_workspace=factors, stream=3)
     assert [mode for mode, _ in launches.calls] == LAUNCHED[1:]
     (_, states), (_, sgrad), (_, cgrad), _ = launches.calls
-    assert same(states[2:4], factors[:2]) and same(sgrad[3:5], factors[:2])
-    assert same(cgrad[8:11], factors)
+    assert same(states[2:4], factors) and same(sgrad[3:5], factors)
+    assert same(cgrad[8:10], factors)
     assert not any(n in key for key in op._workspaces for n in names)
     # a workspace without them is complete
     ws = {n: t for n, t in workspace(op).items() if n not in names}
     op.execute(**a, workspace=ws, forward_workspace=list(factors), stream=3)
-    assert launches.calls[-2][0] == "chunk_grad" and same(launches.calls[-2][1][8:11], factors)
+    assert launches.calls[-2][0] == "chunk_grad" and same(launches.calls[-2][1][8:10], factors)
 
 
 FORWARD_WORKSPACE_RULES = [
-    ("pair", lambda f, a: f[:2], TypeError,
-     r"forward_workspace: expected the triple \(work16, work32, inv\) of a GdnFwdSm90 "
-     r"compiled with store_inverse=True"),
-    ("inv-fp32", lambda f, a: (*f[:2], meta(*f[2].shape, dtype=F32)), TypeError,
-     r"forward_workspace \(inv\): dtype float32 is not supported; expected bfloat16"),
+    ("triple", lambda f, a: (*f, meta(CHUNKS, HO, 64, 64)), TypeError,
+     r"forward_workspace: expected the pair \(work16, work32\) a GdnFwdSm90 wrote \(its "
+     r"workspace_shapes\(T, N\)\), got tuple of 3"),
+    ("work32-bf16", lambda f, a: (f[0], meta(*f[1].shape, dtype=BF)), TypeError,
+     r"forward_workspace \(work32\): dtype bfloat16 is not supported; expected float32"),
     ("fewer-chunks", lambda f, a: (meta(CHUNKS - 1, *f[0].shape[1:]), *f[1:]), ValueError,
      r"forward_workspace \(work16\): extent 5 on axis 0"),
 ]
@@ -693,16 +689,16 @@ def test_execute_refuses_bad_forward_workspaces(launches, make, exc, match):
 WORKSPACE_RULES = [
     ("not-a-dict", lambda ws: tuple(ws.values()), TypeError,
      "workspace: expected a dict name -> tensor"),
-    ("missing", lambda ws: {n: t for n, t in ws.items() if n != "inv"}, ValueError,
-     r"workspace: lacks \['inv'\]"),
-    ("unknown", lambda ws: {**ws, "extra": ws["inv"]}, ValueError,
-     r"workspace: unknown entries \['extra'\]"),
+    ("missing", lambda ws: {n: t for n, t in ws.items() if n != "work16"}, ValueError,
+     r"workspace: lacks \['work16'\]"),
+    ("unknown", lambda ws: {**ws, "inv": meta(CHUNKS, HO, 64, 64)}, ValueError,
+     r"workspace: unknown entries \['inv'\]"),
     ("dtype", lambda ws: {**ws, "dq_heads": meta(T, HO, K, dtype=F32)}, TypeError,
      r"workspace\['dq_heads'\]: dtype float32 is not supported; expected bfloat16"),
     ("rows", lambda ws: {**ws, "dstates": meta(CHUNKS - 1, HO, V, K)}, ValueError,
      r"workspace\['dstates'\]: extent 5 on axis 0"),
-    ("padded", lambda ws: {**ws, "inv": meta(CHUNKS, HO, 64, 72)[..., :64]}, ValueError,
-     r"workspace\['inv'\]: must be contiguous"),
+    ("padded", lambda ws: {**ws, "work16": meta(CHUNKS, HO, 64, 136)[..., :128]}, ValueError,
+     r"workspace\['work16'\]: must be contiguous"),
 ]
 
 
@@ -802,8 +798,8 @@ def test_gradients_may_not_alias(on_cpu):
     with pytest.raises(ValueError, match=r"workspace\['dstates'\] overlaps do in memory"):
         op.execute(**{**a, "do": inside}, workspace=ws, stream=1)
     factors = keeping_forward().make_workspace(T, N, device="cpu")
-    inside = factors[2].reshape(-1)[:T * HV * V].view(T, HV, V)
-    with pytest.raises(ValueError, match=r"dv overlaps forward_workspace \(inv\) in memory"):
+    inside = factors[0].reshape(-1)[:T * HV * V].view(T, HV, V)
+    with pytest.raises(ValueError, match=r"dv overlaps forward_workspace \(work16\) in memory"):
         op.execute(**{**a, "dv": inside}, forward_workspace=factors, stream=1)
     # dg and dbeta as column slices of one gradient buffer: fine
     gates = torch.zeros(T, 2 * HO)
@@ -842,7 +838,7 @@ def test_allocating_function(no_compile):
     assert ds0 is None and r.dq is dq
     assert [m for m, _ in no_compile.calls] == LAUNCHED
     assert same(no_compile.calls[-1][1][5:8], [dq, dk, dv])
-    assert no_compile.calls[0][1][10] == 0.5
+    assert no_compile.calls[0][1][9] == 0.5
     (op,) = COMPILED_OPS._ops.values()
     assert op.static_config() == {**BASE_CONFIG, "use_qk_l2norm_in_kernel": True}
     # an initial state (io dtype), dfinal and reused checkpoints: another op
@@ -857,23 +853,23 @@ def test_allocating_function(no_compile):
 
 def test_allocating_functions_keep_and_reuse_the_forward_workspace(no_compile):
     """gated_delta_net(keep_workspace=True) writes the chunk factors and T into buffers it
-    returns (not the op's own, which its next call reuses); gated_delta_net_backward with
-    them skips prepare."""
+    returns (not the op's own, which its next call reuses; the same compiled op);
+    gated_delta_net_backward with them skips prepare."""
     a = forward_inputs()
     do = a.pop("do")
     r = precast.gated_delta_net(**a, use_qk_l2norm_in_kernel=True, keep_workspace=True,
                                 stream=0)
     (_, prep), _ = no_compile.calls
-    work16, work32, inv = r.workspace
-    assert same(prep[7:10], r.workspace) and inv.shape == (CHUNKS, HO, 64, 64)
+    work16, work32 = r.workspace
+    assert same(prep[7:9], r.workspace) and work16.shape == (CHUNKS, HO, 64, 128)
     fwd_op = [op for op in COMPILED_OPS._ops.values() if isinstance(op, GdnFwdSm90)]
-    assert [op.store_inverse for op in fwd_op] == [True] and fwd_op[0]._workspaces == {}
+    assert len(fwd_op) == 1 and fwd_op[0]._workspaces == {}
     assert precast.gated_delta_net(**a, use_qk_l2norm_in_kernel=True, stream=0).workspace is None
     no_compile.calls.clear()
     gated_delta_net_backward(**a, do=do, use_qk_l2norm_in_kernel=True,
                              forward_workspace=r.workspace, stream=0)
     assert [m for m, _ in no_compile.calls] == LAUNCHED[1:]
-    assert same(no_compile.calls[2][1][8:11], r.workspace)
+    assert same(no_compile.calls[2][1][8:10], r.workspace)
 
 
 def test_allocating_function_copies_what_it_cannot_read(no_compile):
@@ -938,33 +934,32 @@ def test_kernel_builder_arguments():
     assert len(made) == 4 and made[0].element_type == made[1].element_type == cutlass.Int32
     assert isinstance(made[2], cutlass.Int32)
     kernel, prep = built["prepare"]
-    assert kernel.store_inverse and len(prep) == 12
+    assert not kernel.store_wu and len(prep) == 11 and None not in prep
     assert prep[5].element_type == prep[6].element_type == cutlass.Int32  # cu_seqlens, table
-    assert tuple(prep[9].shape[1:]) == (8, 64, 64) and prep[9].element_type == cutlass.Float16
+    assert tuple(prep[7].shape[1:]) == (8, 64, 128) and prep[7].element_type == cutlass.Float16
     _, states = built["states"]
     assert [i for i, x in enumerate(states) if x is None] == [6, 8, 9]  # no o
     assert states[4].element_type == states[5].element_type == cutlass.Int32
     assert tuple(states[10].shape[1:]) == (8, 128, 64)
     assert states[10].element_type == cutlass.Float16
     assert states[7].element_type == cutlass.Float16  # the io initial state
-    assert tuple(states[11].shape[1:]) == (8, 128)  # v
-    assert tuple(states[12].shape[1:]) == (8, 64, 64)  # T
+    assert tuple(states[11].shape[1:]) == (8, 128) and len(states) == 14  # v
     _, sgrad = built["state_grad"]
-    assert len(sgrad) == 12 and sgrad[8] is None  # no dfinal
-    assert sgrad[6].element_type == sgrad[7].element_type == cutlass.Int32
+    assert len(sgrad) == 11 and sgrad[7] is None  # no dfinal
+    assert sgrad[5].element_type == sgrad[6].element_type == cutlass.Int32
     assert tuple(sgrad[2].shape[1:]) == (8, 128)  # do
-    assert tuple(sgrad[5].shape[1:]) == (8, 64, 64)  # T
-    assert tuple(sgrad[9].shape[1:]) == (8, 128, 64)  # dstates
-    assert sgrad[10].element_type == cutlass.Float32
+    assert tuple(sgrad[3].shape[1:]) == (8, 64, 128)  # work16: [T | M]
+    assert tuple(sgrad[8].shape[1:]) == (8, 128, 64)  # dstates
+    assert sgrad[9].element_type == cutlass.Float32
     _, cgrad = built["chunk_grad"]
-    assert len(cgrad) == 20 and None not in cgrad
+    assert len(cgrad) == 19 and None not in cgrad
     assert cgrad[5].element_type == cgrad[6].element_type == cutlass.Int32
-    assert [tuple(t.shape[1:]) for t in cgrad[13:16]] == [(8, 64), (8, 64), (8, 128)]
+    assert [tuple(t.shape[1:]) for t in cgrad[12:15]] == [(8, 64), (8, 64), (8, 128)]
     # q is grouped (2 heads for 8 output heads): per output head; k and v have a head per
     # output head: written final; all in the io dtype
-    assert [t.element_type for t in cgrad[13:16]] == [cutlass.Float16] * 3
-    assert cgrad[16].element_type == cutlass.BFloat16
-    assert cgrad[17].element_type == cutlass.Float32
+    assert [t.element_type for t in cgrad[12:15]] == [cutlass.Float16] * 3
+    assert cgrad[15].element_type == cutlass.BFloat16
+    assert cgrad[16].element_type == cutlass.Float32
     _, fin = built["finish"]
     assert len(fin) == 9 and fin[3] is None and fin[4] is None  # no dk_heads, dv_heads
     assert [tuple(t.shape[1:]) for t in fin[5:8]] == [(2, 64), (8, 64), (8, 128)]

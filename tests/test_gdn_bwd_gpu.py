@@ -64,8 +64,7 @@ FORWARD_CONFIGS = {
     "bf16-state-io-checkpoints": {**FORWARD_BASE, "state_dtype": "float32",
                                   "checkpoint_dtype": "io"},
     # the workspace kept for the backward (test_forward_workspace_reused)
-    "bf16-state-store-inverse": {**FORWARD_BASE, "state_dtype": "float32",
-                                 "store_inverse": True},
+    "bf16-state": {**FORWARD_BASE, "state_dtype": "float32"},
 }
 _OPS = {}
 
@@ -257,15 +256,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("lengths", sorted(LENGTHS))
 def test_forward_workspace_reused(lengths, monkeypatch):
-    """The chunk factors, T and its column scales a forward compiled with store_inverse
-    wrote replace the backward's prepare kernel: bitwise the gradients of recomputation
+    """The chunk factors, T and its column scales a forward wrote (its workspace) replace
+    the backward's prepare kernel: bitwise the gradients of recomputation
     (the same products made them). Through autograd, gated_delta_net(keep_workspace=True)
     hands them to the backward."""
     name = "bf16-state"
     b = make_batch(CONFIGS[name], LENGTHS[lengths], seed=12)
     ct = cotangents(name, b, seed=12)
     expect = launch(name, b, ct)
-    config = FORWARD_CONFIGS["bf16-state-store-inverse"]
+    config = FORWARD_CONFIGS["bf16-state"]
     fwd = forward_op(config)
     kept = tuple(torch.full(shape, math.nan, dtype=dtype, device=DEV) for shape, dtype in
                  zip(fwd.workspace_shapes(b.T, b.N), fwd.workspace_dtypes()))

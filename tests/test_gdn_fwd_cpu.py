@@ -92,12 +92,11 @@ def test_exported_and_registered():
 # --- static configuration and cache key ---------------------------------------------------------
 STATIC_KEYS = {"dtype", "k_dim", "v_dim", "q_heads", "k_heads", "v_heads", "g_dtype",
                "beta_dtype", "state_dtype", "state_pool", "output_final_state",
-               "use_qk_l2norm_in_kernel", "checkpoint_dtype", "store_inverse"}
+               "use_qk_l2norm_in_kernel", "checkpoint_dtype"}
 BASE_CONFIG = {"dtype": "bfloat16", "k_dim": K, "v_dim": V, "q_heads": HQ, "k_heads": HK,
                "v_heads": HV, "g_dtype": "float32", "beta_dtype": "float32",
                "state_dtype": "none", "state_pool": False, "output_final_state": False,
-               "use_qk_l2norm_in_kernel": False, "checkpoint_dtype": "none",
-               "store_inverse": False}
+               "use_qk_l2norm_in_kernel": False, "checkpoint_dtype": "none"}
 
 
 def test_static_config_reads_the_samples():
@@ -178,7 +177,7 @@ CONFIGS = [
     dict(state_dtype="float32", state_pool=True, output_final_state=True),
     dict(checkpoint_dtype="io"), dict(checkpoint_dtype="float32", state_dtype="io"),
     dict(dtype="float16", k_dim=128, v_dim=64, q_heads=64),
-    dict(store_inverse=True, output_final_state=True, checkpoint_dtype="float32"),
+    dict(output_final_state=True, checkpoint_dtype="float32"),
 ]
 
 
@@ -231,8 +230,7 @@ def test_from_config_invalid_combinations(config, exc, match):
 # --- what the kernels cannot do yet --------------------------------------------------------------
 def test_split_recurrence_when_the_pairs_fill_at_most_half_the_sms(launches, monkeypatch):
     """N * HO = 32 (sequence, head) pairs: two CTAs each on a device of >= 64 SMs; V = 64
-    has no split kernel. Either reads v with T (in work16 where W would be: no inverse
-    tensor without store_inverse)."""
+    has no split kernel. Either reads v with T (in work16 where W would be)."""
     op = gdn().check_support()
     for sms, mode in ((63, "recurrence"), (64, "recurrence_split"), (132, "recurrence_split")):
         monkeypatch.setattr(gdn_module, "sm_count", lambda index: sms)
@@ -241,7 +239,7 @@ def test_split_recurrence_when_the_pairs_fill_at_most_half_the_sms(launches, mon
         (_, prep), (_, rec) = launches.calls[-2:]
         rec = after_qk(prep, rec)
         assert rec[:2] == (prep[7], prep[8])  # the same workspace either way
-        assert rec[9] is prep[2] and rec[10] is None
+        assert rec[9] is prep[2]
     op64 = gdn(**samples(v=64)).check_support()
     op64.execute(**call(v=meta(T, HV, 64), o=meta(T, HO, 64)), stream=1)
     assert launches.calls[-1][0] == "recurrence"
@@ -422,20 +420,20 @@ def test_execute_launches_prepare_then_recurrence(launches):
     work16, work32 = op._workspaces[(None, 7)]  # (device index, stream): meta has no index
     assert tuple(work16.shape) == (CHUNKS, HO, 64, F) and work16.dtype == BF
     assert tuple(work32.shape) == (CHUNKS, HO, 272) and work32.dtype == F32
-    # prepare(q, k, v, g, beta, cu_seqlens, table, work16, work32, inv, scale, stream): no
-    # inverse (the backward's); N <= 32 sequences: no table (cu_seqlens stands in)
-    assert len(prep) == 12
+    # prepare(q, k, v, g, beta, cu_seqlens, table, work16, work32, scale, stream); N <= 32
+    # sequences: no table (cu_seqlens stands in)
+    assert len(prep) == 11
     assert same(prep[:7], [a[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens",
                                           "cu_seqlens")])
     assert prep[7]._base is work16 and prep[8]._base is work32
-    assert prep[9:] == (None, 1 / math.sqrt(K), 7)
+    assert prep[9:] == (1 / math.sqrt(K), 7)
     # recurrence(q, k, work16, work32, cu_seqlens, table, o, state0, state_indices, final,
-    # ckpt, v, inverses, n, stream), after q and k (v with T, which prepare left in work16
-    # where W would be: no inverse tensor without store_inverse)
-    assert len(rec) == 13
+    # ckpt, v, n, stream), after q and k (v with T, which prepare left in work16 where W
+    # would be)
+    assert len(rec) == 12
     assert same(rec[:5], [prep[7], prep[8], a["cu_seqlens"], a["cu_seqlens"], a["o"]])
-    assert rec[5:9] == (None,) * 4 and rec[9] is a["v"] and rec[10] is None
-    assert rec[11:] == (0, 7)
+    assert rec[5:9] == (None,) * 4 and rec[9] is a["v"]
+    assert rec[10:] == (0, 7)
     # the workspace made once, uninitialized (prepare writes what the recurrence reads), on
     # the launch stream, after asking whether it captures
     assert launches.events == [("stream", 7, None), ("empty", (CHUNKS, HO, 64, F), BF),
@@ -456,12 +454,12 @@ def test_execute_passes_every_state_tensor(launches):
     (_, prep), (_, rec) = launches.calls
     rec = after_qk(prep, rec)
     assert same(rec[5:9], [s0, None, fin, ckpt]) and rec[9] is prep[2]  # v
-    assert rec[10:] == (None, n, 3)
+    assert rec[10:] == (n, 3)
     # n is a runtime value: another spacing, same op
     ckpt64 = meta(T // 64 + N, HO, V, K, dtype=F32)
     op.execute(**call(), initial_state=s0, final_state=fin, checkpoints=ckpt64, stream=3,
                checkpoint_every_n_tokens=64)
-    assert launches.calls[-1][1][10] is ckpt64 and launches.calls[-1][1][13] == 64
+    assert launches.calls[-1][1][10] is ckpt64 and launches.calls[-1][1][12] == 64
     with pytest.raises(ValueError, match="checkpoints: shape"):  # rows follow this call's n
         op.execute(**call(), initial_state=s0, final_state=fin, checkpoints=ckpt, stream=3,
                    checkpoint_every_n_tokens=64)
@@ -481,9 +479,9 @@ def test_execute_scale_is_a_runtime_value(launches):
     op.execute(**call(), stream=1)
     op.execute(**call(), stream=1, scale=0.25)
     op.execute(**call(), stream=1)
-    assert [c[10] for m, c in launches.calls if m == "prepare"] == [0.5, 0.25, 0.5]
+    assert [c[9] for m, c in launches.calls if m == "prepare"] == [0.5, 0.25, 0.5]
     gdn().check_support().execute(**call(), stream=1)
-    assert launches.calls[-2][1][10] == 1 / math.sqrt(K)  # default: 1 / sqrt(K)
+    assert launches.calls[-2][1][9] == 1 / math.sqrt(K)  # default: 1 / sqrt(K)
 
 
 def test_execute_runtime_batches_and_strided_views(launches):
@@ -508,9 +506,7 @@ def test_workspace_shapes_delegate_to_the_kernel_module():
     op = gdn()
     assert op.workspace_shapes(T, N) == ((CHUNKS, HO, 64, F), (CHUNKS, HO, 272))
     for t, n in [(0, 0), (0, 3), (63, 1), (64, 1), (65, 2), (10**6, 1000)]:
-        assert op.workspace_shapes(t, n) == workspace_shapes(t, n, HO, K, V)[:2]
-        assert gdn(store_inverse=True).workspace_shapes(t, n) == workspace_shapes(
-            t, n, HO, K, V)
+        assert op.workspace_shapes(t, n) == workspace_shapes(t, n, HO, K, V)
         assert op.workspace_shapes(t, n)[0][0] == t // 64 + n
     with pytest.raises(ValueError, match="total_tokens must be >= 0"):
         op.workspace_shapes(-1, 1)
@@ -544,32 +540,20 @@ def test_make_workspace_defaults_to_the_cuda_device(monkeypatch):
     assert made == ["cuda", "cuda"]
 
 
-def test_store_inverse_makes_the_workspace_a_triple(launches, fixed_sources):
-    """store_inverse (for a backward that reuses the forward's factors): prepare also
-    writes T = (I + A)^-1 into the workspace's third tensor."""
-    op = gdn(store_inverse=True).check_support()
-    assert op.static_config() == {**BASE_CONFIG, "store_inverse": True}
+def test_the_workspace_is_the_pair_a_backward_reuses(launches):
+    """The workspace (work16 = [T | M], work32 = the factor rows) is all a backward needs of
+    stage 1 (GdnBwdSm90.execute(forward_workspace=...)): a pair, no third tensor."""
+    op = gdn().check_support()
     shapes = op.workspace_shapes(T, N)
-    assert shapes == ((CHUNKS, HO, 64, F), (CHUNKS, HO, 272), (CHUNKS, HO, 64, 64))
-    assert op.workspace_dtypes() == (BF, F32, BF)
+    assert shapes == ((CHUNKS, HO, 64, F), (CHUNKS, HO, 272))
+    assert op.workspace_dtypes() == (BF, F32)
     ws = op.make_workspace(T, N, device="meta")
-    assert [(tuple(t.shape), t.dtype) for t in ws] == list(zip(shapes, (BF, F32, BF)))
-    op.execute(**call(), stream=3, workspace=ws)
-    (_, prep), (_, rec) = launches.calls
-    assert same(prep[7:10], ws) and op._workspaces == {}
-    with pytest.raises(TypeError, match=r"workspace: expected a 3-tuple \(work16, work32, "
-                       r"inv\) .* got tuple of 2"):
-        op.execute(**call(), stream=3, workspace=ws[:2])
-    with pytest.raises(ValueError, match=r"workspace\[2\] \(inv\): extent 63 on axis 3"):
-        op.execute(**call(), stream=3, workspace=ws[:2] + (meta(CHUNKS, HO, 64, 63),))
-    # its own workspace (per stream) has the inverse too
-    op.execute(**call(), stream=7)
-    assert [tuple(t.shape) for t in op._workspaces[(None, 7)]] == list(shapes)
-    assert launches.calls[-2][1][9]._base is op._workspaces[(None, 7)][2]
-    # a different static configuration: another cache entry
-    assert key_of(op) != key_of(gdn())
-    with pytest.raises(TypeError, match="store_inverse must be a bool"):
-        gdn(store_inverse=1).check_support()
+    assert [(tuple(t.shape), t.dtype) for t in ws] == list(zip(shapes, (BF, F32)))
+    with pytest.raises(TypeError, match=r"workspace: expected a 2-tuple \(work16, work32\) "
+                       r".* got tuple of 3"):
+        op.execute(**call(), stream=3, workspace=ws + (meta(CHUNKS, HO, 64, 64),))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'store_inverse'"):
+        gdn(store_inverse=True)
 
 
 WORKSPACE_RULES = [
@@ -850,14 +834,14 @@ def test_allocating_function(no_compile):
     assert tuple(o.shape) == (T, HO, V) and o.dtype == BF
     (_, prep), (_, rec) = no_compile.calls
     rec = after_qk(prep, rec)
-    assert rec[4] is o and prep[10] == 1 / math.sqrt(K)
+    assert rec[4] is o and prep[9] == 1 / math.sqrt(K)
     (op,) = COMPILED_OPS._ops.values()
     assert op.static_config() == BASE_CONFIG
     # runtime values reuse the op; the scale default is not the first call's scale
     gated_delta_net(**inputs(t=3 * T, n=7), scale=0.5, stream=0)
     gated_delta_net(**inputs(), stream=0)
     assert len(COMPILED_OPS._ops) == 1
-    assert [c[10] for m, c in no_compile.calls if m == "prepare"] == [1 / math.sqrt(K), 0.5,
+    assert [c[9] for m, c in no_compile.calls if m == "prepare"] == [1 / math.sqrt(K), 0.5,
                                                                       1 / math.sqrt(K)]
     # static values make another op
     r = gated_delta_net(**inputs(), output_final_state=True, use_qk_l2norm_in_kernel=True,
@@ -868,7 +852,7 @@ def test_allocating_function(no_compile):
     assert tuple(final.shape) == (N, HO, V, K) and final.dtype == F32
     assert tuple(r.checkpoints.shape) == (T // 128 + N, HO, V, K) and r.checkpoints.dtype == F32
     rec = after_qk(no_compile.calls[-2][1], no_compile.calls[-1][1])
-    assert same(rec[4:9], [o, rec[5], None, final, r.checkpoints]) and rec[11] == 128
+    assert same(rec[4:9], [o, rec[5], None, final, r.checkpoints]) and rec[10] == 128
     # checkpoints default to the io dtype
     r = gated_delta_net(**inputs(), checkpoint_every_n_tokens=64, stream=0)
     assert r.checkpoints.dtype == BF and r.checkpoints.shape[0] == CHUNKS
@@ -976,7 +960,7 @@ def test_custom_op_fake_on_meta_tensors():
     o, final, ckpt, *kept = torch.ops.precast.gated_delta_net(*custom_op_args().values())
     assert tuple(o.shape) == (T, HO, V) and o.dtype == BF and o.device.type == "meta"
     assert tuple(final.shape) == (0, HO, V, K) and tuple(ckpt.shape) == (0, HO, V, K)
-    assert [tuple(t.shape) for t in kept] == [(0, HO, V, K)] * 3  # no workspace kept
+    assert [tuple(t.shape) for t in kept] == [(0, HO, V, K)] * 2  # no workspace kept
     o, final, ckpt, *_ = torch.ops.precast.gated_delta_net(*custom_op_args(
         t=3 * T, n=5, output_final_state=True, checkpoint_every_n_tokens=128,
         initial_state=meta(5, HO, V, K, dtype=F32)).values())
@@ -986,11 +970,11 @@ def test_custom_op_fake_on_meta_tensors():
     _, _, ckpt, *_ = torch.ops.precast.gated_delta_net(*custom_op_args(
         checkpoint_every_n_tokens=64, checkpoint_dtype=F32).values())
     assert tuple(ckpt.shape) == (CHUNKS, HO, V, K) and ckpt.dtype == F32
-    # the kept workspace: work16, work32 and the inverse, as GdnFwdSm90(store_inverse=True)
-    *_, work16, work32, inv = torch.ops.precast.gated_delta_net(*custom_op_args(
+    # the kept workspace: work16 and work32, as GdnFwdSm90's
+    *_, work16, work32 = torch.ops.precast.gated_delta_net(*custom_op_args(
         keep_workspace=True).values())
-    assert [(tuple(t.shape), t.dtype) for t in (work16, work32, inv)] == list(zip(
-        gdn(store_inverse=True).workspace_shapes(T, N), (BF, F32, BF)))
+    assert [(tuple(t.shape), t.dtype) for t in (work16, work32)] == list(zip(
+        gdn().workspace_shapes(T, N), (BF, F32)))
 
 
 def test_custom_op_fake_under_fake_tensor_mode():
@@ -1006,7 +990,7 @@ def test_custom_op_fake_under_fake_tensor_mode():
     assert tuple(final.shape) == (N, 16, 128, 64) and final.dtype == F32
     assert tuple(ckpt.shape) == (T // 64 + N, 16, 128, 64) and ckpt.dtype == FP
     assert [tuple(t.shape) for t in kept] == [(T // 64 + N, 16, 64, 128),
-                                              (T // 64 + N, 16, 272), (T // 64 + N, 16, 64, 64)]
+                                              (T // 64 + N, 16, 272)]
 
 
 def test_custom_op_schemas():
@@ -1014,7 +998,7 @@ def test_custom_op_schemas():
     the pool mutated."""
     schema = str(torch.ops.precast.gated_delta_net.default._schema)
     assert "!" not in schema and schema.endswith(
-        "bool keep_workspace=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+        "bool keep_workspace=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
     schema = str(torch.ops.precast.gated_delta_net_pool.default._schema)
     assert "Tensor(a7!) pool" in schema and schema.endswith("-> (Tensor, Tensor)")
     with pytest.raises(NotImplementedError, match="use torch.ops.precast.gated_delta_net_pool"):
@@ -1038,7 +1022,6 @@ def test_pool_custom_op_fake():
 @pytest.fixture
 def stub_kernels(monkeypatch):
     pytest.importorskip("cutlass")
-    from precast.kernels import gdn_chunk_sm90
     made = []
 
     def kernel_class(name):
@@ -1048,7 +1031,6 @@ def stub_kernels(monkeypatch):
 
     chunk = types.ModuleType("precast.kernels.gdn_chunk_sm90")
     chunk.GdnChunkPrepareSm90 = kernel_class("prepare")
-    chunk.workspace_shapes = gdn_chunk_sm90.workspace_shapes
     recurrence = types.ModuleType("precast.kernels.gdn_recurrence_sm90")
     recurrence.GdnChunkRecurrenceSm90 = kernel_class("recurrence")
     monkeypatch.setitem(sys.modules, chunk.__name__, chunk)
@@ -1056,11 +1038,12 @@ def stub_kernels(monkeypatch):
     return made
 
 
+@pytest.mark.compile  # (builds fake tensors: needs cutlass, generates no code)
 @pytest.mark.parametrize("config,none_args", [
-    ({}, (5, 6, 7, 8, 9, 10)),
-    (dict(state_dtype="float32", output_final_state=True), (6, 8, 9, 10)),
-    (dict(state_dtype="io", state_pool=True), (7, 8, 9, 10)),
-    (dict(checkpoint_dtype="float32", state_dtype="io", output_final_state=True), (6, 9, 10)),
+    ({}, (5, 6, 7, 8)),
+    (dict(state_dtype="float32", output_final_state=True), (6, 8)),
+    (dict(state_dtype="io", state_pool=True), (7, 8)),
+    (dict(checkpoint_dtype="float32", state_dtype="io", output_final_state=True), (6,)),
 ])
 def test_kernel_builder_arguments(stub_kernels, config, none_args):
     import cutlass
@@ -1072,8 +1055,8 @@ def test_kernel_builder_arguments(stub_kernels, config, none_args):
     kernel, prep = builders["prepare"]()
     assert stub_kernels[-1] == ("prepare", (cutlass.Float16, 64, 128, 2, 8, 8, True,
                                             cutlass.BFloat16, cutlass.Float32),
-                                {"store_inverse": False})
-    assert len(prep) == 12 and prep[9] is None and None not in prep[:9] + prep[10:]
+                                {"store_wu": False})
+    assert len(prep) == 11 and None not in prep
     q, k, v, g, beta, cu, table, work16, work32 = prep[:9]
     assert cu.element_type == table.element_type == cutlass.Int32
     assert tuple(q.shape[1:]) == (2, 64) and tuple(k.shape[1:]) == (8, 64)
@@ -1081,18 +1064,19 @@ def test_kernel_builder_arguments(stub_kernels, config, none_args):
     assert q.shape[0] is k.shape[0] is v.shape[0] is g.shape[0] is beta.shape[0]
     assert g.element_type == cutlass.BFloat16 and beta.element_type == cutlass.Float32
     assert g.shape[1] == beta.shape[1] == 8 and g.stride[1] == 1
-    assert tuple(work16.shape[1:]) == (8, 64, 64 + 128 + 64)
+    assert tuple(work16.shape[1:]) == (8, 64, 64 + 64)  # [T | M]
     assert work16.element_type == cutlass.Float16 and work32.element_type == cutlass.Float32
     assert work16.shape[0] is work32.shape[0] and tuple(work32.shape[1:]) == (8, 272)
-    assert isinstance(prep[10], cutlass.Float32)
+    assert isinstance(prep[9], cutlass.Float32)
     kernel, rec = builders["recurrence"]()
     assert [tuple(t.shape[1:]) for t in rec[:2]] == [(2, 64), (8, 64)]  # q, k
     rec = rec[2:]
     flags = (config.get("state_dtype", "none") != "none", config.get("state_pool", False),
              config.get("output_final_state", False), config.get("checkpoint_dtype", "none")
              != "none")
-    assert stub_kernels[-1] == ("recurrence", (cutlass.Float16, 64, 128, 2, 8, 8) + flags)
-    assert len(rec) == 13  # v and the inverses (9, 10): the backward's states pass only
+    assert stub_kernels[-1] == ("recurrence", (cutlass.Float16, 64, 128, 2, 8, 8) + flags,
+                                dict(v_splits=1, states_only=False, from_checkpoints=False))
+    assert len(rec) == 12
     assert tuple(i for i, x in enumerate(rec) if x is None) == none_args
     assert rec[2].element_type == rec[3].element_type == cutlass.Int32  # cu_seqlens, table
     assert tuple(rec[4].shape[1:]) == (8, 128)  # o
@@ -1101,7 +1085,7 @@ def test_kernel_builder_arguments(stub_kernels, config, none_args):
         if rec[i] is not None:
             assert tuple(rec[i].shape[1:]) == (8, 128, 64) and rec[i].stride[3] == 1
             assert rec[i].element_type == {F32: cutlass.Float32, FP: cutlass.Float16}[dtype]
-    assert isinstance(rec[11], cutlass.Int32)
+    assert isinstance(rec[10], cutlass.Int32)
 
 
 @pytest.mark.compile
@@ -1157,10 +1141,9 @@ def test_default_plan_has_the_issue_shapes():
     # training: fp32 checkpoints for the backward at the 64-head and the 32k-token shapes
     for shape in (issue, backward_shape):
         assert {**shape, "checkpoint_dtype": "float32"} in planned
-        assert {**shape, "store_inverse": True} in planned  # keep_workspace=True
-        # ... with the chunk states too
-        assert {**shape, "store_inverse": True, "checkpoint_dtype": "io"} in planned
-    assert len(planned) == 11
+        # keep_workspace=True with the chunk states
+        assert {**shape, "checkpoint_dtype": "io"} in planned
+    assert len(planned) == 8
 
 
 def test_reference_measures():

@@ -37,8 +37,7 @@ MANY = [0, 1, 7, 63, 64, 65, 130, 2, 33, 128] * 10
 # The static configurations of tests/gpu_plan.toml.
 BASE = dict(dtype="bfloat16", k_dim=128, v_dim=128, q_heads=4, k_heads=4, v_heads=4,
             g_dtype="float32", beta_dtype="float32", state_dtype="none", state_pool=False,
-            output_final_state=True, use_qk_l2norm_in_kernel=True, checkpoint_dtype="none",
-            store_inverse=False)
+            output_final_state=True, use_qk_l2norm_in_kernel=True, checkpoint_dtype="none")
 
 
 def _config(**changes):

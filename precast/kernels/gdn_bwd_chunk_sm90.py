@@ -2,8 +2,8 @@
 
 Verified on an H200 (2026-11-30) by tests/test_gdn_bwd_gpu.py.
 
-One CTA of two warpgroups per (64-token chunk, output head), after the forward's stage 1 with
-store_inverse (of its factors only M and T = (I + A)^-1 are read here: W and U would cost
+One CTA of two warpgroups per (64-token chunk, output head), after the forward's stage 1
+(of its factors only M and T = (I + A)^-1 are read here: W and U would cost
 32 KB of loads per CTA, more than recomputing Delta = U - W S from T, V and Kn, which
 this kernel loads anyway), the states entering every chunk (S, V x K as
 stored), and the reverse recurrence (gdn_bwd_recurrence_sm90: dS', the gradient of the
@@ -57,7 +57,7 @@ from cutlass.utils import LayoutEnum
 from .attention_sm90 import (acc_as_operand_a, load_ldmatrix, select_modes, store_stmatrix,
                              tma_load_tile, tma_store_tile, transposed, wgmma)
 from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90, block_chunk_head, chunk_grid
-from .gdn_layout import CHUNK, M_COL, gradients_in_place
+from .gdn_layout import CHUNK, M_COL, T_COL, gradients_in_place
 
 WGS = 2  # warpgroup 0: the q side; warpgroup 1: the WY side
 THREADS = 128 * WGS
@@ -120,14 +120,13 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
                  mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mSeqTable: cute.Tensor,
-                 mDO: cute.Tensor, mWork16: cute.Tensor, mWork32: cute.Tensor, mInv: cute.Tensor,
+                 mDO: cute.Tensor, mWork16: cute.Tensor, mWork32: cute.Tensor,
                  mStates: cute.Tensor, mDStates: cute.Tensor,
                  mDQ: cute.Tensor, mDK: cute.Tensor, mDV: cute.Tensor, mDG: cute.Tensor,
                  mDBeta: cute.Tensor, scale: Float32, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K), mV (T, HV, V), mDO (T, HO, V); mG, mBeta, mDG,
         mDBeta (T, HO); mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none);
-        mWork16 / mWork32 as gdn_layout.workspace_shapes; mInv (chunks,
-        HO, 64, 64); mStates, mDStates (chunks, HO, V, K);
+        mWork16 / mWork32 as gdn_layout.workspace_shapes ([T | M]); mStates, mDStates (chunks, HO, V, K);
         mDQ, mDK, mDV: each the final gradient in the io dtype (strided like its input) where
         gdn_layout.gradients_in_place says so, else (T, HO, K or V) per output head, io
         dtype as well."""
@@ -147,7 +146,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cpasync.make_tiled_tma_atom(g2s, tok(mV), one(lay_v), (C, V)),
             cpasync.make_tiled_tma_atom(g2s, tok(mDO), one(lay_v), (C, V)),
             cpasync.make_tiled_tma_atom(g2s, blk(mWork16), one(lay_c), (C, C)),  # M
-            cpasync.make_tiled_tma_atom(g2s, blk(mInv), one(lay_c), (C, C)),
+            cpasync.make_tiled_tma_atom(g2s, blk(mWork16), one(lay_c), (C, C)),  # T
             cpasync.make_tiled_tma_atom(g2s, blk(mStates), one(lay_s), (V, K)),
             cpasync.make_tiled_tma_atom(g2s, blk(mDStates), one(lay_s), (V, K)))
         size = lambda layout: cute.size_in_bytes(dt, one(layout))  # noqa: E731
@@ -281,7 +280,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         dS' (LATE_LOADS)."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
-        lq, lk, lv, ldo, lm, linv, ls, lds = loads
+        lq, lk, lv, ldo, lm, lt, ls, lds = loads
 
         def token_tile(atom, m, s, h, cols, bar):  # rows [start + 64 chunk, +64) of head h
             g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
@@ -300,7 +299,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         token_tile(*lk, sK, head // self.k_group, K, QK_LOADS)
         block_tile(*ls, sS, 0, (V, K), FIRST_LOADS)
         token_tile(*lv, sV, head // self.v_group, V, FIRST_LOADS)
-        block_tile(*linv, sT, 0, (C, C), FIRST_LOADS)
+        block_tile(*lt, sT, T_COL, (C, C), FIRST_LOADS)
         token_tile(*ldo, sDO, head, V, REST_LOADS)
         block_tile(*lm, sM, M_COL, (C, C), REST_LOADS)
         block_tile(*lds, sDS, 0, (V, K), LATE_LOADS)

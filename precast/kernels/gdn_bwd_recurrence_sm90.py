@@ -5,8 +5,8 @@ the state) walks the sequence's chunks from the last to the first with D = dS'^T
 transposed gradient of the state leaving the chunk (V x K, fp32 in the registers of V / 64
 consumer warpgroups; it starts as the final state's gradient, or zeros). It reads stage 1's
 M and factor rows [q_f | k_f | G_L], [t_w | t_u] and, instead of W = T diag(t_w) Kc,
-T = (I + A)^-1 itself (t_w = beta gamma r_k; see gdn_chunk_sm90 with store_inverse; 8 KB a
-chunk instead of 16), and the chunk's raw q, k and do rows. In the notation of
+T = (I + A)^-1 itself (t_w = beta gamma r_k; work16's first columns, see gdn_chunk_sm90;
+8 KB a chunk instead of 16), and the chunk's raw q, k and do rows. In the notation of
 precast/reference/gdn_backward.py (transposed; q_f = scale gamma r_q, k_f = exp(G_L - G) r_k
 and M the scaled, gated, causal Q K^T as stage 1 stores them):
 
@@ -34,7 +34,7 @@ from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
                              tma_pipeline, tma_store_tile, transposed, wgmma)
-from .gdn_layout import CHUNK, G_LAST, K_FACTORS, M_COL, Q_FACTORS, W_FACTORS
+from .gdn_layout import CHUNK, G_LAST, K_FACTORS, M_COL, Q_FACTORS, T_COL, W_FACTORS
 from .gdn_recurrence_sm90 import factor_row_loads, load_factor_row, packed_chunk_start
 
 THREADS_PER_WG = 128
@@ -65,13 +65,11 @@ class GdnStateGradSm90:
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mDO: cute.Tensor,
-                 mWork16: cute.Tensor, mWork32: cute.Tensor, mInv: cute.Tensor,
-                 mCuSeqlens: cute.Tensor,
+                 mWork16: cute.Tensor, mWork32: cute.Tensor, mCuSeqlens: cute.Tensor,
                  mSeqTable: cute.Tensor, mDFinal: cute.Tensor, mDStates: cute.Tensor,
                  mDInit: cute.Tensor, stream: cuda.CUstream):
-        """mQ (T, HQ, K), mK (T, HK, K), mDO (T, HO, V); mWork16 / mWork32 / mInv as
-        gdn_layout.workspace_shapes (of work16 only M is read; mInv: T (chunks, HO, 64,
-        64)); mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none); mDFinal, mDInit
+        """mQ (T, HQ, K), mK (T, HK, K), mDO (T, HO, V); mWork16 / mWork32 as
+        gdn_layout.workspace_shapes ([T | M]); mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none); mDFinal, mDInit
         (N, HO, V, K) fp32 or None; mDStates (chunks, HO, V, K) in the io dtype."""
         dt = self.dtype
         K, C, Vc = self.k_dim, CHUNK, self.v_rows
@@ -83,8 +81,7 @@ class GdnStateGradSm90:
         g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         mW = select_modes(mWork16, [2, 3, 1, 0])  # (64, F, HO, chunks)
         # T (64 x 64) instead of W = T diag(t_w) Kc (half the bytes)
-        tma_t, mW_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mInv, [2, 3, 1, 0]),
-                                                  one(sM_layout), (C, C))
+        tma_t, mW_t = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
         tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
         tma_q, mQ_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mQ, [0, 2, 1]),
                                                   one(sK_layout), (C, K))
@@ -192,7 +189,7 @@ class GdnStateGradSm90:
                 g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
                                     (c, col_tile))
                 tma_load_tile(atom, g, s, state.index, bar)
-            for atom, m, s, col, cols in ((tma_t, mW_t, sT, 0, C),
+            for atom, m, s, col, cols in ((tma_t, mW_t, sT, T_COL, C),
                                           (tma_m, mW_m, sM, M_COL, C)):
                 block = m[None, None, head, first_chunk + c]  # (64, F)
                 g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))

@@ -15,8 +15,8 @@ Qc Qc^T and Kc Kc^T, so q and k are never rewritten), in-chunk cumulative log ga
 
 M goes, 16-bit, into one workspace row block per (chunk, head) and [q_f | k_f | G_L] into
 its fp32 factor row. With store_wu=False (what the ops run) W and U are neither made nor
-stored, nor V loaded: T itself goes where W would be (or, with store_inverse, into the
-inverse row block the backward reads) and the column scales of the scaled inverses
+stored, nor V loaded: T itself goes where W would be (work16's first 64 columns, where
+the recurrence and the backward read it) and the column scales of the scaled inverses
 Tw = T diag(beta gamma r_k), Tu = T diag(beta) (W = Tw Kc, U = Tu Vc) into the second
 factor row; the fused kernel still makes W and U (precast/kernels/gdn_layout.py; the
 contract is
@@ -117,15 +117,11 @@ def warp_block_product(sA, a_at, b_at, c_at, rows: cutlass.Constexpr,
 
 class GdnChunkPrepareSm90:
     def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
-                 v_heads: int, l2norm: bool, g_dtype, beta_dtype, store_inverse: bool = False,
-                 store_wu: bool = True):
-        """store_inverse: T = (I + A)^-1 itself (16-bit) also goes to a (chunks, HO, 64, 64)
-        tensor and the scaled inverses' column scales [t_w | t_u] to the second factor row
-        (gdn_layout), for the backward. store_wu=False (with store_inverse: the backward's
-        own prepare, whose kernels use T and those scales instead): neither W nor U is
-        computed or stored; without store_inverse T then goes into work16's first 64
-        columns (where W would be) and the scales to the second factor row, for a
-        recurrence with from_inverse."""
+                 v_heads: int, l2norm: bool, g_dtype, beta_dtype, store_wu: bool = True):
+        """store_wu=False (what the ops run): neither W nor U is computed or stored; T
+        goes into work16's first 64 columns (where W would be) and its column scales to the
+        second factor row, for the recurrence and the backward, which make W and U's
+        products themselves."""
         assert k_dim in (64, 128) and v_dim in (64, 128)
         self.dtype = dtype
         self.k_dim, self.v_dim = k_dim, v_dim
@@ -135,22 +131,19 @@ class GdnChunkPrepareSm90:
         self.v_group = self.heads // v_heads
         self.l2norm = l2norm
         self.g_dtype, self.beta_dtype = g_dtype, beta_dtype
-        self.store_inverse = store_inverse
         self.store_wu = store_wu
-        # T and the scales leave this kernel: for the backward (store_inverse, into the
-        # inverse tensor) or for a recurrence that makes W and U's products itself
-        self.stores_t = store_inverse or not store_wu
+        # T and the scales leave this kernel for kernels that make W and U's products
+        self.stores_t = not store_wu
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
                  mBeta: cute.Tensor, mCuSeqlens: cute.Tensor, mSeqTable: cute.Tensor,
-                 mWork16: cute.Tensor, mWork32: cute.Tensor, mInv: cute.Tensor, scale: Float32,
+                 mWork16: cute.Tensor, mWork32: cute.Tensor, scale: Float32,
                  stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K), mV (T, HV, V); mG, mBeta (T, HO); mCuSeqlens
         (N + 1,) int32; mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none); mWork16
-        / mWork32 as gdn_layout.workspace_shapes; mInv (chunks, HO, 64, 64) with
-        store_inverse, else None."""
+        / mWork32 as gdn_layout.workspace_shapes."""
         # W and U are formed only inside the fused kernel (gdn_fwd_sm90): work16 has no
         # room for them
         assert not self.store_wu, "the standalone stage 1 stores T and M, not W and U"
@@ -161,16 +154,11 @@ class GdnChunkPrepareSm90:
         tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma = loads
         mma_s, mma_wk, mma_wv = mmas
         # T and M leave by TMA stores of (64, 64) 16-bit tiles from shared memory into their
-        # column blocks of work16's row block (viewed (64, F, HO, chunks)); with
-        # store_inverse T goes to the inverse tensor instead.
+        # column blocks of work16's row block (viewed (64, F, HO, chunks)).
         sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, 1)
         one = lambda layout: cute.slice_(layout, (None, None, 0))  # noqa: E731
         s2g = cpasync.CopyBulkTensorTileS2GOp()
         store_m, mW_t = cpasync.make_tiled_tma_atom(s2g, select_modes(mWork16, [2, 3, 1, 0]),
-                                                    one(sM_layout), (C, C))
-        store_inv = None
-        if const_expr(self.store_inverse):  # T, 16-bit over A
-            store_inv = cpasync.make_tiled_tma_atom(s2g, select_modes(mInv, [2, 3, 1, 0]),
                                                     one(sM_layout), (C, C))
 
         a_elems = 1 if self.a_over_qk() else C * A_ROW_STRIDE
@@ -195,7 +183,7 @@ class GdnChunkPrepareSm90:
         num_batches = mCuSeqlens.shape[0] - 1
         self.kernel(mma_s, mma_wk, mma_wv, mQ_tma, mK_tma, mV_tma, tma_q, tma_k, tma_v,
                     sQK_layout, sV_layout, sM_layout, mG, mBeta, mCuSeqlens,
-                    mSeqTable, mW_t, store_m, mWork32, store_inv, num_batches, scale).launch(
+                    mSeqTable, mW_t, store_m, mWork32, num_batches, scale).launch(
             grid=chunk_grid(chunks, self.heads), block=[THREADS, 1, 1], stream=stream,
             min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=-1)
 
@@ -245,7 +233,7 @@ class GdnChunkPrepareSm90:
                sV_layout: cute.ComposedLayout, sM_layout: cute.ComposedLayout,
                mG: cute.Tensor, mBeta: cute.Tensor, mCuSeqlens: cute.Tensor,
                mSeqTable: cute.Tensor, mWork16: cute.Tensor, store_m: cute.CopyAtom,
-               mWork32: cute.Tensor, store_inv, num_batches: Int32, scale: Float32):
+               mWork32: cute.Tensor, num_batches: Int32, scale: Float32):
         C = CHUNK
         tidx, _, _ = cute.arch.thread_idx()
         packed, head = block_chunk_head()
@@ -283,38 +271,29 @@ class GdnChunkPrepareSm90:
             thr_s = mma_s.get_slice(tidx)
             m16 = cute.make_rmem_tensor(thr_s.partition_shape_C((C, C)), self.dtype)
             out = (sK[None, None, 0], sV[None, None, 0], m16, mWork32[packed, head, None])
-            sInv = None
-            inv2 = None  # its (64, 64) view
-            if const_expr(self.stores_t):
-                sInv = cute.make_tensor(cute.recast_ptr(a_ptr,
-                                                        swizzle_=sM_layout.inner,
-                                                        dtype=self.dtype), sM_layout.outer)
-                inv2 = sInv[None, None, 0]
+            # T, 16-bit over A
+            sT = cute.make_tensor(cute.recast_ptr(a_ptr, swizzle_=sM_layout.inner,
+                                                  dtype=self.dtype), sM_layout.outer)
             sM = cute.make_tensor(cute.recast_ptr(m_ptr, swizzle_=sM_layout.inner,
                                                   dtype=self.dtype), sM_layout.outer)
             # (no scaled inverses: only the fused kernel makes W and U)
             self.prepare_chunk(mma_s, mma_wk, mma_wv, sQ, sK, sV, 0, None, None, sA, sGate,
-                               sBeta, sRows, out, rows, scale, tidx, inv2, sM[None, None, 0])
+                               sBeta, sRows, out, rows, scale, tidx, sT[None, None, 0],
+                               sM[None, None, 0])
             cute.arch.fence_proxy("async.shared", space="cta")
             self.sync()
             if warp == 0:  # the whole warp: each TMA copy elects its issuing lane itself
-                tiles = ((sM, M_COL),)
-                if const_expr(not self.store_inverse):  # T beside M
-                    tiles = ((sInv, T_COL),) + tiles
                 block = mWork16[None, None, head, packed]  # (64, F)
-                for s, col in tiles:
+                for s, col in ((sT, T_COL), (sM, M_COL)):
                     g = cute.local_tile(cute.domain_offset((0, col), block), (C, C), (0, 0))
                     tma_store_tile(store_m, s, g)
-                if const_expr(self.store_inverse):
-                    atom, m_inv = store_inv
-                    tma_store_tile(atom, sInv, m_inv[None, None, head, packed])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # before the CTA exits
 
     @cute.jit
     def prepare_chunk(self, mma_s, mma_wk, mma_wv, sQ, sK, sV, stage, sTw, sTu, sA, sGate,
                       sBeta, sRows, out, rows: Int32, scale: Float32, tidx: Int32,
-                      sInv=None, sM=None):
+                      sT=None, sM=None):
         """One warpgroup (thread ``tidx`` of 128), after the chunk's Q, K, V (stage
         ``stage`` of sQ, sK, sV) and its g, beta (sGate, sBeta) are in shared memory:
         writes W, U (with store_wu, through the scaled inverses sTw, sTu; else both are
@@ -342,7 +321,7 @@ class GdnChunkPrepareSm90:
         scaled = (None, None)  # T diag(t_w), T diag(t_u): the A operands of W and U
         if const_expr(self.store_wu):
             scaled = (sTw[None, None, 0], sTu[None, None, 0])
-        self.invert(sA, *scaled, sRows, tidx, sInv)
+        self.invert(sA, *scaled, sRows, tidx, sT)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.sync()
         if const_expr(self.store_wu):
@@ -503,7 +482,7 @@ class GdnChunkPrepareSm90:
         return t_w, beta
 
     @cute.jit
-    def invert(self, sA, sTw, sTu, sRows, tidx: Int32, sInv=None):
+    def invert(self, sA, sTw, sTu, sRows, tidx: Int32, sT=None):
         """T = (I + A)^-1 (unit lower triangular) in fp32, in place over A, by the 128
         threads: the four 16 x 16 diagonal blocks by forward substitution (one column per
         thread), then the blocks below them by doubling, T_21 = -T_22 (A_21 T_11), at 16 and
@@ -512,7 +491,7 @@ class GdnChunkPrepareSm90:
         products' intermediates go to A's upper-right 32 x 32 quarter, which holds zeros
         nobody reads. Then T diag(t_w) and
         T diag(t_u) (the column scales in sRows) in 16 bits: the A operands of W and U, and,
-        with ``sInv`` (which overlays A), T itself. One forward substitution over 64 rows on
+        with ``sT`` (which overlays A), T itself. One forward substitution over 64 rows on
         64 threads was half of the CTA's time."""
         C = CHUNK
         B = INV_BLOCK
@@ -569,7 +548,7 @@ class GdnChunkPrepareSm90:
                               cute.local_tile(t, (4,), (v,)))
         for w in cutlass.range_constexpr(H):
             t[w] = cutlass.select_(c0 + w <= row, t[w], Float32(0.0))
-        if const_expr(sInv is not None):
+        if const_expr(sT is not None):
             self.sync()  # T overwrites A
         scales = cute.make_rmem_tensor(cute.make_layout(8), Float32)
         vals = cute.make_rmem_tensor(cute.make_layout(8), self.dtype)
@@ -577,8 +556,8 @@ class GdnChunkPrepareSm90:
             outs = []  # without W and U only T itself is stored
             if const_expr(self.store_wu):
                 outs = [(sTw, T_W), (sTu, T_U)]
-            if const_expr(sInv is not None):
-                outs.append((sInv, None))
+            if const_expr(sT is not None):
+                outs.append((sT, None))
             for dst, scale_row in outs:
                 if const_expr(scale_row is None):
                     for e in cutlass.range_constexpr(8):

@@ -3,8 +3,8 @@ so that the op's execute() sizes it where the compiler is not installed.
 
 Per (chunk, output head), what precast/reference/gdn_workspace.py computes: work16 holds
 64 rows of [T | M] (64 and 64 columns, the io dtype; T = (I + A)^-1, whose column scales
-make W and U, which no kernel of the ops forms in memory; with store_inverse T goes to the
-inverse tensor instead and its columns here are not written); work32 holds two
+make W and U, which no kernel of the ops forms in memory; the recurrence and the
+backward's kernels read T from here); work32 holds two
 factor rows of FACTOR_COLS floats each (padded so that each starts 32-byte aligned):
 [q_f | k_f | G_L] (64, 64, 1), then [t_w | t_u] (64, 64) (the fused kernel, which keeps
 its factors in shared memory, writes neither): the column scales of T that make the scaled
@@ -22,13 +22,11 @@ FACTOR_ROWS = 2
 
 
 def workspace_shapes(total_tokens: int, num_seqs: int, heads: int, k_dim: int, v_dim: int):
-    """(work16 shape, work32 shape, inverse shape) for a batch of T tokens in N sequences:
-    one row block per (chunk, head), chunks bounded by T // 64 + N. The inverse
-    T = (I + A)^-1 (64 x 64, the io dtype) is written only by a prepare kernel with
-    store_inverse (the backward's, or a forward whose workspace the backward reuses)."""
+    """(work16 shape, work32 shape) for a batch of T tokens in N sequences: one row block
+    per (chunk, head), chunks bounded by T // 64 + N. The forward's workspace is all the
+    backward needs of stage 1 (its own prepare writes the same)."""
     chunks = total_tokens // CHUNK + num_seqs
-    return ((chunks, heads, CHUNK, WORK16_COLS),
-            (chunks, heads, FACTOR_ROWS * FACTOR_COLS), (chunks, heads, CHUNK, CHUNK))
+    return ((chunks, heads, CHUNK, WORK16_COLS), (chunks, heads, FACTOR_ROWS * FACTOR_COLS))
 
 
 def gradients_in_place(q_heads: int, k_heads: int, v_heads: int) -> tuple:

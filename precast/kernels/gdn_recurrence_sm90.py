@@ -169,12 +169,11 @@ class GdnChunkRecurrenceSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mWork16: cute.Tensor,
                  mWork32: cute.Tensor, mCuSeqlens: cute.Tensor, mSeqTable: cute.Tensor,
                  mO: cute.Tensor, mState0: cute.Tensor, mStateIdx: cute.Tensor,
-                 mFinal: cute.Tensor, mCkpt: cute.Tensor, mV: cute.Tensor, mInv: cute.Tensor,
+                 mFinal: cute.Tensor, mCkpt: cute.Tensor, mV: cute.Tensor,
                  ckpt_every: Int32, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K); mWork16 / mWork32 as gdn_layout.workspace_shapes;
         mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none); mO (T, HO, V); states
-        (rows, HO, V, K); mV (T, HV, V); mInv: T (chunks, HO, 64, 64), or None when T is in
-        work16. Unused tensors: None."""
+        (rows, HO, V, K); mV (T, HV, V). Unused tensors: None."""
         # W and U are read only by the fused kernel (gdn_fwd_sm90), from shared memory
         assert self.from_inverse, "the standalone recurrence reads T, not W and U"
         dt = self.dtype
@@ -189,9 +188,8 @@ class GdnChunkRecurrenceSm90:
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         # (chunks, HO, 64, F) -> (64, F, HO, chunks): rows and columns first, as TMA tiles.
         mW = select_modes(mWork16, [2, 3, 1, 0])
-        # T: from the inverse tensor, or without one from work16 (gdn_layout.T_COL)
-        m_t = mW if const_expr(mInv is None) else select_modes(mInv, [2, 3, 1, 0])
-        tma_k, mW_k = cpasync.make_tiled_tma_atom(g2s, m_t, one(sM_layout), (C, C))
+        # T (work16's columns from gdn_layout.T_COL)
+        tma_k, mW_k = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
         # q, k and v (T, H, D) -> (T, D, H); of v this CTA's columns
         tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, select_modes(mV, [0, 2, 1]),
                                                   one(sU_layout), (C, Vc))
@@ -385,8 +383,7 @@ class GdnChunkRecurrenceSm90:
         K, V, C = self.k_dim, self.v_dim, CHUNK
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         # workspace tiles: (atom, tensor, smem, first column, columns): T (into sM without
-        # o, else into sW beside M; T_COL = 0 is its column in the inverse tensor too); v's
-        # columns go into sU (below)
+        # o, else into sW beside M); v's columns go into sU (below)
         tiles = ((tma_k, mW_k, sM, T_COL, C),)
         token_tiles = ((tma_kr, mK, sK, head // self.k_group),)
         if const_expr(not self.states_only):  # Q and M only make o

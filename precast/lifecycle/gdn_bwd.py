@@ -7,14 +7,13 @@ gdn_rules.check_gdn_gradients'. Five kernels run in order on the caller's stream
 the states pass, which runs on a side stream beside state_grad (launch.side_stream: both
 need only prepare's results; joined back before chunk_grad):
 
-* "prepare": the forward's stage 1 (precast/kernels/gdn_chunk_sm90.py) with
-  store_inverse (and, as every stage 1 of the ops, without W and U): M and the factor rows
-  of every (64-token chunk, output head) and T = (I + A)^-1 with the column scales of the
-  scaled inverses (W = T diag(t_w) K, U = T diag(t_u) V: 8.5 KB instead of 32, no products
-  to make them, and no V loaded).
-  Skipped when the caller passes ``forward_workspace``: the (work16, work32, inv) a
-  GdnFwdSm90 compiled with store_inverse=True wrote for these same inputs (training that
-  keeps them trades ~3 x 64 x 2 + 17 bytes per token and head for this kernel's time);
+* "prepare": the forward's stage 1 (precast/kernels/gdn_chunk_sm90.py; without W and U):
+  M and the factor rows of every (64-token chunk, output head) and T = (I + A)^-1 with the
+  column scales of the scaled inverses (W = T diag(t_w) K, U = T diag(t_u) V: 8.5 KB
+  instead of 32, no products to make them, and no V loaded).
+  Skipped when the caller passes ``forward_workspace``: the (work16, work32) a GdnFwdSm90
+  wrote for these same inputs (training that keeps them trades 2 x 64 x 2 + 17 bytes per
+  token and head for this kernel's time);
 * "states": the forward's stage 2 (gdn_recurrence_sm90.py) in its states_only mode, writing
   the state entering every chunk (io dtype) into a workspace; it makes each chunk's Delta
   from v, T and its scales (so its states are the forward's up to where the roundings
@@ -55,7 +54,6 @@ from ..kernels.gdn_layout import gradients_in_place
 from ..reference.gated_delta_net import CHUNK_SIZE
 from .cache import KernelBuilder
 from .gdn_fwd import (CONFIG_SOURCES, DATA_ALIGN, KERNEL_SOURCES, _cute_type, _fake_gate,
-                      _fake_inverses,
                       _fake_offsets, _fake_rows, _fake_state, _fake_workspace, _option_dtype,
                       check_kernel_limits, check_same_config, offsets_as_int32,
                       prepare_kernel, recurrence_kernel, seq_table_kernel, sequence_table,
@@ -95,9 +93,8 @@ BWD_CONFIG_SOURCES = {**{key: CONFIG_SOURCES[key] for key in FORWARD_FIELDS},
 # The workspace: name -> (rows it has per call, dtype: "io" or "float32"); tails of the
 # shapes come from workspace_shapes. "chunks": T // 64 + N (one row per (chunk, head)).
 WORKSPACE = {
-    "work16": ("chunks", "io"),  # the forward's WY factors [W | U | M]
+    "work16": ("chunks", "io"),  # the forward's stage 1: [T | M], T = (I + A)^-1
     "work32": ("chunks", "float32"),  # and factor rows
-    "inv": ("chunks", "io"),  # T = (I + A)^-1, (chunks, HO, 64, 64)
     "dstates": ("chunks", "io"),  # gradient of the state leaving each chunk, (.., V, K)
     "states": ("chunks", "io"),  # states entering each chunk (not with reused checkpoints)
     # grouped heads' gradients (gdn_layout.gradients_in_place): per output head, w.r.t. the
@@ -111,7 +108,7 @@ RECOMPUTE_ONLY = ("states",)
 # Groups of the op's own workspace, made (and grown) together: the same row count; each
 # call makes the members it needs (_needed).
 HEAD_GRADS = ("dq_heads", "dk_heads", "dv_heads")
-OWN_GROUPS = (("work16", "work32", "inv", "dstates"), HEAD_GRADS, ("states",),
+OWN_GROUPS = (("work16", "work32", "dstates"), HEAD_GRADS, ("states",),
               ("dinit32",))
 
 
@@ -269,7 +266,7 @@ class GdnBwdSm90(Op):
                                       v_splits=v_splits)
             args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
                     fake_tokens(io, tokens, s.HO, s.V), *_fake_workspace(s, chunks),
-                    _fake_inverses(s, chunks), _fake_offsets(), _fake_offsets(),
+                    _fake_offsets(), _fake_offsets(),
                     _fake_state(torch.float32, s) if final_grad else None,
                     _fake_state(s.dtype, s),
                     _fake_state(torch.float32, s) if init_grad else None, fake_stream())
@@ -288,7 +285,6 @@ class GdnBwdSm90(Op):
                     fake_tokens(io, tokens, s.HV, s.V), _fake_gate(s.g_dtype, tokens, s.HO),
                     _fake_gate(s.beta_dtype, tokens, s.HO), _fake_offsets(), _fake_offsets(),
                     fake_tokens(io, tokens, s.HO, s.V), *_fake_workspace(s, chunks),
-                    _fake_inverses(s, chunks),
                     _fake_state(s.dtype, s), _fake_state(s.dtype, s),
                     *_fake_head_grads(s, tokens, finals="io"), _fake_gate(s.g_dtype, tokens, s.HO),
                     _fake_gate(s.beta_dtype, tokens, s.HO), scalar(cutlass.Float32, 1.0),
@@ -309,7 +305,7 @@ class GdnBwdSm90(Op):
             return kernel, args
 
         builders = {"seq_table": seq_table_kernel,
-                    "prepare": lambda: prepare_kernel(s, store_inverse=True),
+                    "prepare": lambda: prepare_kernel(s),
                     "states": states,
                     "regenerate": lambda: states(from_checkpoints=True),
                     "regenerate_split": lambda: states(2, from_checkpoints=True),
@@ -322,7 +318,7 @@ class GdnBwdSm90(Op):
     def workspace_shapes(self, total_tokens: int, num_seqs: int) -> Dict[str, Tuple[int, ...]]:
         """Shapes of the buffers ``execute(workspace=...)`` takes for T tokens in N sequences
         (a dict name -> tensor, all contiguous, dtypes as WORKSPACE says; make_workspace
-        allocates one): the forward's work16, work32 and inv, dstates, states with
+        allocates one): the forward's work16 and work32, dstates, states with
         T // 64 + N chunk rows, dq_heads, dk_heads, dv_heads with T rows for those of q, k, v
         whose heads are grouped (gdn_layout.gradients_in_place) and, with an initial state
         in the io dtype, dinit32 [N, HO, V, K]. "states" is not used when the
@@ -331,9 +327,9 @@ class GdnBwdSm90(Op):
         s = self.shapes
         T = check_int("total_tokens", total_tokens, lo=0)
         N = check_int("num_seqs", num_seqs, lo=0)
-        work16, work32, inv = forward_shapes(T, N, s.HO, s.K, s.V)
+        work16, work32 = forward_shapes(T, N, s.HO, s.K, s.V)
         chunks = work16[0]
-        shapes = {"work16": work16, "work32": work32, "inv": inv,
+        shapes = {"work16": work16, "work32": work32,
                   "dstates": (chunks, s.HO, s.V, s.K), "states": (chunks, s.HO, s.V, s.K)}
         finals = gradients_in_place(s.HQ, s.HK, s.HV)
         for name, dim, final in zip(HEAD_GRADS, (s.K, s.K, s.V), finals):
@@ -378,9 +374,11 @@ class GdnBwdSm90(Op):
         shapes = self.workspace_shapes(s.T, s.N)
         check_value(isinstance(forward_workspace, (tuple, list))
                     and len(forward_workspace) == len(FORWARD_WORKSPACE), TypeError,
-                    "forward_workspace: expected the triple (work16, work32, inv) of a "
-                    "GdnFwdSm90 compiled with store_inverse=True (its workspace_shapes(T, N)), "
-                    f"got {type(forward_workspace).__name__}")
+                    "forward_workspace: expected the pair (work16, work32) a GdnFwdSm90 wrote "
+                    "(its workspace_shapes(T, N)), got "
+                    f"{type(forward_workspace).__name__}"
+                    + (f" of {len(forward_workspace)}"
+                       if isinstance(forward_workspace, (tuple, list)) else ""))
         for name, t in zip(FORWARD_WORKSPACE, forward_workspace):
             check_tensor(f"forward_workspace ({name})", t, dtypes=(self.workspace_dtype(name),),
                          shape=shapes[name], align=DATA_ALIGN, contiguous=True,
@@ -441,10 +439,9 @@ class GdnBwdSm90(Op):
         compiled with final_state_grad, dfinal [N, HO, V, K] float32. ``checkpoints``: the
         forward's, every ``checkpoint_every_n_tokens`` (default the constructor's) tokens:
         the states entering every chunk at n = 64 in the io dtype, else the starts of the
-        states pass (see the module docstring). ``forward_workspace``: the (work16, work32,
-        inv) a GdnFwdSm90 compiled with store_inverse=True wrote for these same inputs
-        (trusted, like cu_seqlens' values): the prepare kernel is skipped and ``workspace``
-        needs no work16, work32, inv. Never reads device memory;
+        states pass (see the module docstring). ``forward_workspace``: the (work16,
+        work32) a GdnFwdSm90 wrote for these same inputs (trusted, like cu_seqlens' values):
+        the prepare kernel is skipped and ``workspace`` needs no work16, work32. Never reads device memory;
         allocates nothing when ``workspace`` is given (see workspace_shapes; else the op
         keeps one per device and stream) but the int32 copy of int64 cu_seqlens and, for
         more than 32 sequences, the per-sequence table (both kept per device and stream like
@@ -523,10 +520,10 @@ class GdnBwdSm90(Op):
         if checkpoints is not None:
             states_pass = "regenerate" + (
                 "_split" if splits_recurrences(s, index, rows=checkpoints.shape[0]) else "")
-            states_args = (checkpoints, None, None, states, v, ws["inv"], n)
+            states_args = (checkpoints, None, None, states, v, n)
         else:
             states_pass = "states" + split
-            states_args = (initial_state, None, None, states, v, ws["inv"], CHUNK_SIZE)
+            states_args = (initial_state, None, None, states, v, CHUNK_SIZE)
         dinit = ws.get("dinit32", dinitial_state)
         work = (ws["work16"], ws["work32"])
         # the chunk kernel's outputs: the final gradient, or its per-head buffer for "finish"
@@ -538,22 +535,20 @@ class GdnBwdSm90(Op):
             table = sequence_table(kernels, self._table_buffers, self._outgrown, index, handle,
                                    cu_seqlens, s.N, every)
             if not prepared:
-                kernels["prepare"](q, k, v, g, beta, cu_seqlens, table, *work, ws["inv"],
-                                   s.scale, handle)
+                kernels["prepare"](q, k, v, g, beta, cu_seqlens, table, *work, s.scale,
+                                   handle)
             if not reuse:
                 # beside state_grad (module docstring): each alone leaves SMs idle (few
                 # sequences and heads, or a half-empty last wave)
                 side = side_stream(index, handle)
                 kernels[states_pass](q, k, *work, cu_seqlens, table, None, *states_args,
                                      side.fork(handle))
-            kernels["state_grad" + split](q, k, do, *work, ws["inv"], cu_seqlens, table, dfinal,
+            kernels["state_grad" + split](q, k, do, *work, cu_seqlens, table, dfinal,
                                           ws["dstates"], dinit, handle)
             if not reuse:
                 side.join(handle)
-            kernels["chunk_grad"](q, k, v, g, beta, cu_seqlens, table, do, *work, ws["inv"],
-                                  states,
-                                  ws["dstates"], *grads, dg, dbeta, s.scale,
-                                  handle)
+            kernels["chunk_grad"](q, k, v, g, beta, cu_seqlens, table, do, *work, states,
+                                  ws["dstates"], *grads, dg, dbeta, s.scale, handle)
             if "finish" in kernels:
                 kernels["finish"](q, k, *(ws.get(name) for name in HEAD_GRADS), dq, dk, dv,
                                   handle)

@@ -20,12 +20,11 @@ and stream (the kernels read int32; the values stay on the device).
 Shared with the backward (gdn_bwd.GdnBwdSm90): the kernels' fake arguments
 (prepare_kernel, recurrence_kernel), stream_buffers, offsets_as_int32, check_same_config.
 
-store_inverse=True (for training: gated_delta_net(..., keep_workspace=True)) makes the
-prepare kernel also write T = (I + A)^-1 of every (chunk, head) and the column scales that
-turn it into the scaled inverses (W = T diag(t_w) K, U = T diag(t_u) V; the second factor
-row of work32), which the backward uses instead of W and U: the workspace becomes a triple
-(work16, work32, inv), and a caller who keeps it
-hands it to GdnBwdSm90.execute(forward_workspace=...), which then skips its own prepare.
+The workspace (work16, work32) holds T = (I + A)^-1 of every (chunk, head), M, and the
+factor rows (with the column scales that turn T into the scaled inverses: W = T diag(t_w)
+K, U = T diag(t_u) V): all the backward needs of stage 1. A caller who keeps it (for
+training: gated_delta_net(..., keep_workspace=True)) hands it to
+GdnBwdSm90.execute(forward_workspace=...), which then skips its own prepare.
 
 What the kernels cannot do yet (NotImplementedError from check_support() and execute()):
 more than 65535 sequences (one recurrence grid row each); q, k, v or o head offsets beyond
@@ -91,7 +90,7 @@ CONFIG_SOURCES = {
     "use_qk_l2norm_in_kernel": "use_qk_l2norm_in_kernel",
     "checkpoint_dtype": "checkpoint dtype ('none': no checkpoint_every_n_tokens)",
 }
-WORKSPACE_NAMES = ("work16", "work32", "inv")  # inv only with store_inverse
+WORKSPACE_NAMES = ("work16", "work32")
 
 
 def _dtype_option(dtype: Optional[torch.dtype], io: torch.dtype) -> str:
@@ -115,12 +114,6 @@ def static_config_of(s: GdnShapes) -> Dict[str, object]:
             "output_final_state": s.output_final_state,
             "use_qk_l2norm_in_kernel": s.use_qk_l2norm_in_kernel,
             "checkpoint_dtype": _dtype_option(s.checkpoint_dtype, s.dtype)}
-
-
-def op_static_config(s: GdnShapes, store_inverse: bool) -> Dict[str, object]:
-    """GdnFwdSm90's static configuration: the call's fields (static_config_of) and whether
-    the workspace receives T (store_inverse, the op's own choice, not the call's)."""
-    return {**static_config_of(s), "store_inverse": store_inverse}
 
 
 def _stride(t) -> Tuple[int, ...]:
@@ -201,14 +194,6 @@ def _fake_state(dtype: torch.dtype, s: GdnShapes):
                                          assumed_align=DATA_ALIGN)
 
 
-def _fake_inverses(s: GdnShapes, chunks=None):
-    """The inverses T (chunks, HO, 64, 64) (gdn_layout.workspace_shapes)."""
-    import cutlass.cute as cute
-    from ..kernels.gdn_layout import workspace_shapes
-    chunks = cute.sym_int() if chunks is None else chunks
-    return _fake_rows(s.dtype, chunks, workspace_shapes(0, 1, s.HO, s.K, s.V)[2][1:])
-
-
 def _fake_rows(dtype: torch.dtype, rows, tail: Tuple[int, ...]):
     """(rows, *tail) compact but for a 64-bit leading stride: workspaces may span more than
     2^31 elements."""
@@ -225,7 +210,7 @@ def _fake_workspace(s: GdnShapes, chunks=None) -> tuple:
     import cutlass.cute as cute
     from ..kernels.gdn_layout import workspace_shapes
     chunks = cute.sym_int() if chunks is None else chunks
-    shape16, shape32, _ = workspace_shapes(0, 1, s.HO, s.K, s.V)
+    shape16, shape32 = workspace_shapes(0, 1, s.HO, s.K, s.V)
     return (_fake_rows(s.dtype, chunks, shape16[1:]),
             _fake_rows(torch.float32, chunks, shape32[1:]))
 
@@ -238,11 +223,10 @@ def _fake_offsets():
     return fake_packed(cutlass.Int32, (cute.sym_int(),), 4)
 
 
-def prepare_kernel(s: GdnShapes, store_inverse: bool = False):
+def prepare_kernel(s: GdnShapes):
     """Stage 1 (GdnChunkPrepareSm90, without W and U: gdn_layout) and its fake arguments
-    (q, k, v, g, beta, cu_seqlens, work16, work32, inv, scale, stream); store_inverse: T
-    = (I + A)^-1 of every (chunk, head) goes to inv (chunks, HO, 64, 64) in the io dtype
-    (the backward's) instead of work16, else inv is None."""
+    (q, k, v, g, beta, cu_seqlens, table, work16, work32, scale, stream): the forward's
+    and the backward's."""
     import cutlass
     import cutlass.cute as cute
     from ..kernels.fake import fake_stream, fake_tokens, scalar
@@ -250,12 +234,11 @@ def prepare_kernel(s: GdnShapes, store_inverse: bool = False):
     io, tokens, chunks = _cute_type(s.dtype), cute.sym_int(), cute.sym_int()
     kernel = GdnChunkPrepareSm90(io, s.K, s.V, s.HQ, s.HK, s.HV, s.use_qk_l2norm_in_kernel,
                                  _cute_type(s.g_dtype), _cute_type(s.beta_dtype),
-                                 store_inverse=store_inverse, store_wu=False)
-    inv = _fake_inverses(s, chunks) if store_inverse else None
+                                 store_wu=False)
     args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
             fake_tokens(io, tokens, s.HV, s.V), _fake_gate(s.g_dtype, tokens, s.HO),
             _fake_gate(s.beta_dtype, tokens, s.HO), _fake_offsets(), _fake_offsets(),
-            *_fake_workspace(s, chunks), inv, scalar(cutlass.Float32, 1.0), fake_stream())
+            *_fake_workspace(s, chunks), scalar(cutlass.Float32, 1.0), fake_stream())
     return kernel, args
 
 
@@ -272,12 +255,11 @@ def seq_table_kernel():
 def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool: bool,
                       final_state: bool, checkpoint_dtype: Optional[torch.dtype],
                       v_splits: int = 1, states_only: bool = False,
-                      from_checkpoints: bool = False, inverse_tensor: bool = True):
+                      from_checkpoints: bool = False):
     """Stage 2 (GdnChunkRecurrenceSm90) and its fake arguments (q, k, work16, work32,
-    cu_seqlens, o, initial state, state_indices, final state, checkpoints, v, inverses,
-    ckpt_every, stream); absent tensors are None. W and U's products are made from v, T and
-    its scales; T is read from the inverse tensor or, with inverse_tensor=False, from
-    work16. states_only: no o, the checkpoints (io dtype) stored by TMA (the backward's
+    cu_seqlens, table, o, initial state, state_indices, final state, checkpoints, v,
+    ckpt_every, stream); absent tensors are None. W and U's products are made from v, T (in
+    work16) and its scales. states_only: no o, the checkpoints (io dtype) stored by TMA (the backward's
     states pass); from_checkpoints: that pass started from the forward's checkpoints
     (passed as the initial state, of ``state_dtype``)."""
     import cutlass
@@ -296,8 +278,7 @@ def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool:
             _fake_offsets() if pool else None,
             _fake_state(torch.float32, s) if final_state else None,
             None if checkpoint_dtype is None else _fake_state(checkpoint_dtype, s),
-            fake_tokens(io, tokens, s.HV, s.V), _fake_inverses(s) if inverse_tensor else None,
-            scalar(cutlass.Int32, CHUNK_SIZE), fake_stream())
+            fake_tokens(io, tokens, s.HV, s.V), scalar(cutlass.Int32, CHUNK_SIZE), fake_stream())
     return kernel, args
 
 
@@ -373,9 +354,8 @@ class GdnFwdSm90(Op):
 
     Construct from sample tensors or TensorDescs of q, k, v, g, beta, cu_seqlens (and the
     initial state / pool and state_indices when used), then check_support(), compile(),
-    execute(). Compiled for the fields of :func:`static_config_of` and ``store_inverse``
-    (the workspace also receives T for a backward that reuses it: see the module
-    docstring); scale, checkpoint_every_n_tokens (a multiple of 64), token and sequence
+    execute(). Compiled for the fields of :func:`static_config_of` (the workspace holds
+    what a backward that reuses it needs: see the module docstring); scale, checkpoint_every_n_tokens (a multiple of 64), token and sequence
     counts and strides are runtime values. batch_invariant is accepted and free (see the
     module docstring).
     """
@@ -388,7 +368,7 @@ class GdnFwdSm90(Op):
                  output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
                  checkpoint_every_n_tokens: Optional[int] = None,
                  checkpoint_dtype: Optional[torch.dtype] = None, sample_state_indices=None,
-                 batch_invariant: bool = False, store_inverse: bool = False):
+                 batch_invariant: bool = False):
         super().__init__()
         self._samples = {name: TensorDesc.optional(t) for name, t in (
             ("q", sample_q), ("k", sample_k), ("v", sample_v), ("g", sample_g),
@@ -400,7 +380,6 @@ class GdnFwdSm90(Op):
         self.checkpoint_every_n_tokens = checkpoint_every_n_tokens
         self.checkpoint_dtype = checkpoint_dtype
         self.batch_invariant = batch_invariant
-        self.store_inverse = store_inverse
         self._shapes: Optional[GdnShapes] = None
         # Workspaces this op made, per (device, stream): see _own_workspace. Outgrown ones
         # stay alive: a graph captured earlier may still use them.
@@ -435,13 +414,13 @@ class GdnFwdSm90(Op):
         return self._shapes
 
     def static_config(self) -> Dict[str, object]:
-        return op_static_config(self.shapes, self.store_inverse)
+        return static_config_of(self.shapes)
 
     @classmethod
     def from_config(cls, dtype="bfloat16", k_dim=128, v_dim=128, q_heads=4, k_heads=None,
                     v_heads=None, g_dtype="float32", beta_dtype="float32", state_dtype="none",
                     state_pool=False, output_final_state=False, use_qk_l2norm_in_kernel=False,
-                    checkpoint_dtype="none", store_inverse=False) -> "GdnFwdSm90":
+                    checkpoint_dtype="none") -> "GdnFwdSm90":
         """Descriptors of a small batch (2 sequences of 64 tokens) with this static
         configuration (for precompile). k_heads and v_heads default to q_heads."""
         io = parse_dtype(dtype)
@@ -467,12 +446,10 @@ class GdnFwdSm90(Op):
                    use_qk_l2norm_in_kernel=check_bool("use_qk_l2norm_in_kernel",
                                                       use_qk_l2norm_in_kernel),
                    checkpoint_every_n_tokens=None if ckpt is None else CHUNK_SIZE,
-                   checkpoint_dtype=ckpt,
-                   store_inverse=check_bool("store_inverse", store_inverse))
+                   checkpoint_dtype=ckpt)
 
     # --- rules --------------------------------------------------------------------------------
     def _check(self) -> None:
-        check_bool("store_inverse", self.store_inverse)
         s = self.shapes
         check_kernel_limits(s, {name: self._samples[name] for name in ("q", "k", "v")})
 
@@ -486,18 +463,16 @@ class GdnFwdSm90(Op):
         s = self.shapes
 
         # Stage 1 stores T and its column scales instead of W and U (T where W would be,
-        # or with store_inverse in the inverse tensor the backward reads); stage 2 makes W
-        # and U's products from them, k and v: 32 KB fewer stores and 16 KB fewer loads
+        # where the backward reads it too); stage 2 makes W and U's products from them, k and v: 32 KB fewer stores and 16 KB fewer loads
         # per (chunk, head), one more 64-deep product on the state's chain. Split or not,
         # every state row's arithmetic is the same (batch invariance is bitwise).
         def recurrence(v_splits: int = 1):
             return recurrence_kernel(s, state_dtype=s.state_dtype, pool=s.uses_pool,
                                      final_state=s.output_final_state,
-                                     checkpoint_dtype=s.checkpoint_dtype, v_splits=v_splits,
-                                     inverse_tensor=self.store_inverse)
+                                     checkpoint_dtype=s.checkpoint_dtype, v_splits=v_splits)
 
         builders = {"seq_table": seq_table_kernel,
-                    "prepare": lambda: prepare_kernel(s, store_inverse=self.store_inverse),
+                    "prepare": lambda: prepare_kernel(s),
                     "recurrence": recurrence,
                     "recurrence_split": lambda: recurrence(v_splits=2)}
         return {mode: builders[mode] for mode in kernel_modes(s.V)}
@@ -506,21 +481,20 @@ class GdnFwdSm90(Op):
     def workspace_shapes(self, total_tokens: int, num_seqs: int) -> Tuple[Tuple[int, ...], ...]:
         """Shapes of the workspace ``execute(workspace=...)`` takes for T tokens in N
         sequences: the pair (work16, work32), work16 (T // 64 + N, HO, 64, 128) in the
-        io dtype and work32 (T // 64 + N, HO, 272) float32; with store_inverse the triple
-        (work16, work32, inv), inv (T // 64 + N, HO, 64, 64) in the io dtype. All
-        contiguous.
+        io dtype and work32 (T // 64 + N, HO, 272) float32, both contiguous: what a
+        backward reusing them reads (GdnBwdSm90.execute(forward_workspace=...)).
         No zeroing needed: the prepare kernel writes every row the recurrence (and the
         backward) reads."""
         from ..kernels.gdn_layout import workspace_shapes
         s = self.shapes
         shapes = workspace_shapes(check_int("total_tokens", total_tokens, lo=0),
                                   check_int("num_seqs", num_seqs, lo=0), s.HO, s.K, s.V)
-        return shapes if self.store_inverse else shapes[:2]
+        return shapes
 
     def workspace_dtypes(self) -> Tuple[torch.dtype, ...]:
         """The dtypes of the workspace's tensors, in workspace_shapes' order."""
         io = self.shapes.dtype
-        return (io, torch.float32) + ((io,) if self.store_inverse else ())
+        return (io, torch.float32)
 
     def make_workspace(self, total_tokens: int, num_seqs: int, device=None
                        ) -> Tuple[torch.Tensor, ...]:
@@ -630,7 +604,7 @@ class GdnFwdSm90(Op):
             return
         if workspace is None:
             workspace = self._own_workspace(index, handle, s.T, s.N)
-        work16, work32, inv = (tuple(workspace) + (None,))[:3]
+        work16, work32 = workspace
         if s.cu_seqlens_dtype == torch.int64:
             cu_seqlens = offsets_as_int32(type(self).__name__, self._offset_buffers,
                                           self._outgrown, index, handle, cu_seqlens, s.N)
@@ -638,10 +612,9 @@ class GdnFwdSm90(Op):
         with device_guard(index):
             table = sequence_table(kernels, self._table_buffers, self._outgrown, index, handle,
                                    cu_seqlens, s.N, every)
-            kernels["prepare"](q, k, v, g, beta, cu_seqlens, table, work16, work32, inv,
-                               s.scale, handle)
-            # ckpt_every is unused (compiled out) without checkpoints; T is in inv, or
-            # else in work16 where W would be
+            kernels["prepare"](q, k, v, g, beta, cu_seqlens, table, work16, work32, s.scale,
+                               handle)
+            # ckpt_every is unused (compiled out) without checkpoints
             recurrence = "recurrence_split" if splits_recurrences(s, index) else "recurrence"
             kernels[recurrence](q, k, work16, work32, cu_seqlens, table, o, initial_state,
-                                state_indices, final_state, checkpoints, v, inv, every, handle)
+                                state_indices, final_state, checkpoints, v, every, handle)
