@@ -556,6 +556,6 @@ def test_plan_malformed(tmp_path):
 
 def test_default_plan_loads():
     entries = load_plan(precast.cli.DEFAULT_PLAN)
-    assert len(entries) == len(set(entries)) == 71
+    assert len(entries) == len(set(entries)) == 68
     assert {e.op for e in entries} == {"HstuLmsdFwdSm90", "HstuLmsdBwdSm90", "HSTUFwdSm90",
                                        "HSTUBwdSm90", "GdnFwdSm90", "GdnBwdSm90"}
