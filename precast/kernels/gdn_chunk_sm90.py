@@ -47,10 +47,10 @@ from .gdn_seq_table_sm90 import find_in_table, has_table
 
 THREADS = 128
 PREPARE_BARRIER = 1
-# Without W and U (and V) the standalone kernel fits 72 registers (one score accumulator
-# live at a time) and ~34 KB of shared memory (A, T and M over the dead Q and K tiles): 6
-# CTAs per SM. It is latency-bound (ncu, 5 per SM: half the issue slots idle, DRAM at 68 %).
-CTAS_PER_SM = 6
+# Without W and U (and V) the standalone kernel fits ~100 registers and ~34 KB of shared
+# memory (A, T and M over the dead Q and K tiles): 5 CTAs per SM (it is latency-bound: 3
+# per SM, when it made W and U, was 9 % slower than 4).
+CTAS_PER_SM = 5
 INV_BLOCK = 16  # diagonal blocks of T solved by substitution (see invert)
 TF32_ROUND = 1 << 12  # half a unit of tf32's last mantissa place (bit 13)
 L2NORM_EPS = 1e-24
@@ -175,7 +175,7 @@ class GdnChunkPrepareSm90:
             sV: cute.struct.Align[cute.struct.MemRange[dt, 8], 1024]
             # A, then T over it (16-bit, swizzled), when the dead Q and K tiles cannot hold
             # A and M (K = 64); at K = 128 A goes over Q (and K's first KB), M over K's
-            # second half: ~34 KB of shared memory, CTAS_PER_SM of them
+            # second half: ~34 KB of shared memory, 5 CTAs per SM
             sA: cute.struct.Align[cute.struct.MemRange[Float32, a_elems], 1024]
 
         self.storage = SharedStorage
@@ -406,69 +406,53 @@ class GdnChunkPrepareSm90:
         (gated, strictly lower, fp32 in shared memory); Q K^T -> M (gated,
         causal with the diagonal, scaled; 16-bit into ``t_m``, this thread's elements in
         accumulator order); with the L2 norm, r_q and
-        r_k from the diagonals of Q Q^T and K K^T into sRows first. The products run one at
-        a time; the warpgroup synchronizes once G and the row scales are written (sGate
-        written before is read here), not at the end."""
+        r_k from the diagonals of Q Q^T and K K^T into sRows first. Ends with the
+        warpgroup synchronized (sGate written before is read here)."""
         C = CHUNK
         thr = mma_s.get_slice(tidx)
         tSrQa = thr.make_fragment_A(thr.partition_A(sQ))[None, None, None, stage]
         tSrQb = thr.make_fragment_B(thr.partition_B(sQ))[None, None, None, stage]
         tSrKa = thr.make_fragment_A(thr.partition_A(sK))[None, None, None, stage]
         tSrKb = thr.make_fragment_B(thr.partition_B(sK))[None, None, None, stage]
+        acc_kk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
+        acc_qk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
         coords = thr.partition_C(cute.make_identity_tensor((C, C)))
-        # One 64 x 64 accumulator live at a time (each product waited for and consumed
-        # before the next is issued): few enough registers for 6 CTAs per SM.
+        wgmma(mma_s, acc_kk, tSrKa, tSrKb, False)
+        if tidx < cute.arch.WARP_SIZE:  # G, while the tensor cores work
+            self.cumulative_gates(sGate)
         if const_expr(self.l2norm):
             acc_qq = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
             wgmma(mma_s, acc_qq, tSrQa, tSrQb, False)
-            if tidx < cute.arch.WARP_SIZE:  # G, while the tensor cores work
-                self.cumulative_gates(sGate)
             warpgroup.wait_group(0)
-            self.diagonal_rsqrt(acc_qq, coords, sRows, R_Q)
-        acc_kk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
-        wgmma(mma_s, acc_kk, tSrKa, tSrKb, False)
-        if const_expr(not self.l2norm):
-            if tidx < cute.arch.WARP_SIZE:
-                self.cumulative_gates(sGate)
-        warpgroup.wait_group(0)
-        if const_expr(self.l2norm):
-            self.diagonal_rsqrt(acc_kk, coords, sRows, R_K)
-        self.sync()  # G and the row scales
-        for e in cutlass.range_constexpr(cute.size(acc_kk)):
-            i = coords[e][0]
-            j = coords[e][1]
-            kk = acc_kk[e]
-            if const_expr(self.l2norm):
-                kk = kk * sRows[R_K, i] * sRows[R_K, j]
-            a = Float32(0.0)
-            if j < i:
-                a = sBeta[i] * kk * cute.math.exp(sGate[i] - sGate[j], fastmath=True)
-            sA[i, j] = a
-        acc_qk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
+            for e in cutlass.range_constexpr(cute.size(acc_kk)):
+                if coords[e][0] == coords[e][1]:
+                    i = coords[e][0]
+                    eps = Float32(L2NORM_EPS)
+                    sRows[R_Q, i] = cute.math.rsqrt(cutlass.max(acc_qq[e], eps))
+                    sRows[R_K, i] = cute.math.rsqrt(cutlass.max(acc_kk[e], eps))
         wgmma(mma_s, acc_qk, tSrQa, tSrKb, False)
         warpgroup.wait_group(0)
-        for e in cutlass.range_constexpr(cute.size(acc_qk)):
+        self.sync()  # G and the row scales
+        for e in cutlass.range_constexpr(cute.size(acc_kk)):
             i = coords[e][0]
             j = coords[e][1]
             seen = j <= i
             decay = cute.math.exp(cutlass.select_(seen, sGate[i] - sGate[j], Float32(0.0)),
                                   fastmath=True)
+            kk = acc_kk[e]
             qk = acc_qk[e] * scale
             if const_expr(self.l2norm):
-                qk = qk * sRows[R_Q, i] * sRows[R_K, j]
+                r_kj = sRows[R_K, j]
+                kk = kk * sRows[R_K, i] * r_kj
+                qk = qk * sRows[R_Q, i] * r_kj
+            a = Float32(0.0)
             m = Float32(0.0)
+            if j < i:
+                a = sBeta[i] * kk * decay
             if seen:
                 m = qk * decay
+            sA[i, j] = a
             t_m[e] = m.to(self.dtype)
-
-    @cute.jit
-    def diagonal_rsqrt(self, acc, coords, sRows, which: int):
-        """Row ``which`` of sRows from the diagonal of a Gram accumulator: the L2 row scales
-        rsqrt(max(|x|^2, eps))."""
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            if coords[e][0] == coords[e][1]:
-                sRows[which, coords[e][0]] = cute.math.rsqrt(
-                    cutlass.max(acc[e], Float32(L2NORM_EPS)))
 
     @cute.jit
     def row_values(self, sGate, sBeta, out_f, rows: Int32, scale: Float32, sRows, j: Int32):
