@@ -96,7 +96,7 @@ def test_rows_past_a_sequence_end_are_zero():
 @pytest.mark.parametrize("lens,hq,hv,l2norm", [([130, 1, 0, 64, 65], 2, 4, True),
                                                ([7] * 3 + [1], 4, 2, False)])
 def test_inverse_and_its_scales_make_w_and_u(lens, hq, hv, l2norm):
-    """What a prepare with store_inverse writes for the backward: T and [t_w | t_u] give the
+    """What stage 1 writes for the recurrence and the backward: T and [t_w | t_u] give the
     contract's W = T diag(t_w) K and U = T diag(t_u) V with the raw k and v rows; past a
     sequence's end T has identity rows and both scales are zero."""
     g = torch.Generator().manual_seed(3)
