@@ -262,8 +262,7 @@ class GdnChunkRecurrenceSm90:
                     tma_u, tma_m, sK_layout, sU_layout, sM_layout, sO_layout, store_o, mO_t,
                     (tma_f, mF_t, sF_layout), staged_ckpt, mCuSeqlens, mSeqTable, mO, mState0,
                     mStateIdx, mFinal, mCkpt, ckpt_every, num_batches).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream,
-            use_pdl=not self.states_only)
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -278,10 +277,6 @@ class GdnChunkRecurrenceSm90:
                mStateIdx: cute.Tensor, mFinal: cute.Tensor,
                mCkpt: cute.Tensor, ckpt_every: Int32, num_batches: Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        # Launched as a programmatic dependent of stage 1 (the forward): the CTAs start while
-        # stage 1's last ones run and wait here until its results are visible (a no-op
-        # without the launch attribute).
-        cute.arch.griddepcontrol_wait()
         if const_expr(self.from_checkpoints):
             # batch: the checkpoint row this segment starts from
             batch, head, split = cute.arch.block_idx()
