@@ -126,7 +126,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                  mDBeta: cute.Tensor, scale: Float32, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K), mV (T, HV, V), mDO (T, HO, V); mG, mBeta, mDG,
         mDBeta (T, HO); mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none);
-        mWork16 / mWork32 as gdn_layout.workspace_shapes ([T | M]); mStates, mDStates (chunks, HO, V, K);
+        mWork16 / mWork32 as gdn_layout.workspace_shapes ([T | M]); mStates, mDStates
+        (chunks, HO, V, K);
         mDQ, mDK, mDV: each the final gradient in the io dtype (strided like its input) where
         gdn_layout.gradients_in_place says so, else (T, HO, K or V) per output head, io
         dtype as well."""

@@ -69,8 +69,9 @@ class GdnStateGradSm90:
                  mSeqTable: cute.Tensor, mDFinal: cute.Tensor, mDStates: cute.Tensor,
                  mDInit: cute.Tensor, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K), mDO (T, HO, V); mWork16 / mWork32 as
-        gdn_layout.workspace_shapes ([T | M]); mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none); mDFinal, mDInit
-        (N, HO, V, K) fp32 or None; mDStates (chunks, HO, V, K) in the io dtype."""
+        gdn_layout.workspace_shapes ([T | M]); mSeqTable: gdn_seq_table_sm90's table (or
+        cu_seqlens: none); mDFinal, mDInit (N, HO, V, K) fp32 or None; mDStates (chunks, HO,
+        V, K) in the io dtype."""
         dt = self.dtype
         K, C, Vc = self.k_dim, CHUNK, self.v_rows
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, STAGES)

@@ -441,9 +441,9 @@ class GdnBwdSm90(Op):
         the states entering every chunk at n = 64 in the io dtype, else the starts of the
         states pass (see the module docstring). ``forward_workspace``: the (work16,
         work32) a GdnFwdSm90 wrote for these same inputs (trusted, like cu_seqlens' values):
-        the prepare kernel is skipped and ``workspace`` needs no work16, work32. Never reads device memory;
-        allocates nothing when ``workspace`` is given (see workspace_shapes; else the op
-        keeps one per device and stream) but the int32 copy of int64 cu_seqlens and, for
+        the prepare kernel is skipped and ``workspace`` needs no work16, work32. Never reads
+        device memory; allocates nothing when ``workspace`` is given (see workspace_shapes;
+        else the op keeps one per device and stream) but the int32 copy of int64 cu_seqlens and, for
         more than 32 sequences, the per-sequence table (both kept per device and stream like
         the workspace; see GdnFwdSm90.execute). scale defaults to the constructor's.
 

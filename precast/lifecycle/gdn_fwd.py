@@ -259,9 +259,9 @@ def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool:
     """Stage 2 (GdnChunkRecurrenceSm90) and its fake arguments (q, k, work16, work32,
     cu_seqlens, table, o, initial state, state_indices, final state, checkpoints, v,
     ckpt_every, stream); absent tensors are None. W and U's products are made from v, T (in
-    work16) and its scales. states_only: no o, the checkpoints (io dtype) stored by TMA (the backward's
-    states pass); from_checkpoints: that pass started from the forward's checkpoints
-    (passed as the initial state, of ``state_dtype``)."""
+    work16) and its scales. states_only: no o, the checkpoints (io dtype) stored by TMA
+    (the backward's states pass); from_checkpoints: that pass started from the forward's
+    checkpoints (passed as the initial state, of ``state_dtype``)."""
     import cutlass
     import cutlass.cute as cute
     from ..kernels.fake import fake_stream, fake_tokens, scalar
@@ -355,9 +355,9 @@ class GdnFwdSm90(Op):
     Construct from sample tensors or TensorDescs of q, k, v, g, beta, cu_seqlens (and the
     initial state / pool and state_indices when used), then check_support(), compile(),
     execute(). Compiled for the fields of :func:`static_config_of` (the workspace holds
-    what a backward that reuses it needs: see the module docstring); scale, checkpoint_every_n_tokens (a multiple of 64), token and sequence
-    counts and strides are runtime values. batch_invariant is accepted and free (see the
-    module docstring).
+    what a backward that reuses it needs: see the module docstring); scale,
+    checkpoint_every_n_tokens (a multiple of 64), token and sequence counts and strides are
+    runtime values. batch_invariant is accepted and free (see the module docstring).
     """
 
     supported_archs = ("sm_90a",)
@@ -463,9 +463,10 @@ class GdnFwdSm90(Op):
         s = self.shapes
 
         # Stage 1 stores T and its column scales instead of W and U (T where W would be,
-        # where the backward reads it too); stage 2 makes W and U's products from them, k and v: 32 KB fewer stores and 16 KB fewer loads
-        # per (chunk, head), one more 64-deep product on the state's chain. Split or not,
-        # every state row's arithmetic is the same (batch invariance is bitwise).
+        # where the backward reads it too); stage 2 makes W and U's products from them, k
+        # and v: 32 KB fewer stores and 16 KB fewer loads per (chunk, head), one more
+        # 64-deep product on the state's chain. Split or not, every state row's arithmetic
+        # is the same (batch invariance is bitwise).
         def recurrence(v_splits: int = 1):
             return recurrence_kernel(s, state_dtype=s.state_dtype, pool=s.uses_pool,
                                      final_state=s.output_final_state,
