@@ -132,8 +132,6 @@ class GdnChunkPrepareSm90:
         self.l2norm = l2norm
         self.g_dtype, self.beta_dtype = g_dtype, beta_dtype
         self.store_wu = store_wu
-        # T and the scales leave this kernel for kernels that make W and U's products
-        self.stores_t = not store_wu
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -476,7 +474,7 @@ class GdnChunkPrepareSm90:
         if j == 0:
             out_f[G_LAST] = g_last
         t_w = beta * cute.math.exp(g, fastmath=True) * r_k
-        if const_expr(self.stores_t):  # the scales of T (second factor row)
+        if const_expr(not self.store_wu):  # the scales of T (second factor row)
             out_f[FACTOR_COLS + W_FACTORS + j] = t_w
             out_f[FACTOR_COLS + U_FACTORS + j] = beta
         return t_w, beta

@@ -149,6 +149,8 @@ class GdnChunkRecurrenceSm90:
         self.states_only, self.from_checkpoints = states_only, from_checkpoints
         self.from_inverse = from_inverse
         assert from_inverse or not states_only
+        # (only the fused kernel, which reads W and U, keeps S^T Q^T beside the update)
+        assert overlap_products or not from_inverse
         assert not pool or initial_state
         self.dtype = dtype
         self.k_dim, self.v_dim = k_dim, v_dim
@@ -547,18 +549,15 @@ class GdnChunkRecurrenceSm90:
         elif const_expr(self.from_inverse):
             decay = cute.math.exp(factors[G_LAST], fastmath=True)
             acc_d = cute.make_rmem_tensor(acc_x.layout, Float32)
-            if const_expr(self.overlap_products):  # S^T Q^T in flight with Y^T
-                wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
+            wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)  # beside Y^T
             self.delta_from_inverse(parts, acc_d, u_t, t_w, t_u, frag_t[None, None, None, s],
-                                    1 if const_expr(self.overlap_products) else 0)
+                                    1)
             for e in cutlass.range_constexpr(cute.size(acc_x)):
                 delta16[e] = acc_d[e].to(self.dtype)
                 delta_k16[e] = (acc_d[e] * t_kf[e]).to(self.dtype)
             for e in cutlass.range_constexpr(cute.size(acc_state)):
                 acc_state[e] = acc_state[e] * decay
             wgmma(mma_state, acc_state, tSrDk, tSrK[None, None, None, s], True)
-            if const_expr(not self.overlap_products):  # S^T Q^T beside the state's update
-                wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)
             warpgroup.wait_group(0)
             for e in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[e] = acc_o[e] * t_qf[e]
