@@ -666,8 +666,8 @@ def test_forward_workspace_skips_prepare(launches):
 
 FORWARD_WORKSPACE_RULES = [
     ("triple", lambda f, a: (*f, meta(CHUNKS, HO, 64, 64)), TypeError,
-     r"forward_workspace: expected the pair \(work16, work32\) a GdnFwdSm90 wrote \(its "
-     r"workspace_shapes\(T, N\)\), got tuple of 3"),
+     r"forward_workspace: expected the pair \(work16, work32\) shaped "
+     r"GdnFwdSm90.workspace_shapes\(T, N\), got tuple of 3"),
     ("work32-bf16", lambda f, a: (f[0], meta(*f[1].shape, dtype=BF)), TypeError,
      r"forward_workspace \(work32\): dtype bfloat16 is not supported; expected float32"),
     ("fewer-chunks", lambda f, a: (meta(CHUNKS - 1, *f[0].shape[1:]), *f[1:]), ValueError,
@@ -751,16 +751,17 @@ def test_no_sequence_writes_nothing(launches):
 @pytest.fixture
 def on_cpu(monkeypatch, launches):
     """The rules ask tensors for device "cpu": execute() takes CPU tensors (real memory:
-    copies and overlaps)."""
-    for name in ("check_gdn_inputs", "check_gdn_gradients", "check_tensor"):
-        real = getattr(bwd_module, name)
+    copies and overlaps). (The forward workspace's rule is gdn_fwd's.)"""
+    for module, name in ((bwd_module, "check_gdn_inputs"), (bwd_module, "check_gdn_gradients"),
+                         (bwd_module, "check_tensor"), (fwd_module, "check_tensor")):
+        real = getattr(module, name)
 
         def on(*a, _real=real, **kw):  # samples (descriptors) still describe cuda tensors
             named = list(a) + list(kw.values()) + (list(a[1].values())
                                                    if isinstance(a[1], dict) else [])
             cpu = any(isinstance(t, torch.Tensor) for t in named)
             return _real(*a, **{**kw, "device": "cpu" if cpu else "cuda"})
-        monkeypatch.setattr(bwd_module, name, on)
+        monkeypatch.setattr(module, name, on)
     launches.alloc_device = "cpu"
     return launches
 

@@ -549,7 +549,7 @@ def test_the_workspace_is_the_pair_a_backward_reuses(launches):
     assert op.workspace_dtypes() == (BF, F32)
     ws = op.make_workspace(T, N, device="meta")
     assert [(tuple(t.shape), t.dtype) for t in ws] == list(zip(shapes, (BF, F32)))
-    with pytest.raises(TypeError, match=r"workspace: expected a 2-tuple \(work16, work32\) "
+    with pytest.raises(TypeError, match=r"workspace: expected the pair \(work16, work32\) "
                        r".* got tuple of 3"):
         op.execute(**call(), stream=3, workspace=ws + (meta(CHUNKS, HO, 64, 64),))
     with pytest.raises(TypeError, match="unexpected keyword argument 'store_inverse'"):
@@ -558,22 +558,23 @@ def test_the_workspace_is_the_pair_a_backward_reuses(launches):
 
 WORKSPACE_RULES = [
     ("not-a-pair", lambda s16, s32: meta(*s16), TypeError,
-     r"workspace: expected a 2-tuple \(work16, work32\) shaped workspace_shapes\(T, N\), "
+     r"workspace: expected the pair \(work16, work32\) shaped "
+     r"GdnFwdSm90.workspace_shapes\(T, N\), "
      r"got Tensor$"),
     ("three", lambda s16, s32: (meta(*s16), meta(*s32, dtype=F32), None), TypeError,
-     "workspace: expected a 2-tuple .* got tuple of 3"),
+     "workspace: expected the pair .* got tuple of 3"),
     ("work16-fp32", lambda s16, s32: (meta(*s16, dtype=F32), meta(*s32, dtype=F32)), TypeError,
-     r"workspace\[0\] \(work16\): dtype float32 is not supported; expected bfloat16"),
+     r"workspace \(work16\): dtype float32 is not supported; expected bfloat16"),
     ("work32-bf16", lambda s16, s32: (meta(*s16), meta(*s32)), TypeError,
-     r"workspace\[1\] \(work32\): dtype bfloat16 is not supported; expected float32"),
+     r"workspace \(work32\): dtype bfloat16 is not supported; expected float32"),
     ("fewer-chunks", lambda s16, s32: (meta(s16[0] - 1, *s16[1:]), meta(*s32, dtype=F32)),
-     ValueError, r"workspace\[0\] \(work16\): extent 5 on axis 0 does not match"),
+     ValueError, r"workspace \(work16\): extent 5 on axis 0 does not match"),
     ("more-chunks", lambda s16, s32: (meta(*s16), meta(s32[0] + 1, *s32[1:], dtype=F32)),
-     ValueError, r"workspace\[1\] \(work32\): extent 7 on axis 0"),
+     ValueError, r"workspace \(work32\): extent 7 on axis 0"),
     ("padded", lambda s16, s32: (meta(*s16[:3], F + 8)[..., :F], meta(*s32, dtype=F32)),
-     ValueError, r"workspace\[0\] \(work16\): must be contiguous"),
+     ValueError, r"workspace \(work16\): must be contiguous"),
     ("cpu", lambda s16, s32: (torch.empty(s16, dtype=BF), meta(*s32, dtype=F32)), ValueError,
-     r"workspace\[0\] \(work16\): tensor is on cpu"),
+     r"workspace \(work16\): tensor is on cpu"),
 ]
 
 
@@ -806,12 +807,12 @@ def test_workspace_may_not_alias_anything(on_cpu):
     s16, s32 = op.workspace_shapes(T, N)
     big = torch.zeros(math.prod(s16) + T * HO * V, dtype=BF)
     work16 = big[:math.prod(s16)].view(s16)
-    with pytest.raises(ValueError, match="workspace\\[0\\] overlaps o in memory"):
+    with pytest.raises(ValueError, match=r"workspace \(work16\) overlaps o in memory"):
         op.execute(**{**a, "o": big[math.prod(s16) - 8:][:T * HO * V].view(T, HO, V)},
                    workspace=(work16, torch.zeros(s32)), stream=1)
     work32 = torch.zeros(math.prod(s32) + T * HO)
     g = work32[:T * HO].view(T, HO)
-    with pytest.raises(ValueError, match="workspace\\[1\\] overlaps g in memory"):
+    with pytest.raises(ValueError, match=r"workspace \(work32\) overlaps g in memory"):
         op.execute(**{**a, "g": g}, workspace=(work16, work32[:math.prod(s32)].view(s32)),
                    stream=1)
     # disjoint parts of one buffer are fine

@@ -55,7 +55,8 @@ from ..reference.gated_delta_net import CHUNK_SIZE
 from .cache import KernelBuilder
 from .gdn_fwd import (CONFIG_SOURCES, DATA_ALIGN, KERNEL_SOURCES, _cute_type, _fake_gate,
                       _fake_offsets, _fake_rows, _fake_state, _fake_workspace, _option_dtype,
-                      check_kernel_limits, check_same_config, offsets_as_int32,
+                      check_kernel_limits, check_same_config, check_workspace_pair,
+                      offsets_as_int32,
                       prepare_kernel, recurrence_kernel, seq_table_kernel, sequence_table,
                       splits_recurrences,
                       WORKSPACE_NAMES as FORWARD_WORKSPACE,
@@ -369,22 +370,6 @@ class GdnBwdSm90(Op):
                      if not (reuse and name in RECOMPUTE_ONLY)
                      and not (prepared and name in FORWARD_WORKSPACE))
 
-    def _check_forward_workspace(self, forward_workspace, s: GdnShapes
-                                 ) -> Dict[str, torch.Tensor]:
-        shapes = self.workspace_shapes(s.T, s.N)
-        check_value(isinstance(forward_workspace, (tuple, list))
-                    and len(forward_workspace) == len(FORWARD_WORKSPACE), TypeError,
-                    "forward_workspace: expected the pair (work16, work32) a GdnFwdSm90 wrote "
-                    "(its workspace_shapes(T, N)), got "
-                    f"{type(forward_workspace).__name__}"
-                    + (f" of {len(forward_workspace)}"
-                       if isinstance(forward_workspace, (tuple, list)) else ""))
-        for name, t in zip(FORWARD_WORKSPACE, forward_workspace):
-            check_tensor(f"forward_workspace ({name})", t, dtypes=(self.workspace_dtype(name),),
-                         shape=shapes[name], align=DATA_ALIGN, contiguous=True,
-                         max_span=MAX_SPAN)
-        return dict(zip(FORWARD_WORKSPACE, forward_workspace))
-
     def _check_workspace(self, workspace, s: GdnShapes, reuse: bool,
                          prepared: bool) -> Dict[str, torch.Tensor]:
         check_value(isinstance(workspace, Mapping), TypeError,
@@ -472,9 +457,8 @@ class GdnBwdSm90(Op):
             check_gdn_gradients(s, inputs, do=do, dfinal=dfinal, gradients=gradients)
             check_kernel_limits(s, dict(q=q, k=k, v=v, do=do, dq=dq, dk=dk, dv=dv))
             reuse = self._reuses(s, checkpoints)
-            factors = ({} if not prepared
-                       else self._check_forward_workspace(forward_workspace, s))
-            factors_read = [(f"forward_workspace ({name})", t) for name, t in factors.items()]
+            factors_read = (check_workspace_pair("forward_workspace", forward_workspace, s)
+                            if prepared else [])
             if workspace is not None:
                 written = [(f"workspace[{name!r}]", t) for name, t in
                            self._check_workspace(workspace, s, reuse, prepared).items()]

@@ -18,7 +18,8 @@ int64 cu_seqlens are converted on the stream into an int32 buffer the op keeps p
 and stream (the kernels read int32; the values stay on the device).
 
 Shared with the backward (gdn_bwd.GdnBwdSm90): the kernels' fake arguments
-(prepare_kernel, recurrence_kernel), stream_buffers, offsets_as_int32, check_same_config.
+(prepare_kernel, recurrence_kernel), stream_buffers, offsets_as_int32, check_same_config,
+check_workspace_pair.
 
 The workspace (work16, work32) holds T = (I + A)^-1 of every (chunk, head), M, and the
 factor rows (with the column scales that turn T into the scaled inverses: W = T diag(t_w)
@@ -91,6 +92,11 @@ CONFIG_SOURCES = {
     "checkpoint_dtype": "checkpoint dtype ('none': no checkpoint_every_n_tokens)",
 }
 WORKSPACE_NAMES = ("work16", "work32")
+
+
+def workspace_dtypes(io: torch.dtype) -> Tuple[torch.dtype, ...]:
+    """The dtypes of the workspace pair (gdn_layout.workspace_shapes' order)."""
+    return (io, torch.float32)
 
 
 def _dtype_option(dtype: Optional[torch.dtype], io: torch.dtype) -> str:
@@ -283,6 +289,26 @@ def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool:
 
 
 # --- what both GDN ops share at run time -------------------------------------------------------
+def check_workspace_pair(role: str, pair, s: GdnShapes) -> list:
+    """[(label, tensor)] of the workspace pair (work16, work32) passed as ``role`` (the
+    forward's ``workspace``, the backward's ``forward_workspace``), checked against
+    gdn_layout.workspace_shapes(T, N) and workspace_dtypes: contiguous, 16-byte aligned."""
+    from ..kernels.gdn_layout import workspace_shapes
+    paired = isinstance(pair, (tuple, list))
+    check_value(paired and len(pair) == len(WORKSPACE_NAMES), TypeError,
+                f"{role}: expected the pair (work16, work32) shaped "
+                f"GdnFwdSm90.workspace_shapes(T, N), got {type(pair).__name__}"
+                + (f" of {len(pair)}" if paired else ""))
+    labelled = []
+    for name, t, dtype, shape in zip(WORKSPACE_NAMES, pair, workspace_dtypes(s.dtype),
+                                     workspace_shapes(s.T, s.N, s.HO, s.K, s.V)):
+        label = f"{role} ({name})"
+        check_tensor(label, t, dtypes=(dtype,), shape=shape, align=DATA_ALIGN,
+                     contiguous=True, max_span=MAX_SPAN)
+        labelled.append((label, t))
+    return labelled
+
+
 def check_same_config(op_name: str, want: Mapping[str, object], got: Mapping[str, object],
                       sources: Mapping[str, str], function: str) -> None:
     """A call's static fields (``got``) against an op's (``want``): one message per
@@ -494,8 +520,7 @@ class GdnFwdSm90(Op):
 
     def workspace_dtypes(self) -> Tuple[torch.dtype, ...]:
         """The dtypes of the workspace's tensors, in workspace_shapes' order."""
-        io = self.shapes.dtype
-        return (io, torch.float32)
+        return workspace_dtypes(self.shapes.dtype)
 
     def make_workspace(self, total_tokens: int, num_seqs: int, device=None
                        ) -> Tuple[torch.Tensor, ...]:
@@ -504,18 +529,6 @@ class GdnFwdSm90(Op):
         device = "cuda" if device is None else device
         return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in zip(
             self.workspace_shapes(total_tokens, num_seqs), self.workspace_dtypes()))
-
-    def _check_workspace(self, workspace, s: GdnShapes) -> Tuple[object, ...]:
-        shapes = self.workspace_shapes(s.T, s.N)
-        names = WORKSPACE_NAMES[:len(shapes)]
-        check_value(isinstance(workspace, (tuple, list)) and len(workspace) == len(shapes),
-                    TypeError, f"workspace: expected a {len(shapes)}-tuple ({', '.join(names)}) "
-                    f"shaped workspace_shapes(T, N), got {type(workspace).__name__}"
-                    + (f" of {len(workspace)}" if isinstance(workspace, (tuple, list)) else ""))
-        for i, (t, dtype, shape) in enumerate(zip(workspace, self.workspace_dtypes(), shapes)):
-            check_tensor(f"workspace[{i}] ({names[i]})", t, dtypes=(dtype,), shape=shape,
-                         align=DATA_ALIGN, contiguous=True, max_span=MAX_SPAN)
-        return tuple(workspace)
 
     def _own_workspace(self, index: Optional[int], handle: int, total_tokens: int,
                        num_seqs: int) -> Tuple[torch.Tensor, ...]:
@@ -577,8 +590,7 @@ class GdnFwdSm90(Op):
             self._same_config(s)
             check_kernel_limits(s, dict(q=q, k=k, v=v, o=o))
             if workspace is not None:
-                written = [(f"workspace[{i}]", t)
-                           for i, t in enumerate(self._check_workspace(workspace, s))]
+                written = check_workspace_pair("workspace", workspace, s)
                 check_same_device(written + list(named.items()))
                 check_no_overlap(written, list(named.items()))
             return s
