@@ -146,8 +146,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cpasync.make_tiled_tma_atom(g2s, tok(mK), one(lay_k), (C, K)),
             cpasync.make_tiled_tma_atom(g2s, tok(mV), one(lay_v), (C, V)),
             cpasync.make_tiled_tma_atom(g2s, tok(mDO), one(lay_v), (C, V)),
-            cpasync.make_tiled_tma_atom(g2s, blk(mWork16), one(lay_c), (C, C)),  # M
-            cpasync.make_tiled_tma_atom(g2s, blk(mWork16), one(lay_c), (C, C)),  # T
+            cpasync.make_tiled_tma_atom(g2s, blk(mWork16), one(lay_c), (C, C)),  # T and M
             cpasync.make_tiled_tma_atom(g2s, blk(mStates), one(lay_s), (V, K)),
             cpasync.make_tiled_tma_atom(g2s, blk(mDStates), one(lay_s), (V, K)))
         size = lambda layout: cute.size_in_bytes(dt, one(layout))  # noqa: E731
@@ -281,7 +280,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         dS' (LATE_LOADS)."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
-        lq, lk, lv, ldo, lm, lt, ls, lds = loads
+        lq, lk, lv, ldo, lw, ls, lds = loads  # lw: work16's 64 x 64 blocks
 
         def token_tile(atom, m, s, h, cols, bar):  # rows [start + 64 chunk, +64) of head h
             g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
@@ -300,9 +299,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         token_tile(*lk, sK, head // self.k_group, K, QK_LOADS)
         block_tile(*ls, sS, 0, (V, K), FIRST_LOADS)
         token_tile(*lv, sV, head // self.v_group, V, FIRST_LOADS)
-        block_tile(*lt, sT, T_COL, (C, C), FIRST_LOADS)
+        block_tile(*lw, sT, T_COL, (C, C), FIRST_LOADS)
         token_tile(*ldo, sDO, head, V, REST_LOADS)
-        block_tile(*lm, sM, M_COL, (C, C), REST_LOADS)
+        block_tile(*lw, sM, M_COL, (C, C), REST_LOADS)
         block_tile(*lds, sDS, 0, (V, K), LATE_LOADS)
 
     @cute.jit

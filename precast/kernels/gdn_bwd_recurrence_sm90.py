@@ -81,9 +81,8 @@ class GdnStateGradSm90:
         one = lambda layout: cute.slice_(layout, (None, None, 0))  # noqa: E731
         g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         mW = select_modes(mWork16, [2, 3, 1, 0])  # (64, F, HO, chunks)
-        # T (64 x 64) instead of W = T diag(t_w) Kc (half the bytes)
-        tma_t, mW_t = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
-        tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
+        # work16's 64 x 64 blocks: T (instead of W = T diag(t_w) Kc: half the bytes) and M
+        tma_blk, mW_blk = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
         tma_q, mQ_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mQ, [0, 2, 1]),
                                                   one(sK_layout), (C, K))
         tma_k, mK_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mK, [0, 2, 1]),
@@ -125,7 +124,7 @@ class GdnStateGradSm90:
 
         self.storage = SharedStorage
         num_batches = mCuSeqlens.shape[0] - 1
-        loads = ((tma_q, mQ_t), (tma_k, mK_t), (tma_t, mW_t), (tma_m, mW_m), (tma_do, mDO_t),
+        loads = ((tma_q, mQ_t), (tma_k, mK_t), (tma_blk, mW_blk), (tma_do, mDO_t),
                  (tma_f, mF_t))
         self.kernel((mma_tok, mma_tok_ss, mma_state, mma_state_ss, mma_t), loads,
                     (store_ds, mDS_t),
@@ -175,8 +174,7 @@ class GdnStateGradSm90:
         """The chunks' q, k (raw rows), W, M, factor row and this CTA's do columns, last
         chunk first."""
         K, C, Vc = self.k_dim, CHUNK, self.v_rows
-        (tma_q, mQ), (tma_k, mK), (tma_t, mW_t), (tma_m, mW_m), (tma_do, mDO), \
-            (tma_f, mF) = loads
+        (tma_q, mQ), (tma_k, mK), (tma_blk, mW_blk), (tma_do, mDO), (tma_f, mF) = loads
         sQ, sK, sT, sM, sDO, sF = tiles
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         for i in cutlass.range(chunks, unroll=1):
@@ -190,11 +188,10 @@ class GdnStateGradSm90:
                 g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
                                     (c, col_tile))
                 tma_load_tile(atom, g, s, state.index, bar)
-            for atom, m, s, col, cols in ((tma_t, mW_t, sT, T_COL, C),
-                                          (tma_m, mW_m, sM, M_COL, C)):
-                block = m[None, None, head, first_chunk + c]  # (64, F)
-                g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
-                tma_load_tile(atom, g, s, state.index, bar)
+            block = mW_blk[None, None, head, first_chunk + c]  # (64, F)
+            for s, col in ((sT, T_COL), (sM, M_COL)):
+                g = cute.local_tile(cute.domain_offset((0, col), block), (C, C), (0, 0))
+                tma_load_tile(tma_blk, g, s, state.index, bar)
             load_factor_row(tma_f, mF, sF, head, first_chunk + c, state.index, bar)
             state = advanced(state)
 

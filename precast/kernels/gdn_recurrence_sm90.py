@@ -190,8 +190,8 @@ class GdnChunkRecurrenceSm90:
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         # (chunks, HO, 64, F) -> (64, F, HO, chunks): rows and columns first, as TMA tiles.
         mW = select_modes(mWork16, [2, 3, 1, 0])
-        # T (work16's columns from gdn_layout.T_COL)
-        tma_k, mW_k = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
+        # work16's 64 x 64 blocks: T (columns from gdn_layout.T_COL) and M (M_COL)
+        tma_blk, mW_blk = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
         # q, k and v (T, H, D) -> (T, D, H); of v this CTA's columns
         tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, select_modes(mV, [0, 2, 1]),
                                                   one(sU_layout), (C, Vc))
@@ -199,7 +199,6 @@ class GdnChunkRecurrenceSm90:
                                                   one(sK_layout), (C, K))
         tma_kr, mK_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mK, [0, 2, 1]),
                                                    one(sK_layout), (C, K))
-        tma_m, mW_m = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
 
         def checkpoint_staging():
             """A (V rows x K) 16-bit staging tile and the TMA store of it to a checkpoint
@@ -248,7 +247,8 @@ class GdnChunkRecurrenceSm90:
             bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            # T's tiles (with o; the states pass puts T into sM and leaves this unused)
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
             sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sO_layout)], 1024]
@@ -260,8 +260,8 @@ class GdnChunkRecurrenceSm90:
         # one grid column per (sequence) or, from checkpoints, per checkpoint row
         grid = ([mState0.shape[0], self.heads, self.v_splits] if const_expr(self.from_checkpoints)
                 else [self.heads, cutlass.max(num_batches, 1), self.v_splits])
-        self.kernel(mma_tok, mma_state, mQ_t, mK_t, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k,
-                    tma_u, tma_m, sK_layout, sU_layout, sM_layout, sO_layout, store_o, mO_t,
+        self.kernel(mma_tok, mma_state, mQ_t, mK_t, mW_blk, mW_u, tma_q, tma_kr, tma_blk,
+                    tma_u, sK_layout, sU_layout, sM_layout, sO_layout, store_o, mO_t,
                     (tma_f, mF_t, sF_layout), staged_ckpt, mCuSeqlens, mSeqTable, mO, mState0,
                     mStateIdx, mFinal, mCkpt, ckpt_every, num_batches).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
@@ -269,9 +269,9 @@ class GdnChunkRecurrenceSm90:
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, mma_tok: cute.TiledMma, mma_state: cute.TiledMma, mQ: cute.Tensor,
-               mK: cute.Tensor, mW_k: cute.Tensor, mW_u: cute.Tensor, mW_m: cute.Tensor,
-               tma_q: cute.CopyAtom, tma_kr: cute.CopyAtom, tma_k: cute.CopyAtom,
-               tma_u: cute.CopyAtom, tma_m: cute.CopyAtom, sK_layout: cute.ComposedLayout,
+               mK: cute.Tensor, mW_blk: cute.Tensor, mW_u: cute.Tensor,
+               tma_q: cute.CopyAtom, tma_kr: cute.CopyAtom, tma_blk: cute.CopyAtom,
+               tma_u: cute.CopyAtom, sK_layout: cute.ComposedLayout,
                sU_layout: cute.ComposedLayout, sM_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, store_o: cute.CopyAtom, mO_t: cute.Tensor,
                factor_rows: tuple, staged_ckpt, mCuSeqlens: cute.Tensor,
@@ -293,11 +293,7 @@ class GdnChunkRecurrenceSm90:
         cute.arch.sync_threads()
         sQ = storage.sQ.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sW = storage.sW.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        if const_expr(not self.states_only):  # T where W would be (beside M in sM)
-            sW = cute.make_tensor(cute.recast_ptr(storage.sW.data_ptr(),
-                                                  swizzle_=sM_layout.inner, dtype=self.dtype),
-                                  sM_layout.outer)
+        sW = storage.sW.get_tensor(sM_layout.outer, swizzle=sM_layout.inner)  # T (with o)
         sU = storage.sU.get_tensor(sU_layout.outer, swizzle=sU_layout.inner)
         sM = storage.sM.get_tensor(sM_layout.outer, swizzle=sM_layout.inner)
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
@@ -321,7 +317,7 @@ class GdnChunkRecurrenceSm90:
         updates = cutlass.max(chunks - 1, 0) if const_expr(self.from_checkpoints) else chunks
         if warp == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.produce(mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ, sK,
+            self.produce(mQ, mK, mW_blk, mW_u, tma_q, tma_kr, tma_blk, tma_u, sQ, sK,
                          sW, sU, sM, (tma_f, mF_t, sF), pipe, head, start, first_chunk,
                          updates, split)
         elif warp < 4:
@@ -379,17 +375,17 @@ class GdnChunkRecurrenceSm90:
         return start, length, first_chunk, state_row
 
     @cute.jit
-    def produce(self, mQ, mK, mW_k, mW_u, mW_m, tma_q, tma_kr, tma_k, tma_u, tma_m, sQ, sK,
+    def produce(self, mQ, mK, mW_blk, mW_u, tma_q, tma_kr, tma_blk, tma_u, sQ, sK,
                 sW, sU, sM, factor_rows, pipe, head: Int32, start: Int32, first_chunk: Int32,
                 chunks: Int32, split: Int32):
         K, V, C = self.k_dim, self.v_dim, CHUNK
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-        # workspace tiles: (atom, tensor, smem, first column, columns): T (into sM without
-        # o, else into sW beside M); v's columns go into sU (below)
-        tiles = ((tma_k, mW_k, sM, T_COL, C),)
+        # work16's 64 x 64 blocks (smem, first column): T (into sM without o, else into sW
+        # beside M); v's columns go into sU (below)
+        tiles = ((sM, T_COL),)
         token_tiles = ((tma_kr, mK, sK, head // self.k_group),)
         if const_expr(not self.states_only):  # Q and M only make o
-            tiles = ((tma_k, mW_k, sW, T_COL, C), (tma_m, mW_m, sM, M_COL, C))
+            tiles = ((sW, T_COL), (sM, M_COL))
             token_tiles = ((tma_q, mQ, sQ, head // self.q_group),) + token_tiles
         for c in cutlass.range(chunks, unroll=1):
             pipe.producer_acquire(state)
@@ -402,10 +398,10 @@ class GdnChunkRecurrenceSm90:
                 (start, 0), mW_u[None, None, head // self.v_group]), (C, self.v_rows),
                 (c, split))
             tma_load_tile(tma_u, g, sU, state.index, bar)
-            for atom, m, s, col, cols in tiles:
-                block = m[None, None, head, first_chunk + c]  # (64, F)
-                g = cute.local_tile(cute.domain_offset((0, col), block), (C, cols), (0, 0))
-                tma_load_tile(atom, g, s, state.index, bar)
+            block = mW_blk[None, None, head, first_chunk + c]  # (64, F)
+            for s, col in tiles:
+                g = cute.local_tile(cute.domain_offset((0, col), block), (C, C), (0, 0))
+                tma_load_tile(tma_blk, g, s, state.index, bar)
             load_factor_row(*factor_rows, head, first_chunk + c, state.index, bar)
             state = advanced(state)
 
