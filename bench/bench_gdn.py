@@ -56,8 +56,8 @@ def io_bytes(q, k, v, g, beta, batch: int) -> int:
 
 
 def workspace_bytes(q, k, v, g, beta, cu) -> int:
-    """What the two-kernel path moves besides its inputs and outputs: the workspace ([T | M]
-    and the factor rows), written by the first kernel and read by the second, and v read a
+    """What the two-kernel path moves besides its inputs and outputs: the workspace (T and M
+    packed, and the factor rows), written by the first kernel and read by the second, and v read a
     second time by the second."""
     op = GdnFwdSm90(q, k, v, g, beta, cu)  # descriptors only: nothing compiled
     s16, s32 = op.workspace_shapes(q.shape[0], cu.shape[0] - 1)

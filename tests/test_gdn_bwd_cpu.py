@@ -329,7 +329,7 @@ def test_execute_launches_every_stage_in_order(launches):
     # N <= 32 sequences: no table, cu_seqlens stands in for it (the argument after it)
     # prepare(q, k, v, g, beta, cu_seqlens, table, work16, work32, scale, stream)
     assert same(prep[:7], [q, k, v, g, beta, cu, cu]) and prep[9:] == (0.5, 7)
-    assert [tuple(t.shape) for t in prep[7:9]] == [(CHUNKS, HO, 64, 128), (CHUNKS, HO, 272)]
+    assert [tuple(t.shape) for t in prep[7:9]] == [(CHUNKS, HO, 64, 64), (CHUNKS, HO, 272)]
     # states(q, k, work16, work32, cu_seqlens, table, no o, initial state, None, None,
     # states, v, 64, stream): on a side stream forked after prepare, joined before
     # chunk_grad (W and U made from v, T and its scales)
@@ -591,7 +591,7 @@ def test_make_workspace_defaults_to_the_cuda_device(monkeypatch):
 def test_workspace_shapes():
     op = bwd()
     shapes = op.workspace_shapes(T, N)
-    assert shapes == {"work16": (CHUNKS, HO, 64, 128), "work32": (CHUNKS, HO, 272),
+    assert shapes == {"work16": (CHUNKS, HO, 64, 64), "work32": (CHUNKS, HO, 272),
                       "dstates": (CHUNKS, HO, V, K), "states": (CHUNKS, HO, V, K),
                       "dq_heads": (T, HO, K), "dk_heads": (T, HO, K)}  # v: no grouped heads
     assert op.workspace_shapes(0, 3)["work16"][0] == 3
@@ -697,7 +697,7 @@ WORKSPACE_RULES = [
      r"workspace\['dq_heads'\]: dtype float32 is not supported; expected bfloat16"),
     ("rows", lambda ws: {**ws, "dstates": meta(CHUNKS - 1, HO, V, K)}, ValueError,
      r"workspace\['dstates'\]: extent 5 on axis 0"),
-    ("padded", lambda ws: {**ws, "work16": meta(CHUNKS, HO, 64, 136)[..., :128]}, ValueError,
+    ("padded", lambda ws: {**ws, "work16": meta(CHUNKS, HO, 64, 72)[..., :64]}, ValueError,
      r"workspace\['work16'\]: must be contiguous"),
 ]
 
@@ -862,7 +862,7 @@ def test_allocating_functions_keep_and_reuse_the_forward_workspace(no_compile):
                                 stream=0)
     (_, prep), _ = no_compile.calls
     work16, work32 = r.workspace
-    assert same(prep[7:9], r.workspace) and work16.shape == (CHUNKS, HO, 64, 128)
+    assert same(prep[7:9], r.workspace) and work16.shape == (CHUNKS, HO, 64, 64)
     fwd_op = [op for op in COMPILED_OPS._ops.values() if isinstance(op, GdnFwdSm90)]
     assert len(fwd_op) == 1 and fwd_op[0]._workspaces == {}
     assert precast.gated_delta_net(**a, use_qk_l2norm_in_kernel=True, stream=0).workspace is None
@@ -949,7 +949,7 @@ def test_kernel_builder_arguments():
     assert len(sgrad) == 11 and sgrad[7] is None  # no dfinal
     assert sgrad[5].element_type == sgrad[6].element_type == cutlass.Int32
     assert tuple(sgrad[2].shape[1:]) == (8, 128)  # do
-    assert tuple(sgrad[3].shape[1:]) == (8, 64, 128)  # work16: [T | M]
+    assert tuple(sgrad[3].shape[1:]) == (8, 64, 64)  # work16: the packed P
     assert tuple(sgrad[8].shape[1:]) == (8, 128, 64)  # dstates
     assert sgrad[9].element_type == cutlass.Float32
     _, cgrad = built["chunk_grad"]

@@ -28,7 +28,7 @@ BF, FP, F32, F64, I32, I64 = (torch.bfloat16, torch.float16, torch.float32, torc
 T, N, HQ, HK, HV, K, V = 128, 4, 4, 4, 8, 64, 128
 HO = max(HQ, HV)
 CHUNKS = T // 64 + N  # workspace chunk rows
-F = 128  # workspace columns: [T | M]
+F = 64  # workspace columns: the packed block P (T and M)
 COMPILED_OPS = sys.modules["precast.op_cache"]
 
 
@@ -541,7 +541,7 @@ def test_make_workspace_defaults_to_the_cuda_device(monkeypatch):
 
 
 def test_the_workspace_is_the_pair_a_backward_reuses(launches):
-    """The workspace (work16 = [T | M], work32 = the factor rows) is all a backward needs of
+    """The workspace (work16 = T and M packed, work32 = the factor rows) is all a backward needs of
     stage 1 (GdnBwdSm90.execute(forward_workspace=...)): a pair, no third tensor."""
     op = gdn().check_support()
     shapes = op.workspace_shapes(T, N)
@@ -990,7 +990,7 @@ def test_custom_op_fake_under_fake_tensor_mode():
     assert tuple(o.shape) == (T, 16, 128) and o.dtype == FP
     assert tuple(final.shape) == (N, 16, 128, 64) and final.dtype == F32
     assert tuple(ckpt.shape) == (T // 64 + N, 16, 128, 64) and ckpt.dtype == FP
-    assert [tuple(t.shape) for t in kept] == [(T // 64 + N, 16, 64, 128),
+    assert [tuple(t.shape) for t in kept] == [(T // 64 + N, 16, 64, 64),
                                               (T // 64 + N, 16, 272)]
 
 
@@ -1065,7 +1065,7 @@ def test_kernel_builder_arguments(stub_kernels, config, none_args):
     assert q.shape[0] is k.shape[0] is v.shape[0] is g.shape[0] is beta.shape[0]
     assert g.element_type == cutlass.BFloat16 and beta.element_type == cutlass.Float32
     assert g.shape[1] == beta.shape[1] == 8 and g.stride[1] == 1
-    assert tuple(work16.shape[1:]) == (8, 64, 64 + 64)  # [T | M]
+    assert tuple(work16.shape[1:]) == (8, 64, 64)  # T and M packed
     assert work16.element_type == cutlass.Float16 and work32.element_type == cutlass.Float32
     assert work16.shape[0] is work32.shape[0] and tuple(work32.shape[1:]) == (8, 272)
     assert isinstance(prep[9], cutlass.Float32)

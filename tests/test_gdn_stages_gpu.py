@@ -10,7 +10,8 @@ import torch
 from precast import GdnBwdSm90, GdnFwdSm90
 from precast.reference.gated_delta_net import (CHUNK_SIZE, gdn_recurrent_reference,
                                                rms_error_ratio)
-from precast.reference.gdn_workspace import gdn_chunk_workspace_reference
+from precast.reference.gdn_workspace import (gdn_chunk_workspace_reference, pack_work16,
+                                            unpack_work16)
 from precast.reference.offsets import offsets_from_lengths
 
 pytestmark = pytest.mark.gpu
@@ -43,7 +44,7 @@ def rel_err(got, want):
 @pytest.mark.parametrize("kind", ["forward", "backward", "forward, K = V = 64"])
 def test_stage1_matches_the_reference(kind):
     """Stage 1 (the forward's artifact and the backward's: the same kernel) against the
-    reference workspace: T = (I + A)^-1 and M in work16 ([T | M]), both factor rows
+    reference workspace: T = (I + A)^-1 and M in work16 (the packed P), both factor rows
     ([q_f | k_f | G_L] and [t_w | t_u]) in work32. At K = 64 the dead q and k tiles are too
     small for A and M, which get their own tile (a code path of its own)."""
     dk = dv = 64 if kind.endswith("64") else K
@@ -74,10 +75,11 @@ def test_stage1_matches_the_reference(kind):
     torch.cuda.synchronize()
     chunks = sum(-(-n // C) for n in LENS)
     F = s32[-1] // 2  # a factor row's padded length
-    got_t, got_m = work16[:chunks, ..., :C], work16[:chunks, ..., C:]  # [T | M]
+    got_p = work16[:chunks]
     got_f, got_s = work32[:chunks, :, :2 * C + 1], work32[:chunks, :, F:F + 2 * C]
-    for name, got in (("T", got_t), ("M", got_m), ("factors", got_f), ("scales", got_s)):
+    for name, got in (("P", got_p), ("factors", got_f), ("scales", got_s)):
         assert not torch.isnan(got).any(), name
+    got_t, got_m = unpack_work16(got_p)
     for name, got, want in (("T", got_t, inv), ("M", got_m, work[..., dk + dv:])):
         err = rel_err(got, want[:chunks])
         assert err < 2e-2, f"{name}: max|got - want| / max|want| = {err:.3g}"
@@ -87,7 +89,7 @@ def test_stage1_matches_the_reference(kind):
 
 def recurrence_on_the_reference_workspace(mode, q, k, v, gate, beta, cu):
     """Stage 2 kernel ``mode`` of the batch's op, fed the reference workspace as stage 1
-    lays it out ([T | M]; the factor rows padded as gdn_layout says, the scales in the
+    lays it out (T and M packed; the factor rows padded as gdn_layout says, the scales in the
     second): NaN-poisoned (o, final state)."""
     op = compiled_op(q, k, v, gate, beta, cu)
     work, factors, inv, scales = gdn_chunk_workspace_reference(
@@ -96,7 +98,7 @@ def recurrence_on_the_reference_workspace(mode, q, k, v, gate, beta, cu):
     work32 = torch.zeros(s32, device=DEV)
     work32[..., :2 * C + 1] = factors
     F = s32[-1] // 2
-    work = torch.cat([inv, work[..., K + V:]], dim=-1)  # [T | M] from [W | U | M]
+    work = pack_work16(inv, work[..., K + V:])  # P from T and [W | U | M]'s M
     work32[..., F:F + 2 * C] = scales
     o = torch.full((sum(LENS), H, V), float("nan"), dtype=q.dtype, device=DEV)
     final = torch.full((len(LENS), H, V, K), float("nan"), device=DEV)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from precast.reference.gated_delta_net import CHUNK_SIZE, gdn_recurrent_reference
-from precast.reference.gdn_workspace import gdn_chunk_workspace_reference
+from precast.reference.gdn_workspace import (gdn_chunk_workspace_reference, pack_work16,
+                                            unpack_work16)
 from precast.reference.offsets import offsets_from_lengths
 
 C = CHUNK_SIZE
@@ -134,3 +135,31 @@ def test_inverse_and_its_scales_make_w_and_u(lens, hq, hv, l2norm):
         start += length
     chunks = sum(-(-n // C) for n in lens)
     assert torch.count_nonzero(inv[chunks:]) == 0 and torch.count_nonzero(scales[chunks:]) == 0
+
+
+def test_packed_block_holds_t_and_m_and_unpacks_exactly():
+    """work16's packed block (gdn_layout): M's lower triangle with its diagonal, T's strict
+    lower triangle transposed above it; unpacking gives T (unit diagonal) and M back
+    bitwise, including identity rows of T and zero rows of M past a sequence's end."""
+    g = torch.Generator().manual_seed(4)
+    lens = [70, 1, 64]
+    T, HO, K, V = sum(lens), 2, 32, 16
+    cu = offsets_from_lengths(lens)
+    q, k = (torch.randn(T, HO, K, generator=g) for _ in range(2))
+    v = torch.randn(T, HO, V, generator=g)
+    gate, beta = -0.1 * torch.rand(T, HO, generator=g), torch.rand(T, HO, generator=g)
+    work, _, inv, _ = gdn_chunk_workspace_reference(q, k, v, gate, beta, cu,
+                                                    with_inverse=True)
+    m = work[..., K + V:]
+    chunks = sum(-(-n // C) for n in lens)
+    t, m = inv[:chunks], m[:chunks]
+    packed = pack_work16(t, m)
+    assert packed.shape == t.shape
+    i, j = torch.meshgrid(torch.arange(C), torch.arange(C), indexing="ij")
+    assert torch.equal(packed[..., i >= j], m[..., i >= j])
+    assert torch.equal(packed[..., i < j], t.transpose(-1, -2)[..., i < j])
+    t2, m2 = unpack_work16(packed)
+    assert torch.equal(t2, t) and torch.equal(m2, m)
+    # chunk 1 holds rows 64..69 of the first sequence: identity rows of T past them
+    eye_rows = torch.eye(C)[6:]
+    assert torch.equal(t2[1, :, 6:], eye_rows.expand(HO, -1, -1))

@@ -57,7 +57,8 @@ from cutlass.utils import LayoutEnum
 from .attention_sm90 import (acc_as_operand_a, load_ldmatrix, select_modes, store_stmatrix,
                              tma_load_tile, tma_store_tile, transposed, wgmma)
 from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90, block_chunk_head, chunk_grid
-from .gdn_layout import CHUNK, M_COL, T_COL, gradients_in_place
+from .gdn_layout import CHUNK, gradients_in_place
+from .gdn_unpack_sm90 import mask_m, unpack_t
 
 WGS = 2  # warpgroup 0: the q side; warpgroup 1: the WY side
 THREADS = 128 * WGS
@@ -66,7 +67,8 @@ WARPS = THREADS // 32
 WG_BARRIER = (1, 2)
 # mbarriers: the two load groups, then the warpgroups' signals to each other (all 128
 # threads of one arrive; mbarrier arrive/wait order the shared-memory accesses around them)
-FIRST_LOADS, REST_LOADS, Z_READY, STATES_FREE, DK_READY, LATE_LOADS, QK_LOADS, M_READ = range(8)
+(FIRST_LOADS, REST_LOADS, Z_READY, STATES_FREE, DK_READY, LATE_LOADS, QK_LOADS, M_READ,
+ M_READY) = range(9)
 # QK_LOADS: Q and K, issued first: the warpgroups normalize their rows (warpgroup 0 Q,
 # warpgroup 1 K, then the gate scan) while S, V and T, the operands of Delta, are on their
 # way (FIRST_LOADS)
@@ -74,7 +76,9 @@ FIRST_LOADS, REST_LOADS, Z_READY, STATES_FREE, DK_READY, LATE_LOADS, QK_LOADS, M
 # Z_READY: warpgroup 1 wrote Z = diag(beta) (V - diag(gamma) Kn S) (into sDD, free until
 # dDelta), so warpgroup 0 may compute Delta = T Z; STATES_FREE: warpgroup 0 read S
 # and dS', so warpgroup 1's dk terms may go there; DK_READY: they are there; M_READ:
-# warpgroup 1's M^T dO (dDelta) has read M, so warpgroup 0's dQK may go over it
+# warpgroup 1's M^T dO (dDelta) has read M, so warpgroup 0's dQK may go over it;
+# M_READY: warpgroup 0 has split work16's packed P (loaded into sM, FIRST_LOADS) into T
+# (sT) and M (sM in place), so warpgroup 1 may read M
 # per-token values in shared memory (rows of sRows): G, beta, the row scales r_q, r_k and
 # whether the L2 norm's projection term applies (0 where the norm's clamp is active)
 R_G, R_BETA, R_Q, R_K, R_QP, R_KP = range(6)
@@ -126,7 +130,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                  mDBeta: cute.Tensor, scale: Float32, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K), mV (T, HV, V), mDO (T, HO, V); mG, mBeta, mDG,
         mDBeta (T, HO); mSeqTable: gdn_seq_table_sm90's table (or cu_seqlens: none);
-        mWork16 / mWork32 as gdn_layout.workspace_shapes ([T | M]); mStates, mDStates
+        mWork16 / mWork32 as gdn_layout.workspace_shapes (packed P); mStates, mDStates
         (chunks, HO, V, K);
         mDQ, mDK, mDV: each the final gradient in the io dtype (strided like its input) where
         gdn_layout.gradients_in_place says so, else (T, HO, K or V) per output head, io
@@ -146,14 +150,14 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cpasync.make_tiled_tma_atom(g2s, tok(mK), one(lay_k), (C, K)),
             cpasync.make_tiled_tma_atom(g2s, tok(mV), one(lay_v), (C, V)),
             cpasync.make_tiled_tma_atom(g2s, tok(mDO), one(lay_v), (C, V)),
-            cpasync.make_tiled_tma_atom(g2s, blk(mWork16), one(lay_c), (C, C)),  # T and M
+            cpasync.make_tiled_tma_atom(g2s, blk(mWork16), one(lay_c), (C, C)),  # P
             cpasync.make_tiled_tma_atom(g2s, blk(mStates), one(lay_s), (V, K)),
             cpasync.make_tiled_tma_atom(g2s, blk(mDStates), one(lay_s), (V, K)))
         size = lambda layout: cute.size_in_bytes(dt, one(layout))  # noqa: E731
-        # Q, K (the row normalization), then S, V, T (Delta), then dO, M, dS' last
+        # Q, K (the row normalization), then S, V, P (T and M), then dO, dS' last
         self.qk_bytes = 2 * size(lay_k)
         self.first_bytes = size(lay_s) + size(lay_v) + size(lay_c)
-        self.rest_bytes = size(lay_v) + size(lay_c)
+        self.rest_bytes = size(lay_v)
         self.late_bytes = size(lay_s)
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
 
@@ -173,7 +177,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
         @cute.struct
         class SharedStorage:
-            bars: cute.struct.MemRange[cutlass.Int64, 8]
+            bars: cute.struct.MemRange[cutlass.Int64, 9]
             rows: cute.struct.MemRange[Float32, ROW_VALUES * C]
             dg: cute.struct.MemRange[Float32, WGS * C]
             dbeta: cute.struct.MemRange[Float32, WGS * C]
@@ -242,6 +246,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 cute.arch.mbarrier_init(bars + LATE_LOADS, 1)
                 cute.arch.mbarrier_init(bars + QK_LOADS, 1)
                 cute.arch.mbarrier_init(bars + M_READ, 128)
+                cute.arch.mbarrier_init(bars + M_READY, 128)
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if warp == 0:
@@ -276,11 +281,11 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     def load_all(self, loads, tiles, bars, start: Int32, chunk: Int32, packed: Int32,
                  head: Int32):
         """Warp 0: the chunk's tiles by TMA, issued in the order of the barriers they
-        arrive on: Q, K (QK_LOADS), S, V, T (FIRST_LOADS), dO, M (REST_LOADS),
+        arrive on: Q, K (QK_LOADS), S, V, P (FIRST_LOADS; into sM), dO (REST_LOADS),
         dS' (LATE_LOADS)."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
-        lq, lk, lv, ldo, lw, ls, lds = loads  # lw: work16's 64 x 64 blocks
+        lq, lk, lv, ldo, lw, ls, lds = loads  # lw: work16's packed 64 x 64 block
 
         def token_tile(atom, m, s, h, cols, bar):  # rows [start + 64 chunk, +64) of head h
             g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
@@ -299,9 +304,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         token_tile(*lk, sK, head // self.k_group, K, QK_LOADS)
         block_tile(*ls, sS, 0, (V, K), FIRST_LOADS)
         token_tile(*lv, sV, head // self.v_group, V, FIRST_LOADS)
-        block_tile(*lw, sT, T_COL, (C, C), FIRST_LOADS)
+        block_tile(*lw, sM, 0, (C, C), FIRST_LOADS)
         token_tile(*ldo, sDO, head, V, REST_LOADS)
-        block_tile(*lw, sM, M_COL, (C, C), REST_LOADS)
         block_tile(*lds, sDS, 0, (V, K), LATE_LOADS)
 
     @cute.jit
@@ -385,14 +389,21 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # memory to warpgroup 0, which adds them after the second CTA barrier below
         acc_dk = cute.make_rmem_tensor(
             mmas[2].get_slice(tidx % 128).partition_shape_C((C, self.k_dim)), Float32)
-        # Q and K land first: each warpgroup normalizes one of them while S, V and T are on
-        # their way; warpgroup 1 then scans the gates, makes Z (delta_rhs) and issues
-        # dDelta's M^T dO, while warpgroup 0 turns Z into Delta = T Z (into sU). Rows of a
-        # partial chunk past the sequence end: warpgroup 0 zeroes V's (once Z, which reads
-        # them times beta = 0, is made), warpgroup 1 dO's (before M^T dO reads it).
+        # Q and K land first: each warpgroup normalizes one of them while S, V and P are on
+        # their way; warpgroup 0 splits P into T and M, warpgroup 1 scans the gates, makes
+        # Z (delta_rhs) and issues dDelta's M^T dO, while warpgroup 0 turns Z into
+        # Delta = T Z (into sU). Rows of a partial chunk past the sequence end: warpgroup 0
+        # zeroes V's (once Z, which reads them times beta = 0, is made), warpgroup 1 dO's
+        # (before M^T dO reads it).
         if wg == 0:
             self.normalize_tile(tiles[0], sRows, R_Q, 0, bars, rows, tidx % 128)
-            cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)  # T
+            cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)  # P
+            sM, sT = stage0(tiles[6]), stage0(tiles[7])
+            unpack_t(sM, sT, tidx % 128, 128)
+            self.wg_sync(0, fence=True)  # T made (for Delta's wgmma), P's upper half read
+            mask_m(sM, tidx % 128, 128)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.mbarrier_arrive(bars + M_READY)
             cute.arch.mbarrier_wait(bars + Z_READY, 0)
             self.delta(mmas[9], tiles, tidx % 128)
             if rows < C:
@@ -415,6 +426,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             if rows < C:
                 self.zero_tail((tiles[3],), rows, wtidx, 128)
                 self.wg_sync(1, fence=True)
+            cute.arch.mbarrier_wait(bars + M_READY, 0)
             # dDelta's first term, M^T dO, while warpgroup 0 computes Delta
             mma_mnmn_v = mmas[4]  # (64, V), both operands MN-major
             thr_v = mma_mnmn_v.get_slice(wtidx)

@@ -5,8 +5,8 @@ the state) walks the sequence's chunks from the last to the first with D = dS'^T
 transposed gradient of the state leaving the chunk (V x K, fp32 in the registers of V / 64
 consumer warpgroups; it starts as the final state's gradient, or zeros). It reads stage 1's
 M and factor rows [q_f | k_f | G_L], [t_w | t_u] and, instead of W = T diag(t_w) Kc,
-T = (I + A)^-1 itself (t_w = beta gamma r_k; work16's first columns, see gdn_chunk_sm90;
-8 KB a chunk instead of 16), and the chunk's raw q, k and do rows. In the notation of
+T = (I + A)^-1 itself (t_w = beta gamma r_k; with M in work16's packed block, split by the
+idle producer warps, see gdn_unpack_sm90), and the chunk's raw q, k and do rows. In the notation of
 precast/reference/gdn_backward.py (transposed; q_f = scale gamma r_q, k_f = exp(G_L - G) r_k
 and M the scaled, gated, causal Q K^T as stage 1 stores them):
 
@@ -34,12 +34,14 @@ from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
                              tma_pipeline, tma_store_tile, transposed, wgmma)
-from .gdn_layout import CHUNK, G_LAST, K_FACTORS, M_COL, Q_FACTORS, T_COL, W_FACTORS
+from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS, W_FACTORS
 from .gdn_recurrence_sm90 import factor_row_loads, load_factor_row, packed_chunk_start
+from .gdn_unpack_sm90 import UNPACK_WARPS, unpack_ring
 
 THREADS_PER_WG = 128
 STAGES = 2
 CONSUMER_BARRIER = 1  # the consumer warpgroups, around the scaled Q and the staging tiles
+UNPACK_BARRIER = 2  # the unpacking warps (gdn_unpack_sm90), between T's reads of P and M
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
@@ -69,7 +71,7 @@ class GdnStateGradSm90:
                  mSeqTable: cute.Tensor, mDFinal: cute.Tensor, mDStates: cute.Tensor,
                  mDInit: cute.Tensor, stream: cuda.CUstream):
         """mQ (T, HQ, K), mK (T, HK, K), mDO (T, HO, V); mWork16 / mWork32 as
-        gdn_layout.workspace_shapes ([T | M]); mSeqTable: gdn_seq_table_sm90's table (or
+        gdn_layout.workspace_shapes (the packed P); mSeqTable: gdn_seq_table_sm90's table (or
         cu_seqlens: none); mDFinal, mDInit (N, HO, V, K) fp32 or None; mDStates (chunks, HO,
         V, K) in the io dtype."""
         dt = self.dtype
@@ -81,7 +83,7 @@ class GdnStateGradSm90:
         one = lambda layout: cute.slice_(layout, (None, None, 0))  # noqa: E731
         g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         mW = select_modes(mWork16, [2, 3, 1, 0])  # (64, F, HO, chunks)
-        # work16's 64 x 64 blocks: T (instead of W = T diag(t_w) Kc: half the bytes) and M
+        # work16's packed 64 x 64 block P: T (instead of W = T diag(t_w) Kc) and M in 8 KB
         tma_blk, mW_blk = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
         tma_q, mQ_t = cpasync.make_tiled_tma_atom(g2s, select_modes(mQ, [0, 2, 1]),
                                                   one(sK_layout), (C, K))
@@ -94,7 +96,7 @@ class GdnStateGradSm90:
         tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(mWork32, STAGES)
         self.stage_bytes = (2 * cute.size_in_bytes(dt, one(sK_layout))
                             + cute.size_in_bytes(dt, one(sDO_layout))
-                            + 2 * cute.size_in_bytes(dt, one(sM_layout)) + factor_bytes)
+                            + cute.size_in_bytes(dt, one(sM_layout)) + factor_bytes)
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         rmem = warpgroup.OperandSource.RMEM
         # (V rows) x 64 tokens: D K^T (D from registers) and dO^T M (both from shared memory)
@@ -114,6 +116,7 @@ class GdnStateGradSm90:
         @cute.struct
         class SharedStorage:
             bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            unpacked: cute.struct.MemRange[cutlass.Int64, STAGES]  # a stage's T and M made
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sT: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
@@ -146,6 +149,10 @@ class GdnStateGradSm90:
         storage = smem.allocate(self.storage)
         pipe = tma_pipeline(storage.bars.data_ptr(), STAGES, self.stage_bytes,
                             self.nwg * THREADS_PER_WG)
+        unpacked = storage.unpacked.data_ptr()
+        if tidx == 0:
+            for s in cutlass.range_constexpr(STAGES):
+                cute.arch.mbarrier_init(unpacked + s, UNPACK_WARPS)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         tiles = tuple(s.get_tensor(layout.outer, swizzle=layout.inner) for s, layout in (
@@ -163,16 +170,19 @@ class GdnStateGradSm90:
             self.produce(loads, tiles, pipe, head, start, first_chunk, chunks, split)
         elif warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            # P (sM) -> T (sT) and M (sM)
+            unpack_ring(tiles[3], tiles[2], pipe, unpacked, chunks,
+                        tidx - cute.arch.WARP_SIZE, STAGES, True, UNPACK_BARRIER)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consume(mmas, tiles, sDS, store, pipe, mDFinal, mDInit,
+            self.consume(mmas, tiles, sDS, store, pipe, unpacked, mDFinal, mDInit,
                          batch, head, first_chunk, chunks, tidx - THREADS_PER_WG, split)
 
     @cute.jit
     def produce(self, loads, tiles, pipe, head: Int32, start: Int32, first_chunk: Int32,
                 chunks: Int32, split: Int32):
-        """The chunks' q, k (raw rows), W, M, factor row and this CTA's do columns, last
-        chunk first."""
+        """The chunks' q, k (raw rows), packed P (into sM), factor row and this CTA's do
+        columns, last chunk first."""
         K, C, Vc = self.k_dim, CHUNK, self.v_rows
         (tma_q, mQ), (tma_k, mK), (tma_blk, mW_blk), (tma_do, mDO), (tma_f, mF) = loads
         sQ, sK, sT, sM, sDO, sF = tiles
@@ -188,10 +198,8 @@ class GdnStateGradSm90:
                 g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
                                     (c, col_tile))
                 tma_load_tile(atom, g, s, state.index, bar)
-            block = mW_blk[None, None, head, first_chunk + c]  # (64, F)
-            for s, col in ((sT, T_COL), (sM, M_COL)):
-                g = cute.local_tile(cute.domain_offset((0, col), block), (C, C), (0, 0))
-                tma_load_tile(tma_blk, g, s, state.index, bar)
+            tma_load_tile(tma_blk, mW_blk[None, None, head, first_chunk + c], sM, state.index,
+                          bar)
             load_factor_row(tma_f, mF, sF, head, first_chunk + c, state.index, bar)
             state = advanced(state)
 
@@ -200,7 +208,7 @@ class GdnStateGradSm90:
                           number_of_threads=self.nwg * THREADS_PER_WG)
 
     @cute.jit
-    def consume(self, mmas, tiles, sDS, store, pipe, mDFinal, mDInit,
+    def consume(self, mmas, tiles, sDS, store, pipe, unpacked, mDFinal, mDInit,
                 batch: Int32, head: Int32, first_chunk: Int32, chunks: Int32,
                 consumer_tidx: Int32, split: Int32):
         mma_tok, mma_tok_ss, mma_state, mma_state_ss, mma_t = mmas
@@ -251,6 +259,7 @@ class GdnStateGradSm90:
             s = state.index
             factors = sF[0, None, s]  # [q_f | k_f | G_L]
             pipe.consumer_wait(state)
+            cute.arch.mbarrier_wait(unpacked + s, state.phase)
             if issuer:  # the previous chunk's store has read the staging tile
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             self.consumer_sync()

@@ -13,12 +13,12 @@ Qc Qc^T and Kc Kc^T, so q and k are never rewritten), in-chunk cumulative log ga
     M  = scale diag(r_q) (Gamma * Qc Kc^T) diag(r_k), causal with the diagonal
     q_f = scale gamma r_q,   k_f = exp(G_L - G) r_k        (zero past the sequence end)
 
-M goes, 16-bit, into one workspace row block per (chunk, head) and [q_f | k_f | G_L] into
-its fp32 factor row. With store_wu=False (what the ops run) W and U are neither made nor
-stored, nor V loaded: T itself goes where W would be (work16's first 64 columns, where
-the recurrence and the backward read it) and the column scales of the scaled inverses
-Tw = T diag(beta gamma r_k), Tu = T diag(beta) (W = Tw Kc, U = Tu Vc) into the second
-factor row; the fused kernel still makes W and U (precast/kernels/gdn_layout.py; the
+M and T go, 16-bit, into one packed 64 x 64 workspace block per (chunk, head) (work16:
+M's lower triangle, T's strict lower one transposed into the upper one; gdn_layout) and
+[q_f | k_f | G_L] into its fp32 factor row. With store_wu=False (what the ops run) W and U
+are neither made nor stored, nor V loaded: the recurrence and the backward read T from the
+packed block, and the column scales of the scaled inverses Tw = T diag(beta gamma r_k),
+Tu = T diag(beta) (W = Tw Kc, U = Tu Vc) from the second factor row; the fused kernel still makes W and U (precast/kernels/gdn_layout.py; the
 contract is
 precast/reference/gdn_workspace.py). Stage 2 (gdn_recurrence_sm90) reads q and k
 themselves and applies q_f, k_f to its products. Chunks are packed over the batch:
@@ -41,8 +41,7 @@ from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (find_in_sequences, select_modes, store_stmatrix, tma_load_tile,
                              tma_store_tile, transposed, warp_inclusive_sum, wgmma)
-from .gdn_layout import (CHUNK, FACTOR_COLS, G_LAST, K_FACTORS, M_COL, Q_FACTORS, T_COL,
-                         U_FACTORS, W_FACTORS)
+from .gdn_layout import CHUNK, FACTOR_COLS, G_LAST, K_FACTORS, Q_FACTORS, U_FACTORS, W_FACTORS
 from .gdn_seq_table_sm90 import find_in_table, has_table
 
 THREADS = 128
@@ -119,8 +118,8 @@ class GdnChunkPrepareSm90:
     def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
                  v_heads: int, l2norm: bool, g_dtype, beta_dtype, store_wu: bool = True):
         """store_wu=False (what the ops run): neither W nor U is computed or stored; T
-        goes into work16's first 64 columns (where W would be) and its column scales to the
-        second factor row, for the recurrence and the backward, which make W and U's
+        goes into work16's packed block (with M) and its column scales to the second
+        factor row, for the recurrence and the backward, which make W and U's
         products themselves."""
         assert k_dim in (64, 128) and v_dim in (64, 128)
         self.dtype = dtype
@@ -151,8 +150,9 @@ class GdnChunkPrepareSm90:
         sQK_layout, sV_layout, _ = layouts  # (T's layout: the fused kernel's)
         tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma = loads
         mma_s, mma_wk, mma_wv = mmas
-        # T and M leave by TMA stores of (64, 64) 16-bit tiles from shared memory into their
-        # column blocks of work16's row block (viewed (64, F, HO, chunks)).
+        # M, with T's strict lower triangle transposed into its upper one (the packed block
+        # P), leaves by a TMA store of a (64, 64) 16-bit tile into work16 (viewed (64, 64,
+        # HO, chunks)).
         sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, 1)
         one = lambda layout: cute.slice_(layout, (None, None, 0))  # noqa: E731
         s2g = cpasync.CopyBulkTensorTileS2GOp()
@@ -269,29 +269,21 @@ class GdnChunkPrepareSm90:
             thr_s = mma_s.get_slice(tidx)
             m16 = cute.make_rmem_tensor(thr_s.partition_shape_C((C, C)), self.dtype)
             out = (sK[None, None, 0], sV[None, None, 0], m16, mWork32[packed, head, None])
-            # T, 16-bit over A
-            sT = cute.make_tensor(cute.recast_ptr(a_ptr, swizzle_=sM_layout.inner,
-                                                  dtype=self.dtype), sM_layout.outer)
             sM = cute.make_tensor(cute.recast_ptr(m_ptr, swizzle_=sM_layout.inner,
                                                   dtype=self.dtype), sM_layout.outer)
             # (no scaled inverses: only the fused kernel makes W and U)
             self.prepare_chunk(mma_s, mma_wk, mma_wv, sQ, sK, sV, 0, None, None, sA, sGate,
-                               sBeta, sRows, out, rows, scale, tidx, sT[None, None, 0],
-                               sM[None, None, 0])
+                               sBeta, sRows, out, rows, scale, tidx, sM[None, None, 0])
             cute.arch.fence_proxy("async.shared", space="cta")
             self.sync()
             if warp == 0:  # the whole warp: each TMA copy elects its issuing lane itself
-                block = mWork16[None, None, head, packed]  # (64, F)
-                for s, col in ((sT, T_COL), (sM, M_COL)):
-                    g = cute.local_tile(cute.domain_offset((0, col), block), (C, C), (0, 0))
-                    tma_store_tile(store_m, s, g)
+                tma_store_tile(store_m, sM, mWork16[None, None, head, packed])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # before the CTA exits
 
     @cute.jit
     def prepare_chunk(self, mma_s, mma_wk, mma_wv, sQ, sK, sV, stage, sTw, sTu, sA, sGate,
-                      sBeta, sRows, out, rows: Int32, scale: Float32, tidx: Int32,
-                      sT=None, sM=None):
+                      sBeta, sRows, out, rows: Int32, scale: Float32, tidx: Int32, sM=None):
         """One warpgroup (thread ``tidx`` of 128), after the chunk's Q, K, V (stage
         ``stage`` of sQ, sK, sV) and its g, beta (sGate, sBeta) are in shared memory:
         writes W, U (with store_wu, through the scaled inverses sTw, sTu; else both are
@@ -300,7 +292,8 @@ class GdnChunkPrepareSm90:
         sGate ends as G. Q and K are only read by it (rows past ``rows`` are zeroed).
         Shared-memory outputs are written by the generic proxy and not yet fenced. With
         ``sM`` (a 16-bit tile over dead Q or K rows), M goes there by stmatrix right after
-        the scores instead of waiting in registers through the inverse."""
+        the scores instead of waiting in registers through the inverse, and T's strict lower
+        triangle then transposed into its upper one: work16's packed block."""
         C = CHUNK
         q2, k2, v2 = (t[None, None, stage] for t in (sQ, sK, sV))  # (rows, cols) views
         if rows < C:  # rows of the next sequence (or TMA zero fill): zeros
@@ -319,7 +312,7 @@ class GdnChunkPrepareSm90:
         scaled = (None, None)  # T diag(t_w), T diag(t_u): the A operands of W and U
         if const_expr(self.store_wu):
             scaled = (sTw[None, None, 0], sTu[None, None, 0])
-        self.invert(sA, *scaled, sRows, tidx, sT)
+        self.invert(sA, *scaled, sRows, tidx, sM)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.sync()
         if const_expr(self.store_wu):
@@ -480,7 +473,7 @@ class GdnChunkPrepareSm90:
         return t_w, beta
 
     @cute.jit
-    def invert(self, sA, sTw, sTu, sRows, tidx: Int32, sT=None):
+    def invert(self, sA, sTw, sTu, sRows, tidx: Int32, sP=None):
         """T = (I + A)^-1 (unit lower triangular) in fp32, in place over A, by the 128
         threads: the four 16 x 16 diagonal blocks by forward substitution (one column per
         thread), then the blocks below them by doubling, T_21 = -T_22 (A_21 T_11), at 16 and
@@ -489,8 +482,9 @@ class GdnChunkPrepareSm90:
         products' intermediates go to A's upper-right 32 x 32 quarter, which holds zeros
         nobody reads. Then T diag(t_w) and
         T diag(t_u) (the column scales in sRows) in 16 bits: the A operands of W and U, and,
-        with ``sT`` (which overlays A), T itself. One forward substitution over 64 rows on
-        64 threads was half of the CTA's time."""
+        with ``sP`` (the packed block, holding M), T's strict lower triangle transposed into
+        sP's upper one. One forward substitution over 64 rows on 64 threads was half of the
+        CTA's time."""
         C = CHUNK
         B = INV_BLOCK
         # Diagonal blocks: thread tidx < 64 solves column tidx % 16 of block tidx // 16.
@@ -544,28 +538,25 @@ class GdnChunkPrepareSm90:
         for v in cutlass.range_constexpr(H // 4):
             cute.autovec_copy(cute.local_tile(sA[row, None], (4,), (c0 // 4 + v,)),
                               cute.local_tile(t, (4,), (v,)))
-        for w in cutlass.range_constexpr(H):
-            t[w] = cutlass.select_(c0 + w <= row, t[w], Float32(0.0))
-        if const_expr(sT is not None):
-            self.sync()  # T overwrites A
-        scales = cute.make_rmem_tensor(cute.make_layout(8), Float32)
-        vals = cute.make_rmem_tensor(cute.make_layout(8), self.dtype)
-        for g in cutlass.range_constexpr(H // 8):
-            outs = []  # without W and U only T itself is stored
-            if const_expr(self.store_wu):
-                outs = [(sTw, T_W), (sTu, T_U)]
-            if const_expr(sT is not None):
-                outs.append((sT, None))
-            for dst, scale_row in outs:
-                if const_expr(scale_row is None):
-                    for e in cutlass.range_constexpr(8):
-                        vals[e] = t[8 * g + e].to(self.dtype)
-                else:
+        if const_expr(sP is not None):
+            # T[row, c] (c < row) to P[c, row]: 2-byte stores, the 16 lanes of a half-warp
+            # in one row of P
+            for w in cutlass.range_constexpr(H):
+                if c0 + w < row:
+                    sP[c0 + w, row] = t[w].to(self.dtype)
+        if const_expr(self.store_wu):
+            for w in cutlass.range_constexpr(H):
+                t[w] = cutlass.select_(c0 + w <= row, t[w], Float32(0.0))
+            scales = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+            vals = cute.make_rmem_tensor(cute.make_layout(8), self.dtype)
+            for g in cutlass.range_constexpr(H // 8):
+                for dst, scale_row in ((sTw, T_W), (sTu, T_U)):
                     cute.autovec_copy(
                         cute.local_tile(sRows[scale_row, None], (8,), (c0 // 8 + g,)), scales)
                     for e in cutlass.range_constexpr(8):
                         vals[e] = (t[8 * g + e] * scales[e]).to(self.dtype)
-                cute.autovec_copy(vals, cute.local_tile(dst[row, None], (8,), (c0 // 8 + g,)))
+                    cute.autovec_copy(vals, cute.local_tile(dst[row, None],
+                                                            (8,), (c0 // 8 + g,)))
 
     @cute.jit
     def store_acc(self, acc, mma, out, tidx: Int32):

@@ -2,19 +2,26 @@
 so that the op's execute() sizes it where the compiler is not installed.
 
 Per (chunk, output head), what precast/reference/gdn_workspace.py computes: work16 holds
-64 rows of [T | M] (64 and 64 columns, the io dtype; T = (I + A)^-1, whose column scales
-make W and U, which no kernel of the ops forms in memory; the recurrence and the
-backward's kernels read T from here); work32 holds two
-factor rows of FACTOR_COLS floats each (padded so that each starts 32-byte aligned):
-[q_f | k_f | G_L] (64, 64, 1), then [t_w | t_u] (64, 64) (the fused kernel, which keeps
-its factors in shared memory, writes neither): the column scales of T that make the scaled
-inverses Tw = T diag(t_w), t_w = beta gamma r_k, and Tu = T diag(t_u), t_u = beta (W = Tw K
-and U = Tu V with the raw k and v rows). The backward reads T and these scales instead of W and
-U: 8 KB of T and 0.5 KB of scales per (chunk, head) instead of 32 KB."""
+one packed 64 x 64 block P (the io dtype) of the two triangular matrices stage 1 makes,
+M (the scaled, gated, causal Q K^T, diagonal included) and T = (I + A)^-1 (unit lower
+triangular):
+
+    P[i, j] = M[i, j]  (j <= i),      P[i, j] = T[j, i]  (j > i; T's unit diagonal implied)
+
+(pack_work16 / unpack_work16 there). Every reader splits P back into T and M in shared
+memory (kernels/gdn_unpack_sm90.py): 8 KB per (chunk, head) instead of 16 for both
+tiles, written by stage 1 and read by the recurrence and by each of the backward's
+kernels. T's column scales make W and U, which no kernel of the ops forms in memory.
+work32 holds two factor rows of FACTOR_COLS floats each (padded so that each starts
+32-byte aligned): [q_f | k_f | G_L] (64, 64, 1), then [t_w | t_u] (64, 64) (the fused
+kernel, which keeps its factors in shared memory, writes neither): the column scales of T
+that make the scaled inverses Tw = T diag(t_w), t_w = beta gamma r_k, and Tu = T diag(t_u),
+t_u = beta (W = Tw K and U = Tu V with the raw k and v rows). The backward reads T and
+these scales instead of W and U: 8 KB of P and 0.5 KB of scales per (chunk, head) instead
+of 32 KB."""
 
 CHUNK = 64
-T_COL, M_COL = 0, CHUNK  # column blocks of a work16 row block
-WORK16_COLS = 2 * CHUNK
+WORK16_COLS = CHUNK  # the packed block P
 Q_FACTORS, K_FACTORS, G_LAST = 0, CHUNK, 2 * CHUNK  # columns of the first factor row
 W_FACTORS, U_FACTORS = 0, CHUNK  # columns of the second
 FACTOR_COLS = 2 * CHUNK + 8

@@ -40,9 +40,10 @@ from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
                              tma_pipeline, tma_store_tile, transposed, wgmma)
-from .gdn_layout import (CHUNK, FACTOR_COLS, FACTOR_ROWS, G_LAST, K_FACTORS, M_COL,
-                         Q_FACTORS, T_COL, U_FACTORS, W_FACTORS)
+from .gdn_layout import (CHUNK, FACTOR_COLS, FACTOR_ROWS, G_LAST, K_FACTORS, Q_FACTORS,
+                         U_FACTORS, W_FACTORS)
 from .gdn_seq_table_sm90 import find_in_table, has_table
+from .gdn_unpack_sm90 import UNPACK_WARPS, unpack_ring
 
 THREADS_PER_WG = 128
 
@@ -114,6 +115,7 @@ def sum_before(mCuSeqlens: cute.Tensor, batch: Int32, per: Int32):
 
 STAGES = 2
 O_BARRIER = 1  # the consumer warpgroups, around the o staging tile
+UNPACK_BARRIER = 2  # the unpacking warps (gdn_unpack_sm90), between T's reads of P and M
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
@@ -190,7 +192,7 @@ class GdnChunkRecurrenceSm90:
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         # (chunks, HO, 64, F) -> (64, F, HO, chunks): rows and columns first, as TMA tiles.
         mW = select_modes(mWork16, [2, 3, 1, 0])
-        # work16's 64 x 64 blocks: T (columns from gdn_layout.T_COL) and M (M_COL)
+        # work16's packed 64 x 64 block P (T and M, gdn_layout)
         tma_blk, mW_blk = cpasync.make_tiled_tma_atom(g2s, mW, one(sM_layout), (C, C))
         # q, k and v (T, H, D) -> (T, D, H); of v this CTA's columns
         tma_u, mW_u = cpasync.make_tiled_tma_atom(g2s, select_modes(mV, [0, 2, 1]),
@@ -227,11 +229,11 @@ class GdnChunkRecurrenceSm90:
                 sCk_layout, store_ck, mCk_t = checkpoint_staging()
                 staged_ckpt = (store_ck, mCk_t, sCk_layout)
                 sCk_elems = cute.cosize(sCk_layout)
-        # K, v's columns and T; with o also Q and M (states_only loads neither)
+        # K, v's columns and P; with o also Q (states_only reads no M either)
         with_o = 0 if const_expr(self.states_only) else 1
         self.stage_bytes = ((1 + with_o) * cute.size_in_bytes(dt, one(sK_layout))
                             + cute.size_in_bytes(dt, one(sU_layout))
-                            + (1 + with_o) * cute.size_in_bytes(dt, one(sM_layout)))
+                            + cute.size_in_bytes(dt, one(sM_layout)))
         tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(mWork32, STAGES)
         self.stage_bytes += factor_bytes
         rmem = warpgroup.OperandSource.RMEM
@@ -245,9 +247,11 @@ class GdnChunkRecurrenceSm90:
         @cute.struct
         class SharedStorage:
             bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            # a stage's T and M unpacked (UNPACK_WARPS arrivals)
+            unpacked: cute.struct.MemRange[cutlass.Int64, STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            # T's tiles (with o; the states pass puts T into sM and leaves this unused)
+            # T's tiles, unpacked from P (which TMA puts into sM and becomes M there)
             sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sU_layout)], 1024]
             sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
@@ -289,6 +293,10 @@ class GdnChunkRecurrenceSm90:
         storage = smem.allocate(self.storage)
         pipe = tma_pipeline(storage.bars.data_ptr(), STAGES, self.stage_bytes,
                             self.nwg * THREADS_PER_WG)
+        unpacked = storage.unpacked.data_ptr()
+        if tidx == 0:
+            for s in cutlass.range_constexpr(STAGES):
+                cute.arch.mbarrier_init(unpacked + s, UNPACK_WARPS)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         sQ = storage.sQ.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -322,10 +330,13 @@ class GdnChunkRecurrenceSm90:
                          updates, split)
         elif warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            # P (sM) -> T (sW) and, with o, M (sM)
+            unpack_ring(sM, sW, pipe, unpacked, updates, tidx - cute.arch.WARP_SIZE, STAGES,
+                        not self.states_only, UNPACK_BARRIER)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(mma_tok, mma_state, sQ, sK, sW, sU, sM, (sO, store_o, mO_t), pipe,
-                         sF, ckpt_tile, mO,
+                         unpacked, sF, ckpt_tile, mO,
                          mState0, mStateIdx, mFinal, mCkpt, ckpt_every, mCuSeqlens, mSeqTable,
                          batch, head, start, length, first_chunk, chunks, updates,
                          tidx - THREADS_PER_WG, split)
@@ -380,12 +391,9 @@ class GdnChunkRecurrenceSm90:
                 chunks: Int32, split: Int32):
         K, V, C = self.k_dim, self.v_dim, CHUNK
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-        # work16's 64 x 64 blocks (smem, first column): T (into sM without o, else into sW
-        # beside M); v's columns go into sU (below)
-        tiles = ((sM, T_COL),)
+        # work16's packed block P into sM (unpack splits it); v's columns go into sU (below)
         token_tiles = ((tma_kr, mK, sK, head // self.k_group),)
-        if const_expr(not self.states_only):  # Q and M only make o
-            tiles = ((sW, T_COL), (sM, M_COL))
+        if const_expr(not self.states_only):  # Q only makes o
             token_tiles = ((tma_q, mQ, sQ, head // self.q_group),) + token_tiles
         for c in cutlass.range(chunks, unroll=1):
             pipe.producer_acquire(state)
@@ -398,22 +406,22 @@ class GdnChunkRecurrenceSm90:
                 (start, 0), mW_u[None, None, head // self.v_group]), (C, self.v_rows),
                 (c, split))
             tma_load_tile(tma_u, g, sU, state.index, bar)
-            block = mW_blk[None, None, head, first_chunk + c]  # (64, F)
-            for s, col in tiles:
-                g = cute.local_tile(cute.domain_offset((0, col), block), (C, C), (0, 0))
-                tma_load_tile(tma_blk, g, s, state.index, bar)
+            tma_load_tile(tma_blk, mW_blk[None, None, head, first_chunk + c], sM, state.index,
+                          bar)
             load_factor_row(*factor_rows, head, first_chunk + c, state.index, bar)
             state = advanced(state)
 
     @cute.jit
-    def consume(self, mma_tok, mma_state, sQ, sK, sW, sU, sM, staged_o, pipe, sF, ckpt_tile,
-                mO, mState0, mStateIdx, mFinal, mCkpt, ckpt_every: Int32, mCuSeqlens,
+    def consume(self, mma_tok, mma_state, sQ, sK, sW, sU, sM, staged_o, pipe, unpacked, sF,
+                ckpt_tile, mO, mState0, mStateIdx, mFinal, mCkpt, ckpt_every: Int32, mCuSeqlens,
                 mSeqTable, batch: Int32,
                 head: Int32, start: Int32, length: Int32, first_chunk: Int32, chunks: Int32,
                 updates: Int32, consumer_tidx: Int32, split: Int32):
-        # the "W" B operand is Kc itself (Y^T = S^T Kc^T); with o, T's own B fragment (sW
-        # holds T then)
-        parts = self.state_parts(mma_tok, mma_state, sQ, sK, sK, sM, consumer_tidx, split)
+        # the "W" B operand is Kc itself (Y^T = S^T Kc^T); T (sW) stands in M's place
+        # without o, else has its own B fragment
+        parts = self.state_parts(mma_tok, mma_state, sQ, sK, sK,
+                                 sW if const_expr(self.states_only) else sM, consumer_tidx,
+                                 split)
         frag_t = None
         if const_expr(not self.states_only):
             wg_tok = mma_tok.get_slice((consumer_tidx // THREADS_PER_WG) * THREADS_PER_WG)
@@ -435,6 +443,7 @@ class GdnChunkRecurrenceSm90:
             else:
                 self.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
             pipe.consumer_wait(state)
+            cute.arch.mbarrier_wait(unpacked + state.index, state.phase)
             self.chunk_update(parts, sU[None, None, state.index], state.index,
                               sF[0, None, state.index], sF[1, None, state.index], frag_t)
             cute.arch.sync_warp()

@@ -94,7 +94,7 @@ BWD_CONFIG_SOURCES = {**{key: CONFIG_SOURCES[key] for key in FORWARD_FIELDS},
 # The workspace: name -> (rows it has per call, dtype: "io" or "float32"); tails of the
 # shapes come from workspace_shapes. "chunks": T // 64 + N (one row per (chunk, head)).
 WORKSPACE = {
-    "work16": ("chunks", "io"),  # the forward's stage 1: [T | M], T = (I + A)^-1
+    "work16": ("chunks", "io"),  # the forward's stage 1: T = (I + A)^-1 and M, packed
     "work32": ("chunks", "float32"),  # and factor rows
     "dstates": ("chunks", "io"),  # gradient of the state leaving each chunk, (.., V, K)
     "states": ("chunks", "io"),  # states entering each chunk (not with reused checkpoints)

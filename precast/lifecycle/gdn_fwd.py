@@ -21,8 +21,8 @@ Shared with the backward (gdn_bwd.GdnBwdSm90): the kernels' fake arguments
 (prepare_kernel, recurrence_kernel), stream_buffers, offsets_as_int32, check_same_config,
 check_workspace_pair.
 
-The workspace (work16, work32) holds T = (I + A)^-1 of every (chunk, head), M, and the
-factor rows (with the column scales that turn T into the scaled inverses: W = T diag(t_w)
+The workspace (work16, work32) holds T = (I + A)^-1 and M of every (chunk, head), packed
+into one 64 x 64 block (kernels/gdn_layout.py), and the factor rows (with the column scales that turn T into the scaled inverses: W = T diag(t_w)
 K, U = T diag(t_u) V): all the backward needs of stage 1. A caller who keeps it (for
 training: gated_delta_net(..., keep_workspace=True)) hands it to
 GdnBwdSm90.execute(forward_workspace=...), which then skips its own prepare.
@@ -265,7 +265,7 @@ def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool:
     """Stage 2 (GdnChunkRecurrenceSm90) and its fake arguments (q, k, work16, work32,
     cu_seqlens, table, o, initial state, state_indices, final state, checkpoints, v,
     ckpt_every, stream); absent tensors are None. W and U's products are made from v, T (in
-    work16) and its scales. states_only: no o, the checkpoints (io dtype) stored by TMA
+    work16's packed block) and its scales. states_only: no o, the checkpoints (io dtype) stored by TMA
     (the backward's states pass); from_checkpoints: that pass started from the forward's
     checkpoints (passed as the initial state, of ``state_dtype``)."""
     import cutlass
@@ -488,10 +488,10 @@ class GdnFwdSm90(Op):
     def _kernel_builders(self) -> Mapping[str, KernelBuilder]:
         s = self.shapes
 
-        # Stage 1 stores T and its column scales instead of W and U (T where W would be,
-        # where the backward reads it too); stage 2 makes W and U's products from them, k
-        # and v: 32 KB fewer stores and 16 KB fewer loads per (chunk, head), one more
-        # 64-deep product on the state's chain. Split or not, every state row's arithmetic
+        # Stage 1 stores T (packed with M into one 64 x 64 block, where the backward reads
+        # it too) and its column scales instead of W and U; stage 2 makes W and U's products
+        # from them, k and v: 32 KB fewer stores and 16 KB fewer loads per (chunk, head),
+        # one more 64-deep product on the state's chain. Split or not, every state row's arithmetic
         # is the same (batch invariance is bitwise).
         def recurrence(v_splits: int = 1):
             return recurrence_kernel(s, state_dtype=s.state_dtype, pool=s.uses_pool,

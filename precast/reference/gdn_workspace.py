@@ -2,7 +2,8 @@
 (precast/kernels/gdn_chunk_sm90.py), computed with the reference's chunk factors: the
 contract between the two stages, so a GPU test can check each stage alone (stage 1 against
 this; stage 2 fed with this instead of stage 1's output). Stage 1 stores M, T and both
-factor rows (laid out as precast/kernels/gdn_layout.py says: work16 = [T | M]); W and U
+factor rows (laid out as precast/kernels/gdn_layout.py says: work16 = T and M packed into
+one block, pack_work16 below); W and U
 are what T and the second factor row make, and what a CPU emulation of stage 2 uses.
 
 Per packed chunk p (sequence b's chunk c is p = sum_{b' < b} ceil(len_b' / 64) + c) and
@@ -75,3 +76,22 @@ def gdn_chunk_workspace_reference(q, k, v, g, beta, cu_seqlens, *, scale=None,
         scales[p:p + n] = torch.cat([bc * torch.exp(G) * rk, bc], dim=-1).movedim(1, 0)
         p += n
     return (work, factors, inv, scales) if with_inverse else (work, factors)
+
+
+def pack_work16(t: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """work16's packed block P from T (unit lower triangular) and M (causal, diagonal
+    included), both [..., 64, 64]: P[i, j] = M[i, j] for j <= i and T[j, i] for j > i
+    (precast/kernels/gdn_layout.py)."""
+    n = t.shape[-1]
+    upper = torch.ones(n, n, dtype=torch.bool, device=t.device).triu(1)
+    return torch.where(upper, t.transpose(-1, -2), m)
+
+
+def unpack_work16(p: torch.Tensor):
+    """(T, M) from work16's packed blocks P [..., 64, 64] (pack_work16's inverse)."""
+    n = p.shape[-1]
+    upper = torch.ones(n, n, dtype=torch.bool, device=p.device).triu(1)
+    zero = p.new_zeros(())
+    t = torch.where(upper, p, zero).transpose(-1, -2) + torch.eye(n, dtype=p.dtype,
+                                                                 device=p.device)
+    return t, torch.where(upper, zero, p)
