@@ -77,7 +77,7 @@ WG_BARRIER = (1, 2)
 # dDelta), so warpgroup 0 may compute Delta = T Z; STATES_FREE: warpgroup 0 read S
 # and dS', so warpgroup 1's dk terms may go there; DK_READY: they are there; M_READ:
 # warpgroup 1's M^T dO (dDelta) has read M, so warpgroup 0's dQK may go over it;
-# M_READY: warpgroup 0 has split work16's packed P (loaded into sM, FIRST_LOADS) into T
+# M_READY: warpgroup 0 has split work16's packed P (loaded into sM, QK_LOADS) into T
 # (sT) and M (sM in place), so warpgroup 1 may read M
 # per-token values in shared memory (rows of sRows): G, beta, the row scales r_q, r_k and
 # whether the L2 norm's projection term applies (0 where the norm's clamp is active)
@@ -154,9 +154,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cpasync.make_tiled_tma_atom(g2s, blk(mStates), one(lay_s), (V, K)),
             cpasync.make_tiled_tma_atom(g2s, blk(mDStates), one(lay_s), (V, K)))
         size = lambda layout: cute.size_in_bytes(dt, one(layout))  # noqa: E731
-        # Q, K (the row normalization), then S, V, P (T and M), then dO, dS' last
-        self.qk_bytes = 2 * size(lay_k)
-        self.first_bytes = size(lay_s) + size(lay_v) + size(lay_c)
+        # Q, K (the row normalization) and P (T and M), then S, V, then dO, dS' last
+        self.qk_bytes = 2 * size(lay_k) + size(lay_c)
+        self.first_bytes = size(lay_s) + size(lay_v)
         self.rest_bytes = size(lay_v)
         self.late_bytes = size(lay_s)
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
@@ -281,7 +281,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     def load_all(self, loads, tiles, bars, start: Int32, chunk: Int32, packed: Int32,
                  head: Int32):
         """Warp 0: the chunk's tiles by TMA, issued in the order of the barriers they
-        arrive on: Q, K (QK_LOADS), S, V, P (FIRST_LOADS; into sM), dO (REST_LOADS),
+        arrive on: Q, K, P (QK_LOADS; P into sM), S, V (FIRST_LOADS), dO (REST_LOADS),
         dS' (LATE_LOADS)."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
@@ -302,9 +302,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cute.arch.mbarrier_arrive_and_expect_tx(bars + LATE_LOADS, self.late_bytes)
         token_tile(*lq, sQ, head // self.q_group, K, QK_LOADS)
         token_tile(*lk, sK, head // self.k_group, K, QK_LOADS)
+        block_tile(*lw, sM, 0, (C, C), QK_LOADS)
         block_tile(*ls, sS, 0, (V, K), FIRST_LOADS)
         token_tile(*lv, sV, head // self.v_group, V, FIRST_LOADS)
-        block_tile(*lw, sM, 0, (C, C), FIRST_LOADS)
         token_tile(*ldo, sDO, head, V, REST_LOADS)
         block_tile(*lds, sDS, 0, (V, K), LATE_LOADS)
 
@@ -389,21 +389,21 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # memory to warpgroup 0, which adds them after the second CTA barrier below
         acc_dk = cute.make_rmem_tensor(
             mmas[2].get_slice(tidx % 128).partition_shape_C((C, self.k_dim)), Float32)
-        # Q and K land first: each warpgroup normalizes one of them while S, V and P are on
-        # their way; warpgroup 0 splits P into T and M, warpgroup 1 scans the gates, makes
+        # Q, K and P land first: each warpgroup normalizes one of Q and K while S and V are
+        # on their way; warpgroup 0 splits P into T and M, warpgroup 1 scans the gates, makes
         # Z (delta_rhs) and issues dDelta's M^T dO, while warpgroup 0 turns Z into
         # Delta = T Z (into sU). Rows of a partial chunk past the sequence end: warpgroup 0
         # zeroes V's (once Z, which reads them times beta = 0, is made), warpgroup 1 dO's
         # (before M^T dO reads it).
         if wg == 0:
             self.normalize_tile(tiles[0], sRows, R_Q, 0, bars, rows, tidx % 128)
-            cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)  # P
-            sM, sT = stage0(tiles[6]), stage0(tiles[7])
+            sM, sT = stage0(tiles[6]), stage0(tiles[7])  # P landed with Q (normalize_tile)
             unpack_t(sM, sT, tidx % 128, 128)
             self.wg_sync(0, fence=True)  # T made (for Delta's wgmma), P's upper half read
             mask_m(sM, tidx % 128, 128)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(bars + M_READY)
+            cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)  # S, V (V's tail is zeroed below)
             cute.arch.mbarrier_wait(bars + Z_READY, 0)
             self.delta(mmas[9], tiles, tidx % 128)
             if rows < C:

@@ -36,7 +36,7 @@ from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_
                              tma_pipeline, tma_store_tile, transposed, wgmma)
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS, W_FACTORS
 from .gdn_recurrence_sm90 import factor_row_loads, load_factor_row, packed_chunk_start
-from .gdn_unpack_sm90 import UNPACK_WARPS, unpack_ring
+from .gdn_unpack_sm90 import UNPACK_WARPS, load_packed, unpack_ring
 
 THREADS_PER_WG = 128
 STAGES = 2
@@ -94,9 +94,9 @@ class GdnStateGradSm90:
         store_ds, mDS_t = cpasync.make_tiled_tma_atom(
             s2g, select_modes(mDStates, [2, 3, 1, 0]), one(sDS_layout), (Vc, K))
         tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(mWork32, STAGES)
+        # (P, loaded first, has an mbarrier of its own)
         self.stage_bytes = (2 * cute.size_in_bytes(dt, one(sK_layout))
-                            + cute.size_in_bytes(dt, one(sDO_layout))
-                            + cute.size_in_bytes(dt, one(sM_layout)) + factor_bytes)
+                            + cute.size_in_bytes(dt, one(sDO_layout)) + factor_bytes)
         k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         rmem = warpgroup.OperandSource.RMEM
         # (V rows) x 64 tokens: D K^T (D from registers) and dO^T M (both from shared memory)
@@ -116,7 +116,9 @@ class GdnStateGradSm90:
         @cute.struct
         class SharedStorage:
             bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
-            unpacked: cute.struct.MemRange[cutlass.Int64, STAGES]  # a stage's T and M made
+            # a stage's P landed (TMA bytes), then its T and M made (UNPACK_WARPS arrivals)
+            p_full: cute.struct.MemRange[cutlass.Int64, STAGES]
+            unpacked: cute.struct.MemRange[cutlass.Int64, STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sT: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
@@ -149,9 +151,10 @@ class GdnStateGradSm90:
         storage = smem.allocate(self.storage)
         pipe = tma_pipeline(storage.bars.data_ptr(), STAGES, self.stage_bytes,
                             self.nwg * THREADS_PER_WG)
-        unpacked = storage.unpacked.data_ptr()
+        p_full, unpacked = storage.p_full.data_ptr(), storage.unpacked.data_ptr()
         if tidx == 0:
             for s in cutlass.range_constexpr(STAGES):
+                cute.arch.mbarrier_init(p_full + s, 1)
                 cute.arch.mbarrier_init(unpacked + s, UNPACK_WARPS)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -167,11 +170,11 @@ class GdnStateGradSm90:
         first_chunk = packed_chunk_start(mCuSeqlens, batch, mSeqTable)
         if warp == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.produce(loads, tiles, pipe, head, start, first_chunk, chunks, split)
+            self.produce(loads, tiles, pipe, p_full, head, start, first_chunk, chunks, split)
         elif warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             # P (sM) -> T (sT) and M (sM)
-            unpack_ring(tiles[3], tiles[2], pipe, unpacked, chunks,
+            unpack_ring(tiles[3], tiles[2], p_full, unpacked, chunks,
                         tidx - cute.arch.WARP_SIZE, STAGES, True, UNPACK_BARRIER)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -179,10 +182,10 @@ class GdnStateGradSm90:
                          batch, head, first_chunk, chunks, tidx - THREADS_PER_WG, split)
 
     @cute.jit
-    def produce(self, loads, tiles, pipe, head: Int32, start: Int32, first_chunk: Int32,
-                chunks: Int32, split: Int32):
-        """The chunks' q, k (raw rows), packed P (into sM), factor row and this CTA's do
-        columns, last chunk first."""
+    def produce(self, loads, tiles, pipe, p_full, head: Int32, start: Int32,
+                first_chunk: Int32, chunks: Int32, split: Int32):
+        """The chunks' packed P (into sM, first: unpack_ring splits it while the rest
+        lands), q, k (raw rows), factor row and this CTA's do columns, last chunk first."""
         K, C, Vc = self.k_dim, CHUNK, self.v_rows
         (tma_q, mQ), (tma_k, mK), (tma_blk, mW_blk), (tma_do, mDO), (tma_f, mF) = loads
         sQ, sK, sT, sM, sDO, sF = tiles
@@ -190,6 +193,8 @@ class GdnStateGradSm90:
         for i in cutlass.range(chunks, unroll=1):
             c = chunks - 1 - i
             pipe.producer_acquire(state)
+            load_packed(tma_blk, mW_blk[None, None, head, first_chunk + c], sM, state.index,
+                        p_full)
             bar = pipe.producer_get_barrier(state)
             for atom, m, s, h, cols, col_tile in (
                     (tma_q, mQ, sQ, head // self.q_group, K, 0),
@@ -198,8 +203,6 @@ class GdnStateGradSm90:
                 g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
                                     (c, col_tile))
                 tma_load_tile(atom, g, s, state.index, bar)
-            tma_load_tile(tma_blk, mW_blk[None, None, head, first_chunk + c], sM, state.index,
-                          bar)
             load_factor_row(tma_f, mF, sF, head, first_chunk + c, state.index, bar)
             state = advanced(state)
 

@@ -43,7 +43,7 @@ from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_
 from .gdn_layout import (CHUNK, FACTOR_COLS, FACTOR_ROWS, G_LAST, K_FACTORS, Q_FACTORS,
                          U_FACTORS, W_FACTORS)
 from .gdn_seq_table_sm90 import find_in_table, has_table
-from .gdn_unpack_sm90 import UNPACK_WARPS, unpack_ring
+from .gdn_unpack_sm90 import UNPACK_WARPS, load_packed, unpack_ring
 
 THREADS_PER_WG = 128
 
@@ -229,11 +229,10 @@ class GdnChunkRecurrenceSm90:
                 sCk_layout, store_ck, mCk_t = checkpoint_staging()
                 staged_ckpt = (store_ck, mCk_t, sCk_layout)
                 sCk_elems = cute.cosize(sCk_layout)
-        # K, v's columns and P; with o also Q (states_only reads no M either)
+        # K and v's columns; with o also Q (P, loaded first, has an mbarrier of its own)
         with_o = 0 if const_expr(self.states_only) else 1
         self.stage_bytes = ((1 + with_o) * cute.size_in_bytes(dt, one(sK_layout))
-                            + cute.size_in_bytes(dt, one(sU_layout))
-                            + cute.size_in_bytes(dt, one(sM_layout)))
+                            + cute.size_in_bytes(dt, one(sU_layout)))
         tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(mWork32, STAGES)
         self.stage_bytes += factor_bytes
         rmem = warpgroup.OperandSource.RMEM
@@ -247,7 +246,9 @@ class GdnChunkRecurrenceSm90:
         @cute.struct
         class SharedStorage:
             bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
-            # a stage's T and M unpacked (UNPACK_WARPS arrivals)
+            # a stage's P landed (TMA bytes), then its T and M unpacked (UNPACK_WARPS
+            # arrivals)
+            p_full: cute.struct.MemRange[cutlass.Int64, STAGES]
             unpacked: cute.struct.MemRange[cutlass.Int64, STAGES]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
@@ -293,9 +294,10 @@ class GdnChunkRecurrenceSm90:
         storage = smem.allocate(self.storage)
         pipe = tma_pipeline(storage.bars.data_ptr(), STAGES, self.stage_bytes,
                             self.nwg * THREADS_PER_WG)
-        unpacked = storage.unpacked.data_ptr()
+        p_full, unpacked = storage.p_full.data_ptr(), storage.unpacked.data_ptr()
         if tidx == 0:
             for s in cutlass.range_constexpr(STAGES):
+                cute.arch.mbarrier_init(p_full + s, 1)
                 cute.arch.mbarrier_init(unpacked + s, UNPACK_WARPS)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -326,12 +328,12 @@ class GdnChunkRecurrenceSm90:
         if warp == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mQ, mK, mW_blk, mW_u, tma_q, tma_kr, tma_blk, tma_u, sQ, sK,
-                         sW, sU, sM, (tma_f, mF_t, sF), pipe, head, start, first_chunk,
-                         updates, split)
+                         sW, sU, sM, (tma_f, mF_t, sF), pipe, p_full, head, start,
+                         first_chunk, updates, split)
         elif warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             # P (sM) -> T (sW) and, with o, M (sM)
-            unpack_ring(sM, sW, pipe, unpacked, updates, tidx - cute.arch.WARP_SIZE, STAGES,
+            unpack_ring(sM, sW, p_full, unpacked, updates, tidx - cute.arch.WARP_SIZE, STAGES,
                         not self.states_only, UNPACK_BARRIER)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -387,16 +389,19 @@ class GdnChunkRecurrenceSm90:
 
     @cute.jit
     def produce(self, mQ, mK, mW_blk, mW_u, tma_q, tma_kr, tma_blk, tma_u, sQ, sK,
-                sW, sU, sM, factor_rows, pipe, head: Int32, start: Int32, first_chunk: Int32,
-                chunks: Int32, split: Int32):
+                sW, sU, sM, factor_rows, pipe, p_full, head: Int32, start: Int32,
+                first_chunk: Int32, chunks: Int32, split: Int32):
         K, V, C = self.k_dim, self.v_dim, CHUNK
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-        # work16's packed block P into sM (unpack splits it); v's columns go into sU (below)
+        # work16's packed block P first, into sM (unpack_ring splits it while the stage's
+        # other tiles land); v's columns go into sU (below)
         token_tiles = ((tma_kr, mK, sK, head // self.k_group),)
         if const_expr(not self.states_only):  # Q only makes o
             token_tiles = ((tma_q, mQ, sQ, head // self.q_group),) + token_tiles
         for c in cutlass.range(chunks, unroll=1):
             pipe.producer_acquire(state)
+            load_packed(tma_blk, mW_blk[None, None, head, first_chunk + c], sM, state.index,
+                        p_full)
             bar = pipe.producer_get_barrier(state)
             for atom, m, s, h in token_tiles:
                 g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, K),
@@ -406,8 +411,6 @@ class GdnChunkRecurrenceSm90:
                 (start, 0), mW_u[None, None, head // self.v_group]), (C, self.v_rows),
                 (c, split))
             tma_load_tile(tma_u, g, sU, state.index, bar)
-            tma_load_tile(tma_blk, mW_blk[None, None, head, first_chunk + c], sM, state.index,
-                          bar)
             load_factor_row(*factor_rows, head, first_chunk + c, state.index, bar)
             state = advanced(state)
 
