@@ -58,7 +58,7 @@ from .attention_sm90 import (acc_as_operand_a, load_ldmatrix, select_modes, stor
                              tma_load_tile, tma_store_tile, transposed, wgmma)
 from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90, block_chunk_head, chunk_grid
 from .gdn_layout import CHUNK, gradients_in_place
-from .gdn_unpack_sm90 import mask_m, unpack_t
+from .gdn_unpack_sm90 import one_bits, split_packed, zero_t_upper
 
 WGS = 2  # warpgroup 0: the q side; warpgroup 1: the WY side
 THREADS = 128 * WGS
@@ -397,11 +397,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # (before M^T dO reads it).
         if wg == 0:
             self.normalize_tile(tiles[0], sRows, R_Q, 0, bars, rows, tidx % 128)
-            sM, sT = stage0(tiles[6]), stage0(tiles[7])  # P landed with Q (normalize_tile)
-            unpack_t(sM, sT, tidx % 128, 128)
-            self.wg_sync(0, fence=True)  # T made (for Delta's wgmma), P's upper half read
-            mask_m(sM, tidx % 128, 128)
-            cute.arch.fence_proxy("async.shared", space="cta")
+            # P landed with Q (normalize_tile waited): T into sT, M over P in sM
+            p_base, t_base = storage.sM.data_ptr().toint(), storage.sT.data_ptr().toint()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            split_packed(p_base, t_base, warp, 4, True, one_bits(self.dtype))
+            zero_t_upper(t_base, warp, 4)
+            self.wg_sync(0, fence=True)  # T (Delta's wgmma) and M (warpgroup 1's) made
             cute.arch.mbarrier_arrive(bars + M_READY)
             cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)  # S, V (V's tail is zeroed below)
             cute.arch.mbarrier_wait(bars + Z_READY, 0)

@@ -36,12 +36,11 @@ from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_
                              tma_pipeline, tma_store_tile, transposed, wgmma)
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS, W_FACTORS
 from .gdn_recurrence_sm90 import factor_row_loads, load_factor_row, packed_chunk_start
-from .gdn_unpack_sm90 import UNPACK_WARPS, load_packed, unpack_ring
+from .gdn_unpack_sm90 import UNPACK_WARPS, load_packed, one_bits, unpack_ring
 
 THREADS_PER_WG = 128
 STAGES = 2
 CONSUMER_BARRIER = 1  # the consumer warpgroups, around the scaled Q and the staging tiles
-UNPACK_BARRIER = 2  # the unpacking warps (gdn_unpack_sm90), between T's reads of P and M
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
@@ -174,8 +173,8 @@ class GdnStateGradSm90:
         elif warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             # P (sM) -> T (sT) and M (sM)
-            unpack_ring(tiles[3], tiles[2], p_full, unpacked, chunks,
-                        tidx - cute.arch.WARP_SIZE, STAGES, True, UNPACK_BARRIER)
+            unpack_ring(storage.sM.data_ptr().toint(), storage.sT.data_ptr().toint(), p_full,
+                        unpacked, chunks, warp - 1, STAGES, True, one_bits(self.dtype))
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(mmas, tiles, sDS, store, pipe, unpacked, mDFinal, mDInit,

@@ -43,7 +43,7 @@ from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_
 from .gdn_layout import (CHUNK, FACTOR_COLS, FACTOR_ROWS, G_LAST, K_FACTORS, Q_FACTORS,
                          U_FACTORS, W_FACTORS)
 from .gdn_seq_table_sm90 import find_in_table, has_table
-from .gdn_unpack_sm90 import UNPACK_WARPS, load_packed, unpack_ring
+from .gdn_unpack_sm90 import UNPACK_WARPS, load_packed, one_bits, unpack_ring
 
 THREADS_PER_WG = 128
 
@@ -115,7 +115,6 @@ def sum_before(mCuSeqlens: cute.Tensor, batch: Int32, per: Int32):
 
 STAGES = 2
 O_BARRIER = 1  # the consumer warpgroups, around the o staging tile
-UNPACK_BARRIER = 2  # the unpacking warps (gdn_unpack_sm90), between T's reads of P and M
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
@@ -333,8 +332,9 @@ class GdnChunkRecurrenceSm90:
         elif warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             # P (sM) -> T (sW) and, with o, M (sM)
-            unpack_ring(sM, sW, p_full, unpacked, updates, tidx - cute.arch.WARP_SIZE, STAGES,
-                        not self.states_only, UNPACK_BARRIER)
+            unpack_ring(storage.sM.data_ptr().toint(), storage.sW.data_ptr().toint(), p_full,
+                        unpacked, updates, warp - 1, STAGES, not self.states_only,
+                        one_bits(self.dtype))
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(mma_tok, mma_state, sQ, sK, sW, sU, sM, (sO, store_o, mO_t), pipe,
