@@ -3,9 +3,10 @@
 Verified on an H200 (2026-11-30) by tests/test_gdn_stages_gpu.py and tests/test_gdn_fwd_gpu.py.
 
 One CTA per (sequence, output head) walks the sequence's chunks in order, reading what
-stage 1 (gdn_chunk_sm90) left in the workspace (M, T = (I + A)^-1 and the factor rows
-[q_f | k_f | G_L], [t_w | t_u]; the fused kernel: W and U) and the chunk's raw q, k and v
-rows. The state is held transposed, S^T
+stage 1 (gdn_chunk_sm90) left in the workspace (M and T = (I + A)^-1 packed into one
+block, which the producer warpgroup's idle warps split (gdn_unpack_sm90), and the factor
+rows [q_f | k_f | G_L], [t_w | t_u]; the fused kernel: W and U) and the chunk's raw q, k
+and v rows. The state is held transposed, S^T
 (V x K, V-major as stored), fp32 in the registers of V / 64 consumer warpgroups (64 V-rows
 each), so every chunk product takes S^T or Delta^T as a register A operand and the chunk's
 tiles as shared-memory B operands. W = T diag(t_w) Kc and U = T diag(t_u) Vc
