@@ -415,35 +415,58 @@ class GdnChunkPrepareSm90:
             acc_qq = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
             wgmma(mma_s, acc_qq, tSrQa, tSrQb, False)
             warpgroup.wait_group(0)
-            for e in cutlass.range_constexpr(cute.size(acc_kk)):
-                if coords[e][0] == coords[e][1]:
-                    i = coords[e][0]
-                    eps = Float32(L2NORM_EPS)
-                    sRows[R_Q, i] = cute.math.rsqrt(cutlass.max(acc_qq[e], eps))
-                    sRows[R_K, i] = cute.math.rsqrt(cutlass.max(acc_kk[e], eps))
+            # The diagonal: warp w's rows 16 w .. are in column slots 4 w .. 4 w + 3, its
+            # elements e = 4 (2 w + h) + 2 h + p (row half h, column parity p): 4 of the
+            # thread's 32 can be diagonal ones (a branch per warp keeps e static).
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
+            eps = Float32(L2NORM_EPS)
+            for w in cutlass.range_constexpr(4):
+                if warp == w:
+                    for h in cutlass.range_constexpr(2):
+                        for p in cutlass.range_constexpr(2):
+                            e = 4 * (2 * w + h) + 2 * h + p
+                            if coords[e][0] == coords[e][1]:
+                                i = coords[e][0]
+                                sRows[R_Q, i] = cute.math.rsqrt(cutlass.max(acc_qq[e], eps))
+                                sRows[R_K, i] = cute.math.rsqrt(cutlass.max(acc_kk[e], eps))
         wgmma(mma_s, acc_qk, tSrQa, tSrKb, False)
         warpgroup.wait_group(0)
         self.sync()  # G and the row scales
-        for e in cutlass.range_constexpr(cute.size(acc_kk)):
-            i = coords[e][0]
-            j = coords[e][1]
-            seen = j <= i
-            decay = cute.math.exp(cutlass.select_(seen, sGate[i] - sGate[j], Float32(0.0)),
-                                  fastmath=True)
-            kk = acc_kk[e]
-            qk = acc_qk[e] * scale
-            if const_expr(self.l2norm):
-                r_kj = sRows[R_K, j]
-                kk = kk * sRows[R_K, i] * r_kj
-                qk = qk * sRows[R_Q, i] * r_kj
-            a = Float32(0.0)
-            m = Float32(0.0)
-            if j < i:
-                a = sBeta[i] * kk * decay
-            if seen:
-                m = qk * decay
-            sA[i, j] = a
-            t_m[e] = m.to(self.dtype)
+        # A = diag(beta r_k) (Gamma * K K^T) diag(r_k), M = scale diag(r_q) (Gamma * Q K^T)
+        # diag(r_k): one factor per row for each, r_k per column, the decay per element.
+        # Element e of the accumulator is row half (e // 2) % 2 and column slot
+        # (e // 4) * 2 + e % 2: row values are read once, column values once per column
+        # pair (read per element, they were reloaded after every store into sA).
+        row_g, row_a, row_m = [], [], []
+        for h in cutlass.range_constexpr(2):
+            i = coords[2 * h][0]
+            row_g.append(sGate[i])
+            row_a.append(sBeta[i] * sRows[R_K, i] if const_expr(self.l2norm) else sBeta[i])
+            row_m.append(scale * sRows[R_Q, i] if const_expr(self.l2norm) else scale)
+        for g in cutlass.range_constexpr(cute.size(acc_kk) // 4):
+            col_g, col_rk = [], []
+            for p in cutlass.range_constexpr(2):
+                j = coords[4 * g + p][1]
+                col_g.append(sGate[j])
+                col_rk.append(sRows[R_K, j] if const_expr(self.l2norm) else None)
+            for h in cutlass.range_constexpr(2):
+                for p in cutlass.range_constexpr(2):
+                    e = 4 * g + 2 * h + p
+                    i = coords[e][0]
+                    j = coords[e][1]
+                    seen = j <= i
+                    decay = cute.math.exp(cutlass.select_(seen, row_g[h] - col_g[p],
+                                                          Float32(0.0)), fastmath=True)
+                    if const_expr(self.l2norm):
+                        decay = decay * col_rk[p]
+                    a = Float32(0.0)
+                    m = Float32(0.0)
+                    if j < i:
+                        a = acc_kk[e] * row_a[h] * decay
+                    if seen:
+                        m = acc_qk[e] * row_m[h] * decay
+                    sA[i, j] = a
+                    t_m[e] = m.to(self.dtype)
 
     @cute.jit
     def row_values(self, sGate, sBeta, out_f, rows: Int32, scale: Float32, sRows, j: Int32):
