@@ -937,7 +937,7 @@ def test_kernel_builder_arguments():
     kernel, prep = built["prepare"]
     assert not kernel.store_wu and len(prep) == 11 and None not in prep
     assert prep[5].element_type == prep[6].element_type == cutlass.Int32  # cu_seqlens, table
-    assert tuple(prep[7].shape[1:]) == (8, 64, 128) and prep[7].element_type == cutlass.Float16
+    assert tuple(prep[7].shape[1:]) == (8, 64, 64) and prep[7].element_type == cutlass.Float16
     _, states = built["states"]
     assert [i for i, x in enumerate(states) if x is None] == [6, 8, 9]  # no o
     assert states[4].element_type == states[5].element_type == cutlass.Int32

@@ -86,7 +86,8 @@ def test_exported_and_registered():
     assert set(GdnFwdSm90.kernel_sources) == {
         "precast.kernels.gdn_chunk_sm90", "precast.kernels.gdn_recurrence_sm90",
         "precast.kernels.gdn_seq_table_sm90", "precast.kernels.gdn_layout",
-        "precast.kernels.attention_sm90", "precast.kernels.fake"}
+        "precast.kernels.gdn_unpack_sm90", "precast.kernels.attention_sm90",
+        "precast.kernels.fake"}
 
 
 # --- static configuration and cache key ---------------------------------------------------------
