@@ -304,11 +304,14 @@ class GdnChunkPrepareSm90:
         if const_expr(sM is not None):
             store_stmatrix(out[2], mma_s, sM, tidx)
         self.sync()
-        if tidx < C:
-            # T's column scales replace the row scales of token tidx (read only by it here)
-            t_w, t_u = self.row_values(sGate, sBeta, out[3], rows, scale, sRows, tidx)
-            sRows[T_W, tidx] = t_w
-            sRows[T_U, tidx] = t_u
+        if tidx >= C:
+            # Threads 64..127, which have no column of invert's diagonal blocks to solve:
+            # token j's factors beside the solve. T's column scales replace the row scales
+            # of token j (read only by its thread here).
+            j = tidx - C
+            t_w, t_u = self.row_values(sGate, sBeta, out[3], rows, scale, sRows, j)
+            sRows[T_W, j] = t_w
+            sRows[T_U, j] = t_u
         scaled = (None, None)  # T diag(t_w), T diag(t_u): the A operands of W and U
         if const_expr(self.store_wu):
             scaled = (sTw[None, None, 0], sTu[None, None, 0])
