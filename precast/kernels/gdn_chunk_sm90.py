@@ -18,8 +18,8 @@ M's lower triangle, T's strict lower one transposed into the upper one; gdn_layo
 [q_f | k_f | G_L] into its fp32 factor row. With store_wu=False (what the ops run) W and U
 are neither made nor stored, nor V loaded: the recurrence and the backward read T from the
 packed block, and the column scales of the scaled inverses Tw = T diag(beta gamma r_k),
-Tu = T diag(beta) (W = Tw Kc, U = Tu Vc) from the second factor row; the fused kernel still makes W and U (precast/kernels/gdn_layout.py; the
-contract is
+Tu = T diag(beta) (W = Tw Kc, U = Tu Vc) from the second factor row; the fused kernel
+still makes W and U (precast/kernels/gdn_layout.py; the contract is
 precast/reference/gdn_workspace.py). Stage 2 (gdn_recurrence_sm90) reads q and k
 themselves and applies q_f, k_f to its products. Chunks are packed over the batch:
 sequence b's chunk c is number sum_{b' < b} ceil(len_b' / 64) + c, so the workspace has at

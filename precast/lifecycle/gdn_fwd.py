@@ -22,8 +22,9 @@ Shared with the backward (gdn_bwd.GdnBwdSm90): the kernels' fake arguments
 check_workspace_pair.
 
 The workspace (work16, work32) holds T = (I + A)^-1 and M of every (chunk, head), packed
-into one 64 x 64 block (kernels/gdn_layout.py), and the factor rows (with the column scales that turn T into the scaled inverses: W = T diag(t_w)
-K, U = T diag(t_u) V): all the backward needs of stage 1. A caller who keeps it (for
+into one 64 x 64 block (kernels/gdn_layout.py), and the factor rows (with the column
+scales that turn T into the scaled inverses: W = T diag(t_w) K, U = T diag(t_u) V): all
+the backward needs of stage 1. A caller who keeps it (for
 training: gated_delta_net(..., keep_workspace=True)) hands it to
 GdnBwdSm90.execute(forward_workspace=...), which then skips its own prepare.
 
@@ -266,9 +267,9 @@ def recurrence_kernel(s: GdnShapes, *, state_dtype: Optional[torch.dtype], pool:
     """Stage 2 (GdnChunkRecurrenceSm90) and its fake arguments (q, k, work16, work32,
     cu_seqlens, table, o, initial state, state_indices, final state, checkpoints, v,
     ckpt_every, stream); absent tensors are None. W and U's products are made from v, T (in
-    work16's packed block) and its scales. states_only: no o, the checkpoints (io dtype) stored by TMA
-    (the backward's states pass); from_checkpoints: that pass started from the forward's
-    checkpoints (passed as the initial state, of ``state_dtype``)."""
+    work16's packed block) and its scales. states_only: no o, the checkpoints (io dtype)
+    stored by TMA (the backward's states pass); from_checkpoints: that pass started from the
+    forward's checkpoints (passed as the initial state, of ``state_dtype``)."""
     import cutlass
     import cutlass.cute as cute
     from ..kernels.fake import fake_stream, fake_tokens, scalar
