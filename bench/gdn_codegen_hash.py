@@ -4,8 +4,10 @@ stripped, the .version lowered to 9.0 for CUDA 13.0's ptxas) for three forward a
 backward configurations (every mode but seq_table, chunk_grad and finish) and the fused
 kernel. Run before and after a refactor and diff the outputs:
 
-    python bench/gdn_codegen_hash.py > before.txt   (from the repo root; ptxas at
-    /usr/local/bin/ptxas)
+    python bench/gdn_codegen_hash.py [--chunk-grad] > before.txt   (from the repo root;
+    ptxas at /usr/local/bin/ptxas)
+
+--chunk-grad adds the backward's chunk_grad (its compile takes a few minutes).
 """
 import hashlib, os, re, shutil, subprocess, sys, tempfile
 from pathlib import Path
@@ -51,7 +53,8 @@ for i, cfg in enumerate(FWD):
 for i, cfg in enumerate(BWD):
     op = GdnBwdSm90.from_config(**cfg).check_support()
     for mode, build in op._kernel_builders().items():
-        if mode not in ("seq_table", "chunk_grad", "finish"):
+        skipped = ("seq_table", "finish") + (() if "--chunk-grad" in sys.argv else ("chunk_grad",))
+        if mode not in skipped:
             digest(*build(), f"bwd{i} {mode}")
 # the fused kernel (as tests/test_gdn_fused_compile.py builds it)
 from precast.kernels.fake import fake_stream, fake_tokens, scalar
