@@ -92,7 +92,7 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     its column scales, the forward from W and U); with
     many pairs they cost more than they save (bench/RESULTS.md, session 13).
     ``keep_workspace=True`` keeps the forward's chunk factors (M, T = (I + A)^-1 and the
-    factor rows: about 0.28 KB per token and output head, a third of q, k and v's at K =
+    factor rows: about 0.14 KB per token and output head, a fifth of q, k and v's at K =
     V = 128) until the backward, which then skips recomputing them (its "prepare" kernel: ~15 %
     of the backward at 4 x 8192 tokens, 64 heads). The state pool is forward only: with an
     input requiring grad it raises (use torch.no_grad(), or gather the pool rows into an

@@ -292,8 +292,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                                 (chunk, 0))
             tma_load_tile(atom, g, s, 0, bars + bar)
 
-        def block_tile(atom, m, s, col, shape, bar):  # this (chunk, head)'s row block
-            tma_load_tile(atom, self.block_tile(m, packed, head, col, shape), s, 0, bars + bar)
+        def block_tile(atom, m, s, bar):  # this (chunk, head)'s whole row block
+            tma_load_tile(atom, m[None, None, head, packed], s, 0, bars + bar)
 
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(bars + QK_LOADS, self.qk_bytes)
@@ -302,18 +302,11 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cute.arch.mbarrier_arrive_and_expect_tx(bars + LATE_LOADS, self.late_bytes)
         token_tile(*lq, sQ, head // self.q_group, K, QK_LOADS)
         token_tile(*lk, sK, head // self.k_group, K, QK_LOADS)
-        block_tile(*lw, sM, 0, (C, C), QK_LOADS)
-        block_tile(*ls, sS, 0, (V, K), FIRST_LOADS)
+        block_tile(*lw, sM, QK_LOADS)
+        block_tile(*ls, sS, FIRST_LOADS)
         token_tile(*lv, sV, head // self.v_group, V, FIRST_LOADS)
         token_tile(*ldo, sDO, head, V, REST_LOADS)
-        block_tile(*lds, sDS, 0, (V, K), LATE_LOADS)
-
-    @cute.jit
-    def block_tile(self, m, packed: Int32, head: Int32, col: int, shape):
-        """The (packed chunk, head) row block of a (rows, cols, HO, chunks) TMA view,
-        columns [col, col + shape[1])."""
-        return cute.local_tile(cute.domain_offset((0, col), m[None, None, head, packed]), shape,
-                               (0, 0))
+        block_tile(*lds, sDS, LATE_LOADS)
 
     @cute.jit
     def zero_tail(self, tiles, rows: Int32, tidx: Int32, threads: int):

@@ -36,7 +36,7 @@ from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_
                              tma_pipeline, tma_store_tile, transposed, wgmma)
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS, W_FACTORS
 from .gdn_recurrence_sm90 import factor_row_loads, load_factor_row, packed_chunk_start
-from .gdn_unpack_sm90 import UNPACK_WARPS, load_packed, one_bits, unpack_ring
+from .gdn_unpack_sm90 import init_ring_barriers, load_packed, one_bits, unpack_ring
 
 THREADS_PER_WG = 128
 STAGES = 2
@@ -151,10 +151,7 @@ class GdnStateGradSm90:
         pipe = tma_pipeline(storage.bars.data_ptr(), STAGES, self.stage_bytes,
                             self.nwg * THREADS_PER_WG)
         p_full, unpacked = storage.p_full.data_ptr(), storage.unpacked.data_ptr()
-        if tidx == 0:
-            for s in cutlass.range_constexpr(STAGES):
-                cute.arch.mbarrier_init(p_full + s, 1)
-                cute.arch.mbarrier_init(unpacked + s, UNPACK_WARPS)
+        init_ring_barriers(p_full, unpacked, STAGES, tidx)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         tiles = tuple(s.get_tensor(layout.outer, swizzle=layout.inner) for s, layout in (
@@ -187,7 +184,7 @@ class GdnStateGradSm90:
         lands), q, k (raw rows), factor row and this CTA's do columns, last chunk first."""
         K, C, Vc = self.k_dim, CHUNK, self.v_rows
         (tma_q, mQ), (tma_k, mK), (tma_blk, mW_blk), (tma_do, mDO), (tma_f, mF) = loads
-        sQ, sK, sT, sM, sDO, sF = tiles
+        sQ, sK, _, sM, sDO, sF = tiles  # (T, tiles[2], is made from P by unpack_ring)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         for i in cutlass.range(chunks, unroll=1):
             c = chunks - 1 - i

@@ -44,7 +44,7 @@ from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_
 from .gdn_layout import (CHUNK, FACTOR_COLS, FACTOR_ROWS, G_LAST, K_FACTORS, Q_FACTORS,
                          U_FACTORS, W_FACTORS)
 from .gdn_seq_table_sm90 import find_in_table, has_table
-from .gdn_unpack_sm90 import UNPACK_WARPS, load_packed, one_bits, unpack_ring
+from .gdn_unpack_sm90 import init_ring_barriers, load_packed, one_bits, unpack_ring
 
 THREADS_PER_WG = 128
 
@@ -295,10 +295,7 @@ class GdnChunkRecurrenceSm90:
         pipe = tma_pipeline(storage.bars.data_ptr(), STAGES, self.stage_bytes,
                             self.nwg * THREADS_PER_WG)
         p_full, unpacked = storage.p_full.data_ptr(), storage.unpacked.data_ptr()
-        if tidx == 0:
-            for s in cutlass.range_constexpr(STAGES):
-                cute.arch.mbarrier_init(p_full + s, 1)
-                cute.arch.mbarrier_init(unpacked + s, UNPACK_WARPS)
+        init_ring_barriers(p_full, unpacked, STAGES, tidx)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         sQ = storage.sQ.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -328,7 +325,7 @@ class GdnChunkRecurrenceSm90:
         if warp == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mQ, mK, mW_blk, mW_u, tma_q, tma_kr, tma_blk, tma_u, sQ, sK,
-                         sW, sU, sM, (tma_f, mF_t, sF), pipe, p_full, head, start,
+                         sU, sM, (tma_f, mF_t, sF), pipe, p_full, head, start,
                          first_chunk, updates, split)
         elif warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -390,7 +387,7 @@ class GdnChunkRecurrenceSm90:
 
     @cute.jit
     def produce(self, mQ, mK, mW_blk, mW_u, tma_q, tma_kr, tma_blk, tma_u, sQ, sK,
-                sW, sU, sM, factor_rows, pipe, p_full, head: Int32, start: Int32,
+                sU, sM, factor_rows, pipe, p_full, head: Int32, start: Int32,
                 first_chunk: Int32, chunks: Int32, split: Int32):
         K, V, C = self.k_dim, self.v_dim, CHUNK
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)

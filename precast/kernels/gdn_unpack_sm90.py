@@ -124,6 +124,17 @@ def zero_t_upper(t_base: Int32, warp: Int32, warps: cutlass.Constexpr):
 
 
 @cute.jit
+def init_ring_barriers(p_full, unpacked, stages: cutlass.Constexpr, tidx: Int32):
+    """Thread 0: a ring's ``p_full`` mbarriers (load_packed's one arrival) and ``unpacked``
+    ones (unpack_ring's UNPACK_WARPS arrivals), ``stages`` of each; the caller fences and
+    synchronizes the CTA after."""
+    if tidx == 0:
+        for s in cutlass.range_constexpr(stages):
+            cute.arch.mbarrier_init(p_full + s, 1)
+            cute.arch.mbarrier_init(unpacked + s, UNPACK_WARPS)
+
+
+@cute.jit
 def load_packed(atom, g, sP, stage: Int32, p_full):
     """The producer warp (all of it): TMA of P (the 2-D global tile ``g``) into stage
     ``stage`` of sP, completing on ``p_full + stage`` (its own mbarrier: one arrival with

@@ -12,7 +12,7 @@ need only prepare's results; joined back before chunk_grad):
   column scales of the scaled inverses (W = T diag(t_w) K, U = T diag(t_u) V: 8.5 KB
   instead of 32, no products to make them, and no V loaded).
   Skipped when the caller passes ``forward_workspace``: the (work16, work32) a GdnFwdSm90
-  wrote for these same inputs (training that keeps them trades 2 x 64 x 2 + 17 bytes per
+  wrote for these same inputs (training that keeps them trades 64 x 2 + 17 bytes per
   token and head for this kernel's time);
 * "states": the forward's stage 2 (gdn_recurrence_sm90.py) in its states_only mode, writing
   the state entering every chunk (io dtype) into a workspace; it makes each chunk's Delta

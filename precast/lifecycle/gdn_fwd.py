@@ -493,8 +493,8 @@ class GdnFwdSm90(Op):
         # Stage 1 stores T (packed with M into one 64 x 64 block, where the backward reads
         # it too) and its column scales instead of W and U; stage 2 makes W and U's products
         # from them, k and v: 32 KB fewer stores and 16 KB fewer loads per (chunk, head),
-        # one more 64-deep product on the state's chain. Split or not, every state row's arithmetic
-        # is the same (batch invariance is bitwise).
+        # one more 64-deep product on the state's chain. Split or not, every state row's
+        # arithmetic is the same (batch invariance is bitwise).
         def recurrence(v_splits: int = 1):
             return recurrence_kernel(s, state_dtype=s.state_dtype, pool=s.uses_pool,
                                      final_state=s.output_final_state,
@@ -509,16 +509,15 @@ class GdnFwdSm90(Op):
     # --- run ----------------------------------------------------------------------------------
     def workspace_shapes(self, total_tokens: int, num_seqs: int) -> Tuple[Tuple[int, ...], ...]:
         """Shapes of the workspace ``execute(workspace=...)`` takes for T tokens in N
-        sequences: the pair (work16, work32), work16 (T // 64 + N, HO, 64, 128) in the
+        sequences: the pair (work16, work32), work16 (T // 64 + N, HO, 64, 64) in the
         io dtype and work32 (T // 64 + N, HO, 272) float32, both contiguous: what a
         backward reusing them reads (GdnBwdSm90.execute(forward_workspace=...)).
         No zeroing needed: the prepare kernel writes every row the recurrence (and the
         backward) reads."""
         from ..kernels.gdn_layout import workspace_shapes
         s = self.shapes
-        shapes = workspace_shapes(check_int("total_tokens", total_tokens, lo=0),
-                                  check_int("num_seqs", num_seqs, lo=0), s.HO, s.K, s.V)
-        return shapes
+        return workspace_shapes(check_int("total_tokens", total_tokens, lo=0),
+                                check_int("num_seqs", num_seqs, lo=0), s.HO, s.K, s.V)
 
     def workspace_dtypes(self) -> Tuple[torch.dtype, ...]:
         """The dtypes of the workspace's tensors, in workspace_shapes' order."""
