@@ -29,18 +29,21 @@ def run(rows: int, dim: int, p: float, dtype=torch.bfloat16):
     x, u, w, b = lmsd_inputs(rows, dim, dtype)
     out = hstu_lmsd_forward(x, u, w, b, 1e-5, p, 1, True, True, True)
     y, mean, rstd, mask = out
-    fwd_bytes = lmsd_traffic_bytes(rows, dim, "fwd", x.element_size())
+    fwd_bytes = lmsd_traffic_bytes(rows, dim, "fwd", x.element_size(), dropout=p > 0)
     fwd_ms = do_bench(lambda: hstu_lmsd_forward(x, u, w, b, 1e-5, p, 1, True, True, True,
                                                 y_tensor=y, mean_tensor=mean, rstd_tensor=rstd,
                                                 mask_tensor=mask))
     dy = torch.randn_like(y)
     grads = hstu_lmsd_backward(dy, x, u, w, b, mean, rstd, mask, p, True, True, True)
-    bwd_bytes = lmsd_traffic_bytes(rows, dim, "bwd", x.element_size())
+    bwd_bytes = lmsd_traffic_bytes(rows, dim, "bwd", x.element_size(), dropout=p > 0)
     bwd_ms = do_bench(lambda: hstu_lmsd_backward(
         dy, x, u, w, b, mean, rstd, mask, p, True, True, True, dx_tensor=grads[0],
         du_tensor=grads[1], dweight_tensor=grads[2], dbias_tensor=grads[3]))
 
-    keep = [((mask >> bit) & 1).to(dtype) for bit in range(3)]
+    if mask is None:  # p = 0: no mask, every element kept
+        keep = [torch.ones_like(x)] * 3
+    else:
+        keep = [((mask >> bit) & 1).to(dtype) for bit in range(3)]
     torch_fwd_ms = do_bench(lambda: torch_forward(x, u, w, b, 1e-5, p, keep))
     leaves = [t.clone().requires_grad_(True) for t in (x, u, w, b)]
     ty = torch_forward(*leaves, 1e-5, p, keep)
