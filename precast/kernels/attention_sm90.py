@@ -213,9 +213,21 @@ class AttentionTileOps:
     @cute.jit
     def and_keep_bits(self, regs, h: cutlass.Constexpr, keep: Uint32):
         """Zeroes row h's hidden columns of packed 16-bit registers (bitwise: exact zeros
-        whatever the scores were)."""
+        whatever the scores were). The AND mask of pair g comes from one prmt in sign mode:
+        with keep shifted so that bit 2 g lands on the top bit of byte t of one word and bit
+        2 g + 1 on the top bit of byte t of another (g = s + 4 t: four shift pairs serve all
+        groups), prmt spreads each top bit over its 16-bit half."""
         pairs = cute.recast_tensor(regs, Uint32)
-        for g in cutlass.range_constexpr(self.mask_width // 8):
-            two = (keep >> (2 * g)) & Uint32(3)
-            pairs[h + 2 * g] = pairs[h + 2 * g] & (((two & Uint32(1)) * Uint32(0xFFFF))
-                                                   | ((two & Uint32(2)) * Uint32(0x7FFF8000)))
+        groups = self.mask_width // 8
+        assert groups % 4 == 0, self.mask_width
+        for s in cutlass.range_constexpr(4):
+            lo = keep << Uint32(7 - 2 * s)  # bit 2 g -> bit 8 t + 7
+            hi = keep << Uint32(6 - 2 * s)  # bit 2 g + 1 -> bit 8 t + 7
+            for t in cutlass.range_constexpr(groups // 4):
+                g = s + 4 * t
+                # bytes (t, t, 4 + t, 4 + t), each the sign of its source byte
+                selector = (8 | t) * 0x11 | (8 | (4 + t)) * 0x1100
+                mask = cute.arch.inline_ptx(
+                    f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {selector:#x};",
+                    write_only_types=[Uint32], read_only_args=[lo, hi])
+                pairs[h + 2 * g] = pairs[h + 2 * g] & mask
