@@ -35,7 +35,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass import Boolean, Float32, Int32, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
@@ -456,16 +456,21 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         s = s_min + i % tiles
         warpgroup.wait_group(0)
         self.scores_to_operands(acc_s, acc_dp, p_regs, ds_regs, half_alpha)
-        keep = self.keep_bits(row_i, first_col + s * C, func, mFunc, q_start, len_q, len_k,
-                              off, window_left, window_right)
-        if const_expr(self.want_p):
+        # Only tiles that cut a window edge or a sequence end are masked (most of a causal
+        # pass sees whole tiles).
+        if self.tile_needs_mask(s, row_i[0] // WG_ROWS * WG_ROWS, len_q, len_k, off,
+                                window_left, window_right):
+            keep = self.keep_bits(row_i, first_col + s * C, func, mFunc, q_start, len_q,
+                                  len_k, off, window_left, window_right)
             for h in cutlass.range_constexpr(2):
-                self.and_keep_bits(p_regs, h, keep[h])
+                if const_expr(self.want_p):
+                    self.and_keep_bits(p_regs, h, keep[h])
+                if const_expr(self.want_ds):
+                    self.and_keep_bits(ds_regs, h, keep[h])
+        if const_expr(self.want_p):
             self.gemm(mma_g, acc_b, tGrP, tGrWt[None, None, None, state.index],
                       accumulate=True)
         if const_expr(self.want_ds):
-            for h in cutlass.range_constexpr(2):
-                self.and_keep_bits(ds_regs, h, keep[h])
             self.gemm(mma_g, acc_a, tGrdS, tGrUt[None, None, None, state.index],
                       accumulate=True)
         if const_expr(self.fused):
@@ -547,6 +552,30 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             p_regs.store(acc_s.load().to(self.dtype))
         if const_expr(self.want_ds):
             ds_regs.store(acc_dp.load().to(self.dtype))
+
+    @cute.jit
+    def tile_needs_mask(self, s: Int32, f0: Int32, len_q: Int32, len_k: Int32, off: Int32,
+                        window_left: Int32, window_right: Int32) -> Boolean:
+        """Whether any pair of this warpgroup's fixed rows f0 .. f0 + 63 and streamed tile s's
+        rows is hidden (query i sees key j when i + off - left <= j <= i + off + right, both
+        inside their sequence). Uniform over the warpgroup."""
+        c0 = s * STREAM_ROWS
+        c1 = c0 + STREAM_ROWS - 1
+        f1 = f0 + WG_ROWS - 1
+        masked = Boolean(self.func_intervals > 0)
+        if const_expr(self.keys_fixed):  # keys f, queries c
+            masked = masked or c1 >= len_q or f1 >= len_k
+            if const_expr(self.right_bounded):
+                masked = masked or f1 > c0 + off + window_right
+            if const_expr(self.left_bounded):
+                masked = masked or c1 + off - window_left > f0
+        else:  # queries f, keys c
+            masked = masked or c1 >= len_k or f1 >= len_q
+            if const_expr(self.right_bounded):
+                masked = masked or c1 > f0 + off + window_right
+            if const_expr(self.left_bounded):
+                masked = masked or f1 + off - window_left > c0
+        return cute.arch.make_warp_uniform(Int32(masked)) != 0
 
     @cute.jit
     def keep_bits(self, row_i, first: Int32, func, mFunc, q_start: Int32, len_q: Int32,
