@@ -157,6 +157,21 @@ def advanced(state):
     return nxt
 
 
+def pair_mask_steps(groups: int):
+    """How and_keep_bits makes the AND masks of a row's packed 16-bit pairs from its keep
+    word (bits 2 g and 2 g + 1: the two columns of pair g): for each pair, (g, lo_shift,
+    hi_shift, selector) such that prmt(keep << lo_shift, keep << hi_shift, selector) is
+    0xFFFF in its low half when bit 2 g is set and in its high half when bit 2 g + 1 is.
+    With g = s + 4 t the shifts put bit 2 g on the top bit of byte t of the first word and
+    bit 2 g + 1 on the top bit of byte t of the second; the selector takes bytes (t, t,
+    4 + t, 4 + t) in sign mode, which spreads each top bit over its byte. Four shift pairs
+    serve every group (one prmt and one AND per pair instead of a shift, two multiplies, an
+    or and an AND)."""
+    assert groups % 4 == 0, groups
+    return [(s + 4 * t, 7 - 2 * s, 6 - 2 * s, (8 | t) * 0x11 | (8 | (4 + t)) * 0x1100)
+            for s in range(4) for t in range(groups // 4)]
+
+
 class AttentionTileOps:
     """Mixin of the kernel classes. Uses ``self.mask_width`` (columns of a masked score
     tile), ``self.left_bounded``, ``self.right_bounded`` and ``self.func_intervals``.
@@ -213,21 +228,14 @@ class AttentionTileOps:
     @cute.jit
     def and_keep_bits(self, regs, h: cutlass.Constexpr, keep: Uint32):
         """Zeroes row h's hidden columns of packed 16-bit registers (bitwise: exact zeros
-        whatever the scores were). The AND mask of pair g comes from one prmt in sign mode:
-        with keep shifted so that bit 2 g lands on the top bit of byte t of one word and bit
-        2 g + 1 on the top bit of byte t of another (g = s + 4 t: four shift pairs serve all
-        groups), prmt spreads each top bit over its 16-bit half."""
+        whatever the scores were): each pair's AND mask by one prmt (pair_mask_steps)."""
         pairs = cute.recast_tensor(regs, Uint32)
-        groups = self.mask_width // 8
-        assert groups % 4 == 0, self.mask_width
-        for s in cutlass.range_constexpr(4):
-            lo = keep << Uint32(7 - 2 * s)  # bit 2 g -> bit 8 t + 7
-            hi = keep << Uint32(6 - 2 * s)  # bit 2 g + 1 -> bit 8 t + 7
-            for t in cutlass.range_constexpr(groups // 4):
-                g = s + 4 * t
-                # bytes (t, t, 4 + t, 4 + t), each the sign of its source byte
-                selector = (8 | t) * 0x11 | (8 | (4 + t)) * 0x1100
-                mask = cute.arch.inline_ptx(
-                    f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {selector:#x};",
-                    write_only_types=[Uint32], read_only_args=[lo, hi])
-                pairs[h + 2 * g] = pairs[h + 2 * g] & mask
+        steps = pair_mask_steps(self.mask_width // 8)
+        shifts = None
+        for i, (g, lo_shift, hi_shift, selector) in enumerate(steps):
+            if const_expr(i == 0 or steps[i - 1][1] != lo_shift):  # a new pair of shifts
+                shifts = (keep << Uint32(lo_shift), keep << Uint32(hi_shift))
+            mask = cute.arch.inline_ptx(
+                f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {selector:#x};",
+                write_only_types=[Uint32], read_only_args=list(shifts))
+            pairs[h + 2 * g] = pairs[h + 2 * g] & mask
