@@ -159,17 +159,18 @@ def advanced(state):
 
 def pair_mask_steps(groups: int):
     """How and_keep_bits makes the AND masks of a row's packed 16-bit pairs from its keep
-    word (bits 2 g and 2 g + 1: the two columns of pair g): for each pair, (g, lo_shift,
-    hi_shift, selector) such that prmt(keep << lo_shift, keep << hi_shift, selector) is
-    0xFFFF in its low half when bit 2 g is set and in its high half when bit 2 g + 1 is.
-    With g = s + 4 t the shifts put bit 2 g on the top bit of byte t of the first word and
-    bit 2 g + 1 on the top bit of byte t of the second; the selector takes bytes (t, t,
-    4 + t, 4 + t) in sign mode, which spreads each top bit over its byte. Four shift pairs
-    serve every group (one prmt and one AND per pair instead of a shift, two multiplies, an
-    or and an AND)."""
+    word (bits 2 g and 2 g + 1: the two columns of pair g): four (lo_shift, hi_shift,
+    pairs) steps, pairs a list of (g, selector), such that prmt(keep << lo_shift,
+    keep << hi_shift, selector) is 0xFFFF in its low half when bit 2 g is set and in its
+    high half when bit 2 g + 1 is. With g = s + 4 t, step s's shifts put bit 2 g on the top
+    bit of byte t of the first word and bit 2 g + 1 on the top bit of byte t of the second;
+    the selector takes bytes (t, t, 4 + t, 4 + t) in sign mode, which spreads each top bit
+    over its byte (one prmt and one AND per pair instead of a shift, two multiplies, an or
+    and an AND)."""
     assert groups % 4 == 0, groups
-    return [(s + 4 * t, 7 - 2 * s, 6 - 2 * s, (8 | t) * 0x11 | (8 | (4 + t)) * 0x1100)
-            for s in range(4) for t in range(groups // 4)]
+    return [(7 - 2 * s, 6 - 2 * s,
+             [(s + 4 * t, (8 | t) * 0x11 | (8 | (4 + t)) * 0x1100) for t in range(groups // 4)])
+            for s in range(4)]
 
 
 class AttentionTileOps:
@@ -230,12 +231,10 @@ class AttentionTileOps:
         """Zeroes row h's hidden columns of packed 16-bit registers (bitwise: exact zeros
         whatever the scores were): each pair's AND mask by one prmt (pair_mask_steps)."""
         pairs = cute.recast_tensor(regs, Uint32)
-        steps = pair_mask_steps(self.mask_width // 8)
-        shifts = None
-        for i, (g, lo_shift, hi_shift, selector) in enumerate(steps):
-            if const_expr(i == 0 or steps[i - 1][1] != lo_shift):  # a new pair of shifts
-                shifts = (keep << Uint32(lo_shift), keep << Uint32(hi_shift))
-            mask = cute.arch.inline_ptx(
-                f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {selector:#x};",
-                write_only_types=[Uint32], read_only_args=list(shifts))
-            pairs[h + 2 * g] = pairs[h + 2 * g] & mask
+        for lo_shift, hi_shift, pair_selectors in pair_mask_steps(self.mask_width // 8):
+            shifted = [keep << Uint32(lo_shift), keep << Uint32(hi_shift)]
+            for g, selector in pair_selectors:
+                mask = cute.arch.inline_ptx(
+                    f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {selector:#x};",
+                    write_only_types=[Uint32], read_only_args=shifted)
+                pairs[h + 2 * g] = pairs[h + 2 * g] & mask
