@@ -25,7 +25,7 @@ def prmt(a: int, b: int, selector: int) -> int:
 
 @pytest.mark.parametrize("groups", [8, 16])  # 64- and 128-column masked tiles
 def test_every_pair_gets_its_two_columns(groups):
-    steps = pair_mask_steps(groups)
+    steps = [(g, lo, hi, sel) for lo, hi, pairs in pair_mask_steps(groups) for g, sel in pairs]
     assert sorted(g for g, *_ in steps) == list(range(groups))
     rng = random.Random(groups)
     words = [0, (1 << 2 * groups) - 1] + [rng.getrandbits(2 * groups) for _ in range(2000)]

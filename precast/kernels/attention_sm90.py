@@ -6,7 +6,7 @@ feeds."""
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32, Uint32, Uint64, const_expr
+from cutlass import Boolean, Int32, Uint32, Uint64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 
@@ -159,17 +159,18 @@ def advanced(state):
 
 def pair_mask_steps(groups: int):
     """How and_keep_bits makes the AND masks of a row's packed 16-bit pairs from its keep
-    word (bits 2 g and 2 g + 1: the two columns of pair g): for each pair, (g, lo_shift,
-    hi_shift, selector) such that prmt(keep << lo_shift, keep << hi_shift, selector) is
-    0xFFFF in its low half when bit 2 g is set and in its high half when bit 2 g + 1 is.
-    With g = s + 4 t the shifts put bit 2 g on the top bit of byte t of the first word and
-    bit 2 g + 1 on the top bit of byte t of the second; the selector takes bytes (t, t,
-    4 + t, 4 + t) in sign mode, which spreads each top bit over its byte. Four shift pairs
-    serve every group (one prmt and one AND per pair instead of a shift, two multiplies, an
-    or and an AND)."""
+    word (bits 2 g and 2 g + 1: the two columns of pair g): four (lo_shift, hi_shift,
+    pairs) steps, pairs a list of (g, selector), such that prmt(keep << lo_shift,
+    keep << hi_shift, selector) is 0xFFFF in its low half when bit 2 g is set and in its
+    high half when bit 2 g + 1 is. With g = s + 4 t, step s's shifts put bit 2 g on the top
+    bit of byte t of the first word and bit 2 g + 1 on the top bit of byte t of the second;
+    the selector takes bytes (t, t, 4 + t, 4 + t) in sign mode, which spreads each top bit
+    over its byte (one prmt and one AND per pair instead of a shift, two multiplies, an or
+    and an AND)."""
     assert groups % 4 == 0, groups
-    return [(s + 4 * t, 7 - 2 * s, 6 - 2 * s, (8 | t) * 0x11 | (8 | (4 + t)) * 0x1100)
-            for s in range(4) for t in range(groups // 4)]
+    return [(7 - 2 * s, 6 - 2 * s,
+             [(s + 4 * t, (8 | t) * 0x11 | (8 | (4 + t)) * 0x1100) for t in range(groups // 4)])
+            for s in range(4)]
 
 
 class AttentionTileOps:
@@ -198,6 +199,23 @@ class AttentionTileOps:
     @cute.jit
     def gemm(self, tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr):
         wgmma(tiled_mma, acc, tCrA, tCrB, accumulate)
+
+    @cute.jit
+    def hides_any(self, q0: Int32, q1: Int32, k0: Int32, k1: Int32, len_q, len_k: Int32,
+                  off: Int32, window_left: Int32, window_right: Int32) -> Boolean:
+        """Whether the mask may hide a pair of (local) queries q0 .. q1 and keys k0 .. k1:
+        query i sees key j when i + off - left <= j <= i + off + right, j < len_k and, unless
+        len_q is None, i < len_q; func intervals may hide any pair."""
+        masked = k1 >= len_k
+        if const_expr(len_q is not None):
+            masked = masked or q1 >= len_q
+        if const_expr(self.func_intervals > 0):
+            masked = Boolean(True)
+        if const_expr(self.right_bounded):
+            masked = masked or k1 > q0 + off + window_right
+        if const_expr(self.left_bounded):
+            masked = masked or q1 + off - window_left > k0
+        return masked
 
     @cute.jit
     def cols_below(self, limit: Int32, first: Int32) -> Uint32:
@@ -230,12 +248,10 @@ class AttentionTileOps:
         """Zeroes row h's hidden columns of packed 16-bit registers (bitwise: exact zeros
         whatever the scores were): each pair's AND mask by one prmt (pair_mask_steps)."""
         pairs = cute.recast_tensor(regs, Uint32)
-        steps = pair_mask_steps(self.mask_width // 8)
-        shifts = None
-        for i, (g, lo_shift, hi_shift, selector) in enumerate(steps):
-            if const_expr(i == 0 or steps[i - 1][1] != lo_shift):  # a new pair of shifts
-                shifts = (keep << Uint32(lo_shift), keep << Uint32(hi_shift))
-            mask = cute.arch.inline_ptx(
-                f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {selector:#x};",
-                write_only_types=[Uint32], read_only_args=list(shifts))
-            pairs[h + 2 * g] = pairs[h + 2 * g] & mask
+        for lo_shift, hi_shift, pair_selectors in pair_mask_steps(self.mask_width // 8):
+            shifted = [keep << Uint32(lo_shift), keep << Uint32(hi_shift)]
+            for g, selector in pair_selectors:
+                mask = cute.arch.inline_ptx(
+                    f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {selector:#x};",
+                    write_only_types=[Uint32], read_only_args=shifted)
+                pairs[h + 2 * g] = pairs[h + 2 * g] & mask
