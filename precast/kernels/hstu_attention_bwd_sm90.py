@@ -557,24 +557,11 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
     def tile_needs_mask(self, s: Int32, f0: Int32, len_q: Int32, len_k: Int32, off: Int32,
                         window_left: Int32, window_right: Int32) -> Boolean:
         """Whether any pair of this warpgroup's fixed rows f0 .. f0 + 63 and streamed tile s's
-        rows is hidden (query i sees key j when i + off - left <= j <= i + off + right, both
-        inside their sequence). Uniform over the warpgroup."""
-        c0 = s * STREAM_ROWS
-        c1 = c0 + STREAM_ROWS - 1
-        f1 = f0 + WG_ROWS - 1
-        masked = Boolean(self.func_intervals > 0)
-        if const_expr(self.keys_fixed):  # keys f, queries c
-            masked = masked or c1 >= len_q or f1 >= len_k
-            if const_expr(self.right_bounded):
-                masked = masked or f1 > c0 + off + window_right
-            if const_expr(self.left_bounded):
-                masked = masked or c1 + off - window_left > f0
-        else:  # queries f, keys c
-            masked = masked or c1 >= len_k or f1 >= len_q
-            if const_expr(self.right_bounded):
-                masked = masked or c1 > f0 + off + window_right
-            if const_expr(self.left_bounded):
-                masked = masked or f1 + off - window_left > c0
+        rows is hidden (hides_any). Uniform over the warpgroup."""
+        fixed = (f0, f0 + WG_ROWS - 1)
+        streamed = (s * STREAM_ROWS, s * STREAM_ROWS + STREAM_ROWS - 1)
+        queries, keys = (streamed, fixed) if const_expr(self.keys_fixed) else (fixed, streamed)
+        masked = self.hides_any(*queries, *keys, len_q, len_k, off, window_left, window_right)
         return cute.arch.make_warp_uniform(Int32(masked)) != 0
 
     @cute.jit
