@@ -458,19 +458,22 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         self.scores_to_operands(acc_s, acc_dp, p_regs, ds_regs, half_alpha)
         # Only tiles that cut a window edge or a sequence end are masked (most of a causal
         # pass sees whole tiles).
-        if self.tile_needs_mask(s, row_i[0] // WG_ROWS * WG_ROWS, len_q, len_k, off,
-                                window_left, window_right):
+        masked = self.tile_needs_mask(s, row_i[0] // WG_ROWS * WG_ROWS, len_q, len_k, off,
+                                      window_left, window_right)
+        keep = [Uint32(0xFFFFFFFF), Uint32(0xFFFFFFFF)]
+        if masked:
             keep = self.keep_bits(row_i, first_col + s * C, func, mFunc, q_start, len_q,
                                   len_k, off, window_left, window_right)
-            for h in cutlass.range_constexpr(2):
-                if const_expr(self.want_p):
-                    self.and_keep_bits(p_regs, h, keep[h])
-                if const_expr(self.want_ds):
-                    self.and_keep_bits(ds_regs, h, keep[h])
         if const_expr(self.want_p):
+            if masked:
+                for h in cutlass.range_constexpr(2):
+                    self.and_keep_bits(p_regs, h, keep[h])
             self.gemm(mma_g, acc_b, tGrP, tGrWt[None, None, None, state.index],
                       accumulate=True)
         if const_expr(self.want_ds):
+            if masked:
+                for h in cutlass.range_constexpr(2):
+                    self.and_keep_bits(ds_regs, h, keep[h])
             self.gemm(mma_g, acc_a, tGrdS, tGrUt[None, None, None, state.index],
                       accumulate=True)
         if const_expr(self.fused):
