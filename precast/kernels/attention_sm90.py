@@ -6,7 +6,7 @@ feeds."""
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32, Uint32, Uint64, const_expr
+from cutlass import Boolean, Int32, Uint32, Uint64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 
@@ -199,6 +199,23 @@ class AttentionTileOps:
     @cute.jit
     def gemm(self, tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr):
         wgmma(tiled_mma, acc, tCrA, tCrB, accumulate)
+
+    @cute.jit
+    def hides_any(self, q0: Int32, q1: Int32, k0: Int32, k1: Int32, len_q, len_k: Int32,
+                  off: Int32, window_left: Int32, window_right: Int32) -> Boolean:
+        """Whether the mask may hide a pair of (local) queries q0 .. q1 and keys k0 .. k1:
+        query i sees key j when i + off - left <= j <= i + off + right, j < len_k and, unless
+        len_q is None, i < len_q; func intervals may hide any pair."""
+        masked = k1 >= len_k
+        if const_expr(len_q is not None):
+            masked = masked or q1 >= len_q
+        if const_expr(self.func_intervals > 0):
+            masked = Boolean(True)
+        if const_expr(self.right_bounded):
+            masked = masked or k1 > q0 + off + window_right
+        if const_expr(self.left_bounded):
+            masked = masked or q1 + off - window_left > k0
+        return masked
 
     @cute.jit
     def cols_below(self, limit: Int32, first: Int32) -> Uint32:

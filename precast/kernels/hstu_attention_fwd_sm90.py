@@ -675,17 +675,11 @@ class HstuAttentionForwardSm90(AttentionTileOps):
     @cute.jit
     def tile_needs_mask(self, n: Int32, m0_wg: Int32, len_k: Int32, off: Int32,
                         window_left: Int32, window_right: Int32) -> Boolean:
-        """Whether any score of this warpgroup's 64 rows x key tile n is masked."""
-        tn = self.tile_n
-        j0 = n * tn
-        masked = j0 + tn > len_k
-        if const_expr(self.func_intervals > 0):
-            masked = Boolean(True)
-        if const_expr(self.right_bounded):
-            masked = masked or (j0 + tn - 1 - m0_wg > off + window_right)
-        if const_expr(self.left_bounded):
-            masked = masked or (j0 - (m0_wg + WG_ROWS - 1) < off - window_left)
-        return masked
+        """Whether any score of this warpgroup's 64 rows x key tile n is masked (rows past
+        the sequence are never stored: not checked)."""
+        j0 = n * self.tile_n
+        return self.hides_any(m0_wg, m0_wg + WG_ROWS - 1, j0, j0 + self.tile_n - 1, None,
+                              len_k, off, window_left, window_right)
 
     @cute.jit
     def silu(self, acc_s, half_alpha: Float32):
