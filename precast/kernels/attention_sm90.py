@@ -99,6 +99,30 @@ def store_stmatrix(vals, tiled_mma, tile, tidx: Int32):
 
 
 @cute.jit
+def copy_rows_out(sRows: cute.Tensor, gRows: cute.Tensor, first_row: Int32, limit: Int32,
+                  wg_tidx: Int32):
+    """A warpgroup's staged (rows, D) 16-bit tile ``sRows`` -> ``gRows`` as coalesced 16-byte
+    stores (128 threads; ``wg_tidx`` the thread's index in the warpgroup). Row r is written
+    only when first_row + r < limit: rows past a sequence's end belong to the next one."""
+    dtype = sRows.element_type
+    vec = 128 // dtype.width
+    per_row = cute.size(sRows, mode=[1]) // vec
+    copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    rows_copy = cute.make_tiled_copy_tv(
+        copy_atom, cute.make_ordered_layout((128 // per_row, per_row), order=(1, 0)),
+        cute.make_layout((1, vec)))
+    thr = rows_copy.get_slice(wg_tidx)
+    t_s = thr.partition_S(sRows)
+    t_g = thr.partition_D(gRows)
+    t_c = thr.partition_S(cute.make_identity_tensor(sRows.shape))
+    staged = cute.make_rmem_tensor_like(t_s)
+    cute.autovec_copy(t_s, staged)
+    for m in cutlass.range_constexpr(cute.size(t_s.shape[1])):
+        if first_row + t_c[0, m, 0][0] < limit:
+            cute.copy(copy_atom, staged[None, m, None], t_g[None, m, None])
+
+
+@cute.jit
 def load_ldmatrix(tiled_mma, tile, vals, tidx: Int32):
     """store_stmatrix's inverse: the shared-memory tile ``tile`` into the 16-bit fragment
     ``vals`` (in the order of ``tiled_mma``'s accumulator) by ldmatrix."""

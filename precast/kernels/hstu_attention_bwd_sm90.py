@@ -40,7 +40,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
-                             find_in_sequences, select_modes, store_stmatrix, tma_pipeline)
+                             copy_rows_out, find_in_sequences, select_modes, store_stmatrix,
+                             tma_pipeline)
 from .hstu_attention_fwd_sm90 import PRODUCER_REGS, THREADS_PER_WG, WG_ROWS
 
 STREAM_ROWS = 64
@@ -48,6 +49,7 @@ CONSUMER_REGS = 240
 ZERO_BARRIER = 1  # the consumer warpgroups cleared the streamed rows past a sequence's end
 DS_READY_BARRIER = 2  # fused: both warpgroups' dS^T of this tile are in shared memory
 DQ_STAGED_BARRIER = 3  # 3 and 4: a warpgroup's dQ buffer is free / staged (fused)
+EPILOGUE_BARRIER = DQ_STAGED_BARRIER  # 3 and 4 again: a warpgroup's gradients are staged
 MODES = ("dq", "dkdv", "dk", "dv", "fused")
 L2_GROUP_BYTES = 32 << 20  # streamed data of the (sequence, head) pairs scheduled together
 
@@ -366,7 +368,6 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         wg_s = mma_s.get_slice(wg * THREADS_PER_WG)
         wg_g = mma_g.get_slice(wg * THREADS_PER_WG)
         thr_s = mma_s.get_slice(consumer_tidx)
-        thr_g = mma_g.get_slice(consumer_tidx)
         # U and W transposed: (D, rows, stages), the MN-major B operand of the gradients.
         transposed = cute.make_ordered_layout((D, C, self.stages), order=(1, 0, 2))
         tSrX = wg_s.make_fragment_A(wg_s.partition_A(sX))
@@ -442,10 +443,29 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                 if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
 
+        # The gradients leave through the fixed tiles' shared memory (free now) as 16-byte
+        # stores: scattered 4-byte stores from the accumulators held the epilogue on the
+        # LSU queue (lg throttle, ~5 % of the warp samples at causal 4k in ncu). The fused
+        # kernel's other warpgroup may still read K (sX) in its last dQ product.
+        if const_expr(self.fused):
+            cute.arch.barrier(barrier_id=ZERO_BARRIER,
+                              number_of_threads=self.nwg * THREADS_PER_WG)
+        outputs = ()  # (gradient, accumulator, staging tile, scale)
         if const_expr(self.want_ds):
-            self.store_rows(mdA, acc_a, thr_g, head, r0, fixed_start, len_fixed, scale_ds)
+            outputs = outputs + ((mdA, acc_a, sX[None, None, 0], scale_ds),)
         if const_expr(self.want_p):
-            self.store_rows(mdB, acc_b, thr_g, head, r0, fixed_start, len_fixed, scale_p)
+            outputs = outputs + ((mdB, acc_b, sY[None, None, 0], scale_p),)
+        for _, acc, staging, scale in outputs:
+            out = cute.make_rmem_tensor(acc.layout, self.dtype)
+            out.store((acc.load() * scale).to(self.dtype))
+            store_stmatrix(out, mma_g, staging, consumer_tidx)
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=THREADS_PER_WG)
+        for grad, _, staging, _ in outputs:
+            rows = cute.domain_offset((fixed_start, 0),
+                                      select_modes(grad, [0, 2, 1])[None, None, head])
+            copy_rows_out(cute.local_tile(staging, (WG_ROWS, D), (wg, 0)),
+                          cute.local_tile(rows, (WG_ROWS, D), (r0 // WG_ROWS + wg, 0)),
+                          r0 + wg * WG_ROWS, len_fixed, consumer_tidx % THREADS_PER_WG)
 
     @cute.jit
     def stream_step(self, i: Int32, state, ops, where, sU, sW, sdS, sdQ, pipe_stream, mdQacc,
@@ -623,26 +643,6 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                     if seen:
                         bits = bits | Uint32(1 << (2 * g + e))
         return bits
-
-    @cute.jit
-    def store_rows(self, mOut, acc, thr_g, head: Int32, r0: Int32, start: Int32, length: Int32,
-                   scale: Float32):
-        """acc * scale -> the fixed tile's rows of this sequence (pairs of 16-bit values)."""
-        D, R = self.head_dim, self.fixed_rows
-        mOut = select_modes(mOut, [0, 2, 1])
-        g = cute.local_tile(cute.domain_offset((start, 0), mOut[None, None, head]), (R, D),
-                            (r0 // R, 0))
-        t_g = thr_g.partition_C(g)
-        t_c = thr_g.partition_C(cute.make_identity_tensor((R, D)))
-        g_mn = cute.make_tensor(t_g.iterator, acc_mn_layout(t_g.layout))
-        c_mn = cute.make_tensor(t_c.iterator, acc_mn_layout(t_c.layout))
-        out = cute.make_rmem_tensor(acc.layout, self.dtype)
-        out.store((acc.load() * scale).to(self.dtype))
-        out_mn = cute.make_tensor(out.iterator, acc_mn_layout(out.layout))
-        for r in cutlass.range_constexpr(cute.size(g_mn, mode=[0])):
-            if r0 + c_mn[r, 0][0] < length:
-                for c in cutlass.range_constexpr(cute.size(g_mn, mode=[1])):
-                    g_mn[r, c] = out_mn[r, c]
 
     # ---------------------------------------------------------------- fused dQ
     @cute.jit

@@ -34,8 +34,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
-                             select_modes, store_stmatrix, tma_pipeline, warp_inclusive_sum,
-                             wgmma)
+                             copy_rows_out, select_modes, store_stmatrix, tma_pipeline,
+                             warp_inclusive_sum, wgmma)
 
 TILE_M = 128  # query rows of a work tile (two consumer warpgroups of 64)
 WG_ROWS = 64
@@ -745,23 +745,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         out.store((acc_o.load() * out_scale).to(self.dtype))
         store_stmatrix(out, mma_pv, sO, consumer_tidx)
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=THREADS_PER_WG)
-        vec = 128 // self.dtype.width
-        per_row = D // vec
-        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                        num_bits_per_copy=128)
-        rows_copy = cute.make_tiled_copy_tv(
-            copy_atom, cute.make_ordered_layout((THREADS_PER_WG // per_row, per_row),
-                                                order=(1, 0)),
-            cute.make_layout((1, vec)))
-        thr = rows_copy.get_slice(consumer_tidx % THREADS_PER_WG)
         m_wg = m0 + wg * WG_ROWS
         gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, None, head]),
                              (WG_ROWS, D), (m_wg // WG_ROWS, 0))
-        tOsO = thr.partition_S(cute.local_tile(sO, (WG_ROWS, D), (wg, 0)))
-        tOgO = thr.partition_D(gO)
-        tOcO = thr.partition_S(cute.make_identity_tensor((WG_ROWS, D)))
-        staged = cute.make_rmem_tensor_like(tOsO)
-        cute.autovec_copy(tOsO, staged)
-        for m in cutlass.range_constexpr(cute.size(tOsO.shape[1])):
-            if m_wg + tOcO[0, m, 0][0] < len_q:
-                cute.copy(copy_atom, staged[None, m, None], tOgO[None, m, None])
+        copy_rows_out(cute.local_tile(sO, (WG_ROWS, D), (wg, 0)), gO, m_wg, len_q,
+                      consumer_tidx % THREADS_PER_WG)
