@@ -50,6 +50,7 @@ ZERO_BARRIER = 1  # the consumer warpgroups cleared the streamed rows past a seq
 DS_READY_BARRIER = 2  # fused: both warpgroups' dS^T of this tile are in shared memory
 DQ_STAGED_BARRIER = 3  # 3 and 4: a warpgroup's dQ buffer is free / staged (fused)
 EPILOGUE_BARRIER = DQ_STAGED_BARRIER  # 3 and 4 again: a warpgroup's gradients are staged
+K_FREE_BARRIER = ZERO_BARRIER  # 1 again (fused): no warpgroup reads K (sX) any more
 MODES = ("dq", "dkdv", "dk", "dv", "fused")
 L2_GROUP_BYTES = 32 << 20  # streamed data of the (sequence, head) pairs scheduled together
 
@@ -448,7 +449,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         # LSU queue (lg throttle, ~5 % of the warp samples at causal 4k in ncu). The fused
         # kernel's other warpgroup may still read K (sX) in its last dQ product.
         if const_expr(self.fused):
-            cute.arch.barrier(barrier_id=ZERO_BARRIER,
+            cute.arch.barrier(barrier_id=K_FREE_BARRIER,
                               number_of_threads=self.nwg * THREADS_PER_WG)
         outputs = ()  # (gradient, accumulator, staging tile, scale)
         if const_expr(self.want_ds):
@@ -489,23 +490,17 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             keep = self.keep_bits(row_i, first_col + s * C, func, mFunc, q_start, len_q,
                                   len_k, off, window_left, window_right)
             if const_expr(not self.mask_between_gemms):
-                for h in cutlass.range_constexpr(2):
-                    if const_expr(self.want_p):
-                        self.and_keep_bits(p_regs, h, keep[h])
-                    if const_expr(self.want_ds):
-                        self.and_keep_bits(ds_regs, h, keep[h])
+                self.mask_rows(keep, p_regs, ds_regs)
         if const_expr(self.want_p):
             if const_expr(self.mask_between_gemms):
                 if masked:
-                    for h in cutlass.range_constexpr(2):
-                        self.and_keep_bits(p_regs, h, keep[h])
+                    self.mask_rows(keep, p_regs, None)
             self.gemm(mma_g, acc_b, tGrP, tGrWt[None, None, None, state.index],
                       accumulate=True)
         if const_expr(self.want_ds):
             if const_expr(self.mask_between_gemms):
                 if masked:
-                    for h in cutlass.range_constexpr(2):
-                        self.and_keep_bits(ds_regs, h, keep[h])
+                    self.mask_rows(keep, None, ds_regs)
             self.gemm(mma_g, acc_a, tGrdS, tGrUt[None, None, None, state.index],
                       accumulate=True)
         if const_expr(self.fused):
@@ -528,6 +523,16 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             self.send_dq(mdQacc, tma_dq, sdQ, i % self.dq_buffers,
                          head * self.group + i // tiles, q_start, s, consumer_tidx)
         return state
+
+    @cute.jit
+    def mask_rows(self, keep, p_regs, ds_regs):
+        """Both accumulator rows' hidden columns -> zero in P and dS (those given and used
+        by the mode), row by row."""
+        for h in cutlass.range_constexpr(2):
+            if const_expr(self.want_p and p_regs is not None):
+                self.and_keep_bits(p_regs, h, keep[h])
+            if const_expr(self.want_ds and ds_regs is not None):
+                self.and_keep_bits(ds_regs, h, keep[h])
 
     @cute.jit
     def issue_scores(self, mma_s, acc_s, acc_dp, tSrX, tSrY, tSrU, tSrW, sU, sW, pipe_stream,
