@@ -58,9 +58,11 @@ MODES = ("dq", "dkdv", "dk", "dv", "fused")
 # fused, dense numbering: the producer warpgroup's idle warps convert finished groups' dQ.
 SLICE_ROWS = 16  # query rows (x the kv head's query heads x D) a warp converts at a time
 CONVERTER_WARPS = 3  # warps 1-3 (the producer warpgroup's idle ones)
-CLAIM_MARGIN = 3  # a warp claims a slice only while its consumers have this many tiles left
+CLAIM_MARGIN = 3  # a warp claims a slice only while its producer has this many tiles to load
 POLL_NS = 2000  # backoff between looks at a group's arrival counter
-PROGRESS_REMAINING, PROGRESS_DONE = 0, 1  # the consumers' word to the converting warps
+# The producer warp's word to the converting warps: streamed tiles it has still to load, and
+# whether it is done (its consumers then have at most `stages` tiles left).
+PROGRESS_REMAINING, PROGRESS_DONE = 0, 1
 
 
 def consumer_warpgroups(head_dim: int) -> int:
@@ -290,7 +292,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         if warp_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mX, mY, mU, mW, tma_x, tma_y, tma_u, tma_w, sX, sY, sU, sW,
-                         pipe_fixed, pipe_stream, block, head, span)
+                         pipe_fixed, pipe_stream, block, head, span, progress)
         elif warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if const_expr(self.fused):
@@ -300,13 +302,10 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                                                 pair_group, pairs, tiles, q_chunks, staging)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            arrivals = None
-            if const_expr(self.fused):
-                arrivals = mSync.iterator + group
             self.consume(mma_s, mma_g, mma_dq, sX, sY, sU, sW, sdS, sdQ, pipe_fixed,
                          pipe_stream, tidx - THREADS_PER_WG, block, head, span, mdA, mdB,
                          mdQacc, tma_dq, mFunc, window_left, window_right, half_alpha,
-                         scale_ds, scale_p, progress, arrivals, compact)
+                         scale_ds, scale_p, mSync, pair_group, tiles, compact)
 
     @cute.jit
     def work_span(self, block: Int32, batch: Int32, mCuSeqlensQ, mCuSeqlensK,
@@ -352,7 +351,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
 
     @cute.jit
     def produce(self, mX, mY, mU, mW, tma_x, tma_y, tma_u, tma_w, sX, sY, sU, sW, pipe_fixed,
-                pipe_stream, block: Int32, head: Int32, span):
+                pipe_stream, block: Int32, head: Int32, span, progress):
         q_start, len_q, k_start, len_k, s_min, s_max = span
         D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
         fixed_start, _, stream_start, _ = self.sides(q_start, len_q, k_start, len_k)
@@ -390,12 +389,20 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                                                    cute.group_modes(g, 0, 2))
                     cute.copy(atom, tg, ts[None, state.index], tma_bar_ptr=bar)
                 state = advanced(state)
+                if const_expr(self.fused):  # a hint for the converting warps
+                    if cute.arch.lane_idx() == 0:
+                        cute.arch.atomic_exch(progress.iterator + PROGRESS_REMAINING,
+                                              tiles * self.stream_heads() - 1 - i)
+        if const_expr(self.fused):
+            if cute.arch.lane_idx() == 0:
+                cute.arch.atomic_exch(progress.iterator + PROGRESS_DONE, Int32(1))
 
     @cute.jit
     def consume(self, mma_s, mma_g, mma_dq, sX, sY, sU, sW, sdS, sdQ, pipe_fixed, pipe_stream,
                 consumer_tidx: Int32, block: Int32, head: Int32, span, mdA, mdB, mdQacc,
                 tma_dq, mFunc, window_left: Int32, window_right: Int32, half_alpha: Float32,
-                scale_ds: Float32, scale_p: Float32, progress, arrivals, compact: Int32):
+                scale_ds: Float32, scale_p: Float32, mSync, pair_group: Int32,
+                seq_tiles: Int32, compact: Int32):
         q_start, len_q, k_start, len_k, s_min, s_max = span
         D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
         wg = consumer_tidx // THREADS_PER_WG
@@ -467,9 +474,6 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             where = (row_i, first_col, func, mFunc, q_start, len_q, len_k, off, window_left,
                      window_right, half_alpha, scale_ds, s_min, tiles, len_stream, head)
             for i in cutlass.range(count - 1, unroll=1):
-                if const_expr(self.fused):
-                    if consumer_tidx == 0:  # a hint for the converting warps
-                        cute.arch.atomic_exch(progress.iterator + PROGRESS_REMAINING, count - i)
                 state = self.stream_step(i, state, ops, where, sU, sW, sdS, sdQ, pipe_stream,
                                          mdQacc, tma_dq, consumer_tidx, True)
             state = self.stream_step(count - 1, state, ops, where, sU, sW, sdS, sdQ,
@@ -479,9 +483,6 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                 # themselves complete without us).
                 if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-        if const_expr(self.fused):
-            if consumer_tidx == 0:
-                cute.arch.atomic_exch(progress.iterator + PROGRESS_DONE, Int32(1))
 
         # The gradients leave through the fixed tiles' shared memory (free now) as 16-byte
         # stores: scattered 4-byte stores from the accumulators held the epilogue on the
@@ -514,7 +515,12 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                     cute.arch.fence_proxy("async.global")
                     cute.arch.sync_warp()
                     if consumer_tidx % THREADS_PER_WG == 0:
-                        cute.arch.atomic_add(arrivals, Int32(1), sem="release", scope="gpu")
+                        # (The group again from the CTA index: no pointer kept live through
+                        # the loop.)
+                        cta, _, _ = cute.arch.block_idx()
+                        group = cta // (pair_group * seq_tiles)
+                        cute.arch.atomic_add(mSync.iterator + group, Int32(1), sem="release",
+                                             scope="gpu")
 
     @cute.jit
     def stream_step(self, i: Int32, state, ops, where, sU, sW, sdS, sdQ, pipe_stream, mdQacc,
@@ -773,8 +779,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         """fused, dense numbering, each idle producer warp of a CTA of L2 group ``group``:
         claims the dQ slices of earlier groups, oldest first, once every CTA of that group
         has counted its reduce-adds in, and converts them (dq = acc, acc = 0), while this
-        CTA's consumers still have CLAIM_MARGIN streamed tiles to go; stops when they are
-        done or no earlier group has a slice left. Any later CTA may convert a finished
+        CTA's producer still has CLAIM_MARGIN streamed tiles to load; stops when it is done
+        or no earlier group has a slice left. Any later CTA may convert a finished
         group: when a group completes, the CTAs of the next one are mostly the light tiles
         near its end, with too few tiles left to convert much (run 27a: +1 % at 4k with the
         next group alone converting). Nothing here waits on another CTA: what no warp
