@@ -4,8 +4,8 @@
   compute-sanitizer --tool racecheck --error-exitcode 1 python tests/gpu_sanitize_hstu_attention_bwd.py
 
 Causal, a local window, a func mask and GQA at D = 64 (the fused kernel with its dQ
-reduce-adds), causal at D = 256 (the dK/dV split) and deterministic D = 128, with 0- and
-1-token sequences, tile-edge lengths and fewer keys than queries; dk and dv are the two
+reduce-adds), causal at D = 256 (the dK/dV split) and deterministic D = 128, the fused
+kernel converting dQ behind one-pair L2 groups, with 0- and 1-token sequences, tile-edge lengths and fewer keys than queries; dk and dv are the two
 halves of one NaN-poisoned buffer. Exits nonzero when a result is wrong (NaN left, a write
 outside the views, error above tolerance against fp32 autograd of the reference).
 """
@@ -15,6 +15,7 @@ import sys
 import torch
 
 from precast import HSTUBwdSm90
+from precast.lifecycle import hstu_attention_bwd as bwd_module
 from precast.reference.hstu_attention import hstu_attention_backward_reference, random_func_tensor
 from precast.reference.offsets import offsets_from_lengths
 
@@ -24,6 +25,7 @@ LENS_Q = [37, 1, 0, 130, 5, 64]
 LENS_K = [40, 1, 3, 200, 2, 64]
 # One long sequence among short and empty ones: the kernels number only existing tiles.
 LENS_HEAVY = [700, 0, 1, 3, 0, 2, 5, 1]
+LENS_DENSE = [300, 257, 1, 0, 290, 310]  # most CTAs of a max_seqlen-sized grid have rows
 failures = []
 
 
@@ -72,5 +74,12 @@ case("deterministic causal D128", 128, (-1, 0), seed=5, deterministic=True)
 case("heavy-tailed causal D64", 64, (-1, 0), seed=6, lens_q=LENS_HEAVY, lens_k=LENS_HEAVY)
 case("heavy-tailed deterministic D128", 128, (-1, 0), seed=7, deterministic=True,
      lens_q=LENS_HEAVY, lens_k=LENS_HEAVY)
+# One (sequence, kv head) pair per L2 group: the fused kernel's idle warps convert finished
+# groups' dQ beside the running ones, dq_finish the rest (dense numbering).
+bwd_module.L2_GROUP_BYTES = 1
+case("one pair per L2 group causal D64", 64, (-1, 0), seed=8, lens_q=LENS_DENSE,
+     lens_k=LENS_DENSE)
+case("one pair per L2 group GQA D128", 128, (-1, -1), hkv=2, seed=9, lens_q=LENS_DENSE,
+     lens_k=LENS_DENSE)
 print("\n".join(failures) or "all ok")
 sys.exit(1 if failures else 0)

@@ -22,3 +22,17 @@ def test_gdn_inputs_follow_the_seed():
     c = gdn_inputs([7], 1, 1, dim=8, seed=4, device="cpu")
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not torch.equal(a[0], c[0])
+
+
+def test_dq_conversion_stats_knows_the_kernels_slice():
+    """bench/dq_conversion_stats.py runs where the DSL is not installed, so it states the
+    fused backward's dQ slice height itself: it must be the kernel's."""
+    import sys
+    from pathlib import Path
+
+    import pytest
+    pytest.importorskip("cutlass")
+    from precast.kernels.hstu_attention_bwd_sm90 import SLICE_ROWS
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import dq_conversion_stats
+    assert dq_conversion_stats.SLICE_ROWS == SLICE_ROWS

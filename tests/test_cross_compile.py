@@ -40,11 +40,12 @@ def test_all_planned_kernels_cross_compile(tmp_path_factory):
         kernels = set(manifest["kernels"])
         key = manifest["key"]
         if key["op"] == "HSTUBwdSm90":
-            # fused by default at D <= 128; deterministic: dQ and dK/dV apart; D = 256 (never
-            # fused) splits dK and dV into two kernels
+            # fused by default at D <= 128 (the fused kernel and dq_finish, the rest of its dQ
+            # conversion); deterministic: dQ and dK/dV apart; D = 256 (never fused) splits dK
+            # and dV into two kernels
             cfg = key["config"]
             expected = ({"dq", "dk", "dv"} if cfg["head_dim"] > 128
-                        else {"dq", "dkdv"} if cfg["deterministic"] else {"fused"})
+                        else {"dq", "dkdv"} if cfg["deterministic"] else {"fused", "dq_finish"})
         elif key["op"] == "GdnFwdSm90":  # the split recurrence exists at V = 128
             expected = set(kernel_modes(key["config"]["v_dim"]))
         elif key["op"] == "GdnBwdSm90":

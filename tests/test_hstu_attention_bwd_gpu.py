@@ -18,6 +18,7 @@ from test_hstu_attention_gpu import (BF, DEV, DTYPES, EQUAL, FP, H, HEAD_DIMS, R
                                      RAGGED_Q, Batch, make_batch, with_func)
 
 from precast import HSTUBwdSm90, TensorDesc, hstu_attention, hstu_attention_backward
+from precast.lifecycle import hstu_attention_bwd as bwd_module
 from precast.reference.hstu_attention import (FUNC_PAD_COLUMNS, hstu_attention_backward_reference,
                                               visible_mask)
 
@@ -224,6 +225,34 @@ def test_default_mode_repeats():
     for _ in range(4):
         assert_same(launch(op, b, do, workspace=ws), first, op)
         assert torch.count_nonzero(ws) == 0
+
+
+@pytest.mark.parametrize("group_pairs", [1, 3])
+@pytest.mark.parametrize("dtype,d,hkv", [(BF, 128, H), (FP, 64, H), (BF, 64, 2), (BF, 128, 1),
+                                         (FP, 32, H)], ids=["bf16-128", "fp16-64", "bf16-64-gqa",
+                                                            "bf16-128-mqa", "fp16-32"])
+def test_dq_converted_behind_small_l2_groups(monkeypatch, dtype, d, hkv, group_pairs):
+    """L2 groups of group_pairs (sequence, kv head) pairs (the last one smaller): the fused
+    kernel's idle warps convert each finished group's dQ while later groups run and
+    dq_finish converts the rest. dq right (sequences of 0 and 1 tokens among long ones),
+    the workspace (accumulator and sync words) zero after every launch, repeats agree."""
+    lens = [1000, 1000, 999, 1, 0, 1000, 900, 1000]  # dense numbering: 8 tiles x 8 pairs
+    tiles = 8
+    monkeypatch.setattr(bwd_module, "L2_GROUP_BYTES", group_pairs * 128 * d * 8 * tiles)
+    b = make_batch(lens, lens, d, dtype, hkv=hkv, seed=d + hkv)
+    do = with_do(b, d + hkv)
+    windows = ((-1, 0), (-1, -1)) if d == 128 and hkv == H else ((-1, 0),)
+    for window in windows:
+        op = get_op(dtype, d, hkv=hkv, window=window)
+        assert op.kernel_modes() == ("fused", "dq_finish")
+        plan = bwd_module.Launch.plan(d, hkv, b.k.shape[0], len(lens), b.max_k, 1 << 31)
+        assert plan == (0, group_pairs), plan  # dense, the groups asked for
+        ws = torch.zeros(op.workspace_shape(b.q.shape[0]), dtype=torch.float32, device=DEV)
+        first = launch(op, b, do, workspace=ws)
+        check(first, b, do, window, what=str(window))
+        assert torch.count_nonzero(ws) == 0, "workspace not left zero"
+        assert_same(launch(op, b, do, workspace=ws), first, op, "again")
+        assert torch.count_nonzero(ws) == 0, "workspace not left zero"
 
 
 def test_split_gradient_buffers_and_strided_inputs():

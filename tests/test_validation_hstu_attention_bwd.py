@@ -1,14 +1,15 @@
 """Every check_support() and execute() rule of HSTUBwdSm90, its static configuration and
 cache key, kernel modes (the configuration decides: deterministic=False with D <= 128 -- the
-default -- runs the one fused kernel with dQ reduced through an fp32 workspace;
-deterministic=True or D = 256 runs the two (three at D = 256) kernels and ignores a
-workspace), the dQ workspace (given: validated and passed as dq_acc; the op's own: per
-device and stream, grown, refused while capturing), the
-overlap rule it relies on (check_no_overlap / _share_elements: disjoint views of one
-allocation are accepted), the allocating function and the custom ops' fakes -- all on a CPU
-machine (ops are built from TensorDescs, meta or CPU tensors; kernels are never built or
-loaded: execute()'s launches, stream contexts, copies and memsets are stood in for and
-recorded)."""
+default -- runs the fused kernel with dQ reduced through an fp32 workspace, then dq_finish for
+dense batches (jagged ones: a torch copy and memset); deterministic=True or D = 256 runs the
+two (three at D = 256) kernels and ignores a workspace), the launch plan (compact numbering,
+L2 pair groups, bounded by the workspace's sync words), the workspace (given: validated, its
+first T_q rows passed as dq_acc and the rest as int32 sync words; the op's own: per device and
+stream, grown, refused while capturing), the overlap rule it relies on (check_no_overlap /
+_share_elements: disjoint views of one allocation are accepted), the allocating function and
+the custom ops' fakes -- all on a CPU machine (ops are built from TensorDescs, meta or CPU
+tensors; kernels are never built or loaded: execute()'s launches, stream contexts, copies and
+memsets are stood in for and recorded)."""
 import itertools
 import math
 import random
@@ -26,7 +27,9 @@ from precast.lifecycle import hstu_attention as fwd_module
 from precast.lifecycle import hstu_attention_bwd as bwd_module
 from precast.lifecycle import op as op_mod
 from precast.lifecycle.hstu_attention import FLOAT32_MAX, WINDOW_CAP
-from precast.lifecycle.hstu_attention_bwd import fixed_rows
+from precast.lifecycle.hstu_attention_bwd import (L2_GROUP_BYTES, SYNC_EXTRA_WORDS,
+                                                  SYNC_ROWS_PER, Launch, fixed_rows,
+                                                  sync_group_capacity, sync_rows)
 from precast.lifecycle.validation import (INT32_MAX, _share_elements, byte_range,
                                           check_no_overlap)
 from precast.plan import expand
@@ -36,6 +39,10 @@ BF, FP, F32, I32, I64 = torch.bfloat16, torch.float16, torch.float32, torch.int3
 T, H, HKV, D, B = 64, 4, 2, 64, 4  # tokens (q and k), heads, kv heads, head dim, sequences
 MAXS = T // B  # the smallest max_seqlen that B sequences of T tokens allow
 L = T + FUNC_PAD_COLUMNS
+WS = T + 1  # workspace rows for T query tokens: the fp32 dQ accumulator, one row of sync words
+JAGGED = 1024  # max_seqlen of B sequences of T tokens in all: the compact numbering
+BIG = 1 << 31  # Launch.plan's max_groups where it does not bind
+FUSED_MODES = ("fused", "dq_finish")
 COMPILED_OPS = sys.modules["precast.op_cache"]
 
 
@@ -136,22 +143,22 @@ def test_fused_by_default_for_head_dims_up_to_128():
     D <= 128; deterministic=True and D = 256 (no fused kernel) never do."""
     for head_dim, deterministic in itertools.product([32, 64, 128, 256], [False, True]):
         fused = not deterministic and head_dim <= 128
-        modes = ("fused",) if fused else not_fused_modes(head_dim)
+        modes = FUSED_MODES if fused else not_fused_modes(head_dim)
         op = bwd(**dims(head_dim), deterministic=deterministic)
         assert op.fused is fused, (head_dim, deterministic)
         assert op.kernel_modes() == modes
-        assert op.workspace_shape(T) == ((T, H, head_dim) if fused else (0,))
-        assert op.workspace_shape(0) == ((0, H, head_dim) if fused else (0,))
+        assert op.workspace_shape(T) == ((WS, H, head_dim) if fused else (0,))
+        assert op.workspace_shape(0) == ((1, H, head_dim) if fused else (0,))
         op = HSTUBwdSm90.from_config(head_dim=head_dim, deterministic=deterministic)
         assert op.check_support().fused is fused
         assert op.kernel_modes() == modes
     # deterministic defaults to False: the default op is fused
-    assert bwd().fused and bwd().kernel_modes() == ("fused",)
+    assert bwd().fused and bwd().kernel_modes() == FUSED_MODES
     assert HSTUBwdSm90.from_config().check_support().fused
 
 
 @pytest.mark.parametrize("head_dim,deterministic,modes", [
-    (32, False, ("fused",)), (64, False, ("fused",)), (128, False, ("fused",)),
+    (32, False, FUSED_MODES), (64, False, FUSED_MODES), (128, False, FUSED_MODES),
     (256, False, ("dq", "dk", "dv")),  # no fused kernel at D = 256
     (32, True, ("dq", "dkdv")), (64, True, ("dq", "dkdv")), (128, True, ("dq", "dkdv")),
     (256, True, ("dq", "dk", "dv")),
@@ -159,7 +166,9 @@ def test_fused_by_default_for_head_dims_up_to_128():
 def test_kernel_modes(head_dim, deterministic, modes):
     op = bwd(**dims(head_dim), deterministic=deterministic)
     assert op.kernel_modes() == modes
-    assert op.fused is (modes == ("fused",))
+    assert op.fused is (modes == FUSED_MODES)
+    # dq_finish only finishes the fused kernel's dQ conversion
+    assert ("dq_finish" in modes) is op.fused
     if not op.fused:
         assert modes == not_fused_modes(head_dim)
     assert fixed_rows(head_dim) == (128 if head_dim <= 128 else 64)
@@ -170,12 +179,36 @@ def test_kernel_modes(head_dim, deterministic, modes):
 def test_workspace_shape_when_fused(head_dim, heads, kv_heads):
     op = bwd(**dims(head_dim, heads=heads, kv_heads=kv_heads))
     assert op.fused
-    assert op.workspace_shape(T) == (T, heads, head_dim)  # fp32 dQ of every query token
-    assert op.workspace_shape(0) == (0, heads, head_dim)
-    assert op.workspace_shape(12345) == (12345, heads, head_dim)
-    assert op.workspace_shape(INT32_MAX) == (INT32_MAX, heads, head_dim)
+    # fp32 dQ of every query token, then one row of int32 sync words per 32768 tokens (and one)
+    assert op.workspace_shape(T) == (T + 1, heads, head_dim)
+    assert op.workspace_shape(0) == (1, heads, head_dim)
+    assert op.workspace_shape(12345) == (12346, heads, head_dim)
+    assert op.workspace_shape(INT32_MAX) == (INT32_MAX + 65536, heads, head_dim)
     shape = op.workspace_shape(np.int64(7))
-    assert shape == (7, heads, head_dim) and type(shape[0]) is int
+    assert shape == (8, heads, head_dim) and all(type(x) is int for x in shape)
+
+
+def test_sync_group_capacity():
+    """Two words per group (arrivals, claims) and two more (the finisher's CTA count, the
+    oldest group with unclaimed slices)."""
+    assert SYNC_EXTRA_WORDS == 2
+    for words in (32, 33, 128, 512, 1536, 10**6):
+        groups = sync_group_capacity(words)
+        assert 2 * groups + 2 <= words < 2 * (groups + 1) + 2, words
+
+
+@pytest.mark.parametrize("total_q,rows", [
+    (0, 1), (1, 2), (T, T + 1), (32767, 32768), (32768, 32770), (32769, 32771),
+    (65535, 65537), (65536, 65539), (10**6, 10**6 + 31), (10**9, 10**9 + 30518),
+    (INT32_MAX, INT32_MAX + 65536)])
+def test_workspace_shape_values(total_q, rows):
+    """T_q accumulator rows, then sync_rows(T_q) = 1 + T_q // 32768 rows of sync words."""
+    assert SYNC_ROWS_PER == 32768
+    assert sync_rows(total_q) == rows - total_q
+    assert bwd().workspace_shape(total_q) == (rows, H, D)
+    assert bwd(**dims(128, heads=8, kv_heads=1)).workspace_shape(total_q) == (rows, 8, 128)
+    assert bwd(**dims(32, heads=1, kv_heads=1)).workspace_shape(total_q) == (rows, 1, 32)
+    assert bwd(deterministic=True).workspace_shape(total_q) == (0,)
 
 
 NOT_FUSED = [dict(deterministic=True), dict(dims(256)), dict(dims(256), deterministic=True),
@@ -210,6 +243,92 @@ def test_workspace_shape_needs_an_op_and_a_token_count():
         bwd().workspace_shape()  # no default T_q
     with pytest.raises(TypeError):
         HSTUBwdSm90.workspace_shape(T)  # an instance method now: H and D come from the op
+
+
+# --- the launch plan: compact numbering and L2 pair groups ----------------------------------------
+def l2_pair_group(head_dim, tiles, pairs):
+    """The (sequence, head) pairs of about L2_GROUP_BYTES of streamed data: 8 bytes per
+    element of a pair's fixed tiles (fp32 dQ and two 16-bit tiles)."""
+    return max(min(L2_GROUP_BYTES // (fixed_rows(head_dim) * head_dim * 8) // tiles, pairs), 1)
+
+
+@pytest.mark.parametrize("args,plan", [
+    # (head_dim, heads, total_fixed, batch, max_fixed, max_groups) -> (compact, pair_group)
+    ((64, HKV, T, B, MAXS, BIG), (0, 8)),      # one tile per sequence: dense, one group
+    ((64, H, T, B, MAXS, BIG), (0, 16)),
+    ((64, HKV, T, B, JAGGED, BIG), (1, 8)),    # 8 tiles per sequence, T / 128 + B = 4 exist
+    # causal 16 x 4096, H_kv = 8: dense, 256 tiles of 128 x 128 per group: 8 pairs
+    ((128, 8, 16 * 4096, 16, 4096, BIG), (0, 8)),
+    ((64, 8, 16 * 4096, 16, 4096, BIG), (0, 16)),   # 512 tiles of 128 x 64
+    ((32, 8, 16 * 4096, 16, 4096, BIG), (0, 32)),   # 1024 tiles of 128 x 32
+    ((256, 8, 16 * 4096, 16, 4096, BIG), (0, 4)),   # 64-row tiles: 256 of 64 x 256, 64 each
+    # one sequence longer than a group's budget: one pair a group
+    ((128, 2, 65536, 1, 65536, BIG), (0, 1)),
+    # the compact rule at its boundary: (T // 128 + B) x 2 <= tiles x B; 4 x 4 tiles
+    ((64, 1, 639, 4, 512, BIG), (1, 4)),     # (4 + 4) x 2 = 16 <= 16
+    ((64, 1, 640, 4, 512, BIG), (0, 4)),     # (5 + 4) x 2 = 18 > 16
+    ((256, 1, 319, 4, 256, BIG), (1, 4)),    # 64-row tiles: (4 + 4) x 2 <= 4 x 4
+    ((256, 1, 320, 4, 256, BIG), (0, 4)),
+    # max_seqlen 0 (no rows): one tile; B = 0 (execute launches nothing then)
+    ((64, 2, 0, 4, 0, BIG), (0, 8)),
+    ((64, 2, 0, 0, 0, BIG), (1, 2)),
+    # many short sequences: never compact (2 B > B), groups as large as the budget allows
+    ((128, 1, 100, 100000, 1, BIG), (0, 256)),
+    # ... unless that makes more groups than max_groups: ceil(pairs / max_groups) pairs each
+    ((128, 1, 100, 100000, 1, 63), (0, 1588)),   # ceil(100000 / 63)
+    ((128, 2, 65536, 1, 65536, 1), (0, 2)),      # one group
+    ((128, 2, 65536, 1, 65536, 2), (0, 1)),      # the L2 choice already fits
+    ((64, 3, 3 * 4096, 3, 4096, 4), (0, 9)),     # 9 pairs, L2 choice 512 // 32 = 16 -> 9
+    ((64, 3, 3 * 65536, 3, 65536, 4), (0, 3)),   # L2 choice 1 (9 groups), ceil(9 / 4) = 3
+])
+def test_launch_plan_values(args, plan):
+    assert Launch.plan(*args) == plan
+    assert Launch.plan(*args).compact in (0, 1)
+    assert type(Launch.plan(*args).pair_group) is int
+
+
+def test_launch_plan_rules():
+    """Launch.plan against its rule for many shapes: rows = 128 at D <= 128 else 64,
+    tiles = max(ceil(max_fixed / rows), 1), pairs = heads x max(B, 1); compact when
+    (total_fixed // rows + B) x 2 <= tiles x max(B, 1); pair_group the L2 choice, raised to
+    ceil(pairs / max_groups) when that makes more groups than max_groups."""
+    rng = random.Random(0)
+    bound = 0
+    for _ in range(4000):
+        head_dim = rng.choice([32, 64, 128, 256])
+        heads = rng.choice([1, 2, 3, 4, 8, 16])
+        batch = rng.choice([0, 1, 2, 3, 7, 16, 100, 1000, 50000])
+        max_fixed = rng.choice([0, 1, 63, 64, 65, 127, 128, 129, 1000, 4096, 65536, 10**6])
+        total_fixed = rng.randint(0, max_fixed * batch) if batch else 0
+        max_groups = rng.choice([1, 2, 15, 63, 127, 1000, BIG])
+        plan = Launch.plan(head_dim, heads, total_fixed, batch, max_fixed, max_groups)
+        rows = fixed_rows(head_dim)
+        assert rows == (128 if head_dim <= 128 else 64)
+        tiles = max(-(-max_fixed // rows), 1)
+        pairs = heads * max(batch, 1)
+        assert plan.compact == int((total_fixed // rows + batch) * 2 <= tiles * max(batch, 1))
+        chosen = l2_pair_group(head_dim, tiles, pairs)
+        groups = -(-pairs // chosen)
+        if groups <= max_groups:
+            assert plan.pair_group == chosen
+        else:
+            assert plan.pair_group == -(-pairs // max_groups) > chosen
+            bound += 1
+        assert 1 <= plan.pair_group <= pairs
+        assert plan.groups(heads, batch) == -(-pairs // plan.pair_group) <= max_groups
+        # every group but the last is full: pair_group x (groups - 1) < pairs
+        assert plan.pair_group * (plan.groups(heads, batch) - 1) < pairs
+    assert bound > 100  # the bound was exercised
+
+
+def test_launch_groups():
+    assert Launch(0, 8).groups(HKV, B) == 1
+    assert Launch(0, 3).groups(HKV, B) == 3   # 8 pairs: 3 + 3 + 2
+    assert Launch(0, 1).groups(H, B) == 16
+    assert Launch(1, 5).groups(2, 0) == 1     # B = 0 counts as one sequence
+    assert Launch(0, 1588).groups(1, 100000) == 63
+    assert Launch(0, 1587).groups(1, 100000) == 64
+    assert Launch(0, 4) == (0, 4) and Launch(0, 4)._fields == ("compact", "pair_group")
 
 
 # --- every rule -----------------------------------------------------------------------------------
@@ -649,7 +768,7 @@ def test_from_config_round_trip(config):
     elif cfg["deterministic"]:
         assert op.kernel_modes() == ("dq", "dkdv") and not op.fused
     else:
-        assert op.kernel_modes() == ("fused",) and op.fused
+        assert op.kernel_modes() == FUSED_MODES and op.fused
 
 
 @pytest.mark.parametrize("config,exc,match", [
@@ -816,9 +935,56 @@ def launches(monkeypatch):
     """conftest.record_launches for HSTUBwdSm90 (its workspace is made by torch.zeros)."""
     return record_launches(monkeypatch, bwd_module, lambda op: op.kernel_modes(), "zeros")
 
+# The arguments of every backward kernel (HstuAttentionBackwardSm90) and of dq_finish
+# (DqFinishSm90), in order.
+KERNEL_ARGS = ("q", "k", "v", "do", "grad_a", "grad_b", "dq_acc", "dq", "sync", "cu_seqlens_q",
+               "cu_seqlens_k", "func", "longest", "compact", "pair_group", "max_seqlen_q",
+               "left", "right", "half_alpha", "scale_ds", "scale_p", "stream")
+FINISH_ARGS = ("dq_acc", "dq", "sync", "cu_seqlens_q", "pair_group", "max_seqlen_q", "stream")
+SCALARS = KERNEL_ARGS[KERNEL_ARGS.index("longest"):]
+
+
+def named_args(mode, call):
+    """A recorded launch's arguments by name (and exactly as many as the kernel takes)."""
+    names = FINISH_ARGS if mode == "dq_finish" else KERNEL_ARGS
+    assert len(call) == len(names), (mode, len(call))
+    return dict(zip(names, call))
+
+
+def launched(rec):
+    """[(mode, arguments by name)] of the recorded launches."""
+    return [(mode, named_args(mode, call)) for mode, call in rec.calls]
+
+
+def scalars(args):
+    return tuple(args[n] for n in SCALARS)
+
+
+def word_rows(t, ws):
+    """(first, end): the rows of the float32 (rows, H, D) buffer ws whose bytes the int32
+    words t are (a compact view of whole rows), else None."""
+    row = ws.shape[1] * ws.shape[2] * 4
+    if not isinstance(t, torch.Tensor) or t.dtype != I32 or t.dim() != 1 \
+            or not t.is_contiguous() or t.device != ws.device \
+            or t.untyped_storage().data_ptr() != ws.untyped_storage().data_ptr():
+        return None
+    offset, size = t.data_ptr() - ws.data_ptr(), t.numel() * 4
+    if offset < 0 or offset % row or size % row or offset + size > ws.shape[0] * row:
+        return None
+    return offset // row, (offset + size) // row
+
+
+def is_dq_acc(t, ws, t_q):
+    """t is the accumulator: the first t_q rows of the workspace ws."""
+    return (t.dtype == F32 and tuple(t.shape) == (t_q,) + tuple(ws.shape[1:])
+            and t.stride() == ws.stride() and t.data_ptr() == ws.data_ptr()
+            and t.untyped_storage().data_ptr() == ws.untyped_storage().data_ptr())
+
+
 def trace(rec, **named):
-    """rec.events with each tensor replaced by its name in ``named``, or 'name[:n]' for a view
-    of the first n rows of a named tensor."""
+    """rec.events with each tensor replaced by its name in ``named``, 'name[:n]' for a view
+    of the first n rows of a named tensor, or 'name[a:b] words' for the int32 sync words over
+    its rows a..b-1."""
     def name(t):
         for key, u in named.items():
             if t is u:
@@ -827,12 +993,26 @@ def trace(rec, **named):
             if isinstance(u, torch.Tensor) and t._base is u and t.data_ptr() == u.data_ptr() \
                     and t.stride() == u.stride():
                 return f"{key}[:{t.shape[0]}]"
+        for key, u in named.items():
+            if isinstance(u, torch.Tensor) and u.dtype == F32 and u.dim() == 3 \
+                    and word_rows(t, u) is not None:
+                return "{}[{}:{}] words".format(key, *word_rows(t, u))
         return f"unnamed {tuple(t.shape)}"
     return [tuple(name(x) if isinstance(x, torch.Tensor) else x for x in e) for e in rec.events]
 
 
 def kinds(rec):
     return [e[0] for e in rec.events]
+
+
+def finish_like_the_kernel(args):
+    """dq_finish's effect (the fused kernel converts some slices, dq_finish the rest; here
+    all): dq = the accumulator, then the accumulator and the sync words zero. (Not through
+    copy_ / zero_: those events are the host's.)"""
+    dq_acc, dq, sync = args[:3]
+    dq[...] = dq_acc
+    dq_acc.fill_(0.0)
+    sync.fill_(0)
 
 
 def test_execute_launch_arguments_not_fused(launches):
@@ -842,16 +1022,25 @@ def test_execute_launch_arguments_not_fused(launches):
     a = meta_args()
     op.execute(**a, stream=7)
     assert [mode for mode, _ in launches.calls] == ["dq", "dkdv"]
-    (_, dq_call), (_, dkdv_call) = launches.calls
-    assert len(dq_call) == len(dkdv_call) == 17
-    inputs = (a["q"], a["k"], a["v"], a["do"])
-    assert dq_call[:4] == inputs and dkdv_call[:4] == inputs
-    assert dq_call[4] is a["dq"] and dq_call[5] is None and dq_call[6] is None
-    assert dkdv_call[4] is a["dk"] and dkdv_call[5] is a["dv"] and dkdv_call[6] is None
-    assert dq_call[7:10] == (a["cu_seqlens_q"], a["cu_seqlens_k"], None)
-    # longest, left, right, alpha / 2, alpha / scaling_seqlen, 1 / scaling_seqlen, stream
-    assert dq_call[10:] == (MAXS, 16, 0, 0.25, 0.5 / MAXS, 1 / MAXS, 7)
-    assert dkdv_call[10:] == (MAXS, 16, 0, 0.25, 0.5 / MAXS, 1 / MAXS, 7)
+    (_, dq_call), (_, dkdv_call) = launched(launches)
+    inputs = ("q", "k", "v", "do")
+    assert all(dq_call[n] is a[n] and dkdv_call[n] is a[n] for n in inputs)
+    assert dq_call["grad_a"] is a["dq"] and dq_call["grad_b"] is None
+    assert dkdv_call["grad_a"] is a["dk"] and dkdv_call["grad_b"] is a["dv"]
+    # no accumulator, no dq for a conversion, no sync words
+    assert all(call[n] is None for call in (dq_call, dkdv_call)
+               for n in ("dq_acc", "dq", "sync", "func"))
+    assert all(call["cu_seqlens_q"] is a["cu_seqlens_q"]
+               and call["cu_seqlens_k"] is a["cu_seqlens_k"] for call in (dq_call, dkdv_call))
+    # longest, compact, pair_group, max_seqlen_q, left, right, alpha / 2,
+    # alpha / scaling_seqlen, 1 / scaling_seqlen, stream. B = 4 sequences of one 128-row tile
+    # each: dense numbering; every (sequence, head) pair in one L2 group (H x B = 16 pairs
+    # with the queries fixed, H_kv x B = 8 with the keys fixed).
+    assert scalars(dq_call) == (MAXS, 0, 16, MAXS, 16, 0, 0.25, 0.5 / MAXS, 1 / MAXS, 7)
+    assert scalars(dkdv_call) == (MAXS, 0, 8, MAXS, 16, 0, 0.25, 0.5 / MAXS, 1 / MAXS, 7)
+    assert (dq_call["compact"], dq_call["pair_group"]) == Launch.plan(D, H, T, B, MAXS, BIG)
+    assert (dkdv_call["compact"], dkdv_call["pair_group"]) == Launch.plan(D, HKV, T, B, MAXS,
+                                                                          BIG)
     # the kernels write dq themselves: no workspace, no copy, no memset
     assert kinds(launches) == ["launch", "launch"]
     assert op._workspaces == {} and launches.capture_queries == []
@@ -859,39 +1048,92 @@ def test_execute_launch_arguments_not_fused(launches):
     launches.calls.clear()
     op.execute(**meta_args(t_q=3 * T, t_k=5 * T, batch=2 * B), stream=7, alpha=-3.0,
                scaling_seqlen=4.0, max_seqlen_q=40, max_seqlen_k=80)
-    assert launches.calls[0][1][10:] == (40, 16, 0, -1.5, -0.75, 0.25, 7)   # dq: max_q
-    assert launches.calls[1][1][10:] == (80, 16, 0, -1.5, -0.75, 0.25, 7)   # dk, dv: max_k
+    (_, dq_call), (_, dkdv_call) = launched(launches)
+    assert scalars(dq_call) == (40, 0, 32, 40, 16, 0, -1.5, -0.75, 0.25, 7)    # dq: max_q
+    assert scalars(dkdv_call) == (80, 0, 16, 40, 16, 0, -1.5, -0.75, 0.25, 7)  # dk, dv: max_k
+    # a jagged batch (4 sequences of 64 tokens in all, max_seqlen 1024: 8 tiles per head and
+    # sequence, at most one of them with rows): compact numbering, for each kernel
+    launches.calls.clear()
+    op.execute(**a, stream=7, max_seqlen_q=JAGGED, max_seqlen_k=JAGGED)
+    (_, dq_call), (_, dkdv_call) = launched(launches)
+    assert scalars(dq_call)[:4] == (JAGGED, 1, 16, JAGGED)
+    assert scalars(dkdv_call)[:4] == (JAGGED, 1, 8, JAGGED)
+    assert kinds(launches) == ["launch"] * 6  # no torch pass in any of the three calls
 
 
 def test_execute_launch_arguments_fused(launches):
-    """The default (deterministic=False, D <= 128): the one fused kernel."""
+    """The default (deterministic=False, D <= 128), a dense batch: the fused kernel, then
+    dq_finish with the same accumulator, dq, sync words and L2 groups."""
     op = bwd(window_size=(16, 0), alpha=0.5).check_support()
     assert op.fused
     a = meta_args()
     op.execute(**a, stream=7)
-    ((mode, call),) = launches.calls
-    assert mode == "fused" and len(call) == 17
-    assert call[:4] == (a["q"], a["k"], a["v"], a["do"])
-    assert call[4] is a["dk"] and call[5] is a["dv"]  # dq goes through the fp32 workspace
+    assert [mode for mode, _ in launches.calls] == ["fused", "dq_finish"]
+    (_, call), (_, finish) = launched(launches)
+    assert all(call[n] is a[n] for n in ("q", "k", "v", "do", "cu_seqlens_q", "cu_seqlens_k"))
+    assert call["grad_a"] is a["dk"] and call["grad_b"] is a["dv"] and call["func"] is None
+    assert call["dq"] is a["dq"]  # the kernel converts dQ slices into dq itself
     ws = op._workspaces[(None, 7)]  # (device index, stream): meta tensors have no index
-    assert ws.dtype == F32 and tuple(ws.shape) == (T, H, D) and ws.is_contiguous()
-    assert call[6]._base is ws and tuple(call[6].shape) == (T, H, D)
-    assert call[7:10] == (a["cu_seqlens_q"], a["cu_seqlens_k"], None)
-    assert call[10:] == (MAXS, 16, 0, 0.25, 0.5 / MAXS, 1 / MAXS, 7)  # key tiles fixed: max_k
-    # made zeroed on the stream; after the kernel, dq <- workspace, then the workspace is zeroed
+    assert ws.dtype == F32 and tuple(ws.shape) == (WS, H, D) and ws.is_contiguous()
+    # the first T_q rows: the accumulator; the row after: H x D int32 sync words
+    assert call["dq_acc"]._base is ws and is_dq_acc(call["dq_acc"], ws, T)
+    assert word_rows(call["sync"], ws) == (T, WS) and call["sync"].numel() == H * D
+    # key tiles fixed: max_k; dense; H_kv x B = 8 pairs in one L2 group; max_seqlen_q
+    assert scalars(call) == (MAXS, 0, 8, MAXS, 16, 0, 0.25, 0.5 / MAXS, 1 / MAXS, 7)
+    assert (call["compact"], call["pair_group"]) == Launch.plan(
+        D, HKV, T, B, MAXS, (H * D - 1) // 2)
+    # dq_finish: the rest of the conversion, with what the fused kernel had
+    assert finish["dq_acc"] is call["dq_acc"] and finish["dq"] is a["dq"]
+    assert finish["sync"] is call["sync"] and finish["cu_seqlens_q"] is a["cu_seqlens_q"]
+    assert (finish["pair_group"], finish["max_seqlen_q"], finish["stream"]) == (8, MAXS, 7)
+    # made zeroed on the stream; then the two kernels and no torch pass (dq_finish converts)
     assert trace(launches, ws=ws, **a) == [
-        ("stream", 7, None), ("zeros", (T, H, D), F32), ("end stream",),
-        ("launch", "fused"),
-        ("stream", 7, None), ("copy", "dq", f"ws[:{T}]"), ("zero", f"ws[:{T}]"),
-        ("end stream",)]
-    # runtime values: the fused kernel takes max_seqlen_k
+        ("stream", 7, None), ("zeros", (WS, H, D), F32), ("end stream",),
+        ("launch", "fused"), ("launch", "dq_finish")]
+    # runtime values: the fused kernel takes max_seqlen_k, and max_seqlen_q for the slices
     launches.calls.clear()
     b = meta_args(t_q=3 * T, t_k=5 * T, batch=2 * B)
     op.execute(**b, stream=7, alpha=-3.0, scaling_seqlen=4.0, max_seqlen_q=40, max_seqlen_k=80)
-    ((_, call),) = launches.calls
-    assert call[4] is b["dk"] and call[5] is b["dv"]
-    assert tuple(call[6].shape) == (3 * T, H, D)
-    assert call[10:] == (80, 16, 0, -1.5, -0.75, 0.25, 7)
+    (_, call), (_, finish) = launched(launches)
+    assert call["grad_a"] is b["dk"] and call["grad_b"] is b["dv"] and call["dq"] is b["dq"]
+    ws = op._workspaces[(None, 7)]  # grown to 3 T + 1 rows
+    assert is_dq_acc(call["dq_acc"], ws, 3 * T) and word_rows(call["sync"], ws) == (3 * T,
+                                                                                   3 * T + 1)
+    assert scalars(call) == (80, 0, 16, 40, 16, 0, -1.5, -0.75, 0.25, 7)
+    assert finish["dq_acc"] is call["dq_acc"] and finish["dq"] is b["dq"]
+    assert finish["sync"] is call["sync"]
+    assert (finish["pair_group"], finish["max_seqlen_q"], finish["stream"]) == (16, 40, 7)
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["given-workspace", "own-workspace"])
+def test_execute_fused_jagged_batch_converts_with_torch(launches, given):
+    """A jagged batch (compact numbering: no L2 groups for the kernel's idle warps to convert
+    behind): the fused kernel, then dq <- accumulator and a memset of it on the stream; no
+    dq_finish. A dense batch: dq_finish, no torch pass."""
+    op = bwd().check_support()
+    a = meta_args()
+    ws = meta(*op.workspace_shape(T), dtype=F32) if given else None
+    op.execute(**a, stream=7, workspace=ws, max_seqlen_q=JAGGED, max_seqlen_k=JAGGED)
+    ws = ws if given else op._workspaces[(None, 7)]
+    ((mode, call),) = launched(launches)
+    assert mode == "fused"
+    # 8 tiles per head and sequence, at most one with rows: (0 + 4) x 2 <= 8 x 4
+    assert (call["compact"], call["pair_group"]) == (1, 8)
+    assert (call["longest"], call["max_seqlen_q"]) == (JAGGED, JAGGED)
+    assert call["dq"] is a["dq"] and is_dq_acc(call["dq_acc"], ws, T)
+    assert word_rows(call["sync"], ws) == (T, WS)  # passed, but only dense numbering uses it
+    made = [] if given else [("stream", 7, None), ("zeros", (WS, H, D), F32), ("end stream",)]
+    assert trace(launches, ws=ws, **a) == made + [
+        ("launch", "fused"),
+        ("stream", 7, None), ("copy", "dq", f"ws[:{T}]"), ("zero", f"ws[:{T}]"),
+        ("end stream",)]
+    # the same op, a dense batch: dq_finish and no copy
+    launches.events.clear()
+    launches.calls.clear()
+    op.execute(**a, stream=7, workspace=ws if given else None)
+    assert [mode for mode, _ in launches.calls] == ["fused", "dq_finish"]
+    assert launched(launches)[0][1]["compact"] == 0
+    assert trace(launches, ws=ws, **a) == [("launch", "fused"), ("launch", "dq_finish")]
 
 
 def test_execute_fused_with_a_workspace(launches):
@@ -900,56 +1142,113 @@ def test_execute_fused_with_a_workspace(launches):
     a = meta_args()
     ws = meta(*op.workspace_shape(T), dtype=F32)
     op.execute(**a, stream=3, workspace=ws)
-    ((mode, call),) = launches.calls
-    assert mode == "fused" and call[6] is ws
-    assert call[4] is a["dk"] and call[5] is a["dv"]
-    assert trace(launches, ws=ws, **a) == [
-        ("launch", "fused"), ("stream", 3, None), ("copy", "dq", "ws"), ("zero", "ws"),
-        ("end stream",)]
+    (mode, call), (_, finish) = launched(launches)
+    assert mode == "fused" and call["dq_acc"]._base is ws and is_dq_acc(call["dq_acc"], ws, T)
+    assert word_rows(call["sync"], ws) == (T, WS)
+    assert call["grad_a"] is a["dk"] and call["grad_b"] is a["dv"] and call["dq"] is a["dq"]
+    assert finish["dq_acc"] is call["dq_acc"] and finish["sync"] is call["sync"]
+    assert trace(launches, ws=ws, **a) == [("launch", "fused"), ("launch", "dq_finish")]
     # nothing allocated, no capture query: a given workspace also serves while capturing
     assert op._workspaces == {} and launches.capture_queries == []
     launches.capturing = True
     op.execute(**a, stream=3, workspace=ws)
-    assert launches.calls[-1][1][6] is ws
+    assert launches.calls[-2][1][6]._base is ws and launches.calls[-1][1][0]._base is ws
     assert op._workspaces == {} and launches.capture_queries == []
     # sized for this call's T_q
-    ws3 = meta(3 * T, H, D, dtype=F32)
+    ws3 = meta(3 * T + 1, H, D, dtype=F32)
     op.execute(**meta_args(t_q=3 * T), stream=3, workspace=ws3, max_seqlen_q=3 * MAXS,
                max_seqlen_k=3 * MAXS)
-    assert launches.calls[-1][1][6] is ws3
+    (_, call), (_, finish) = launched(launches)[-2:]
+    assert is_dq_acc(call["dq_acc"], ws3, 3 * T) and finish["dq_acc"] is call["dq_acc"]
+    assert word_rows(call["sync"], ws3) == (3 * T, 3 * T + 1) and finish["sync"] is call["sync"]
+
+
+def test_execute_sync_words_hold_every_group(launches):
+    """The fused kernel keeps two int32 words per L2 group and two more in the rows after the
+    accumulator: for many batches (T_q, B, max_seqlen, H, H_kv, D), execute never plans more
+    groups than the sync words of workspace_shape(T_q) hold (2 x groups + 2 <= words, words =
+    sync_rows(T_q) x H x D), raising pair_group where the L2 choice would; dq_finish (dense
+    batches) gets the same groups."""
+    ops = {}
+    cases = bound = dense = 0
+    for t_q, batch, max_seqlen, (heads, kv_heads), head_dim in itertools.product(
+            [1, 100, 32767, 32768, 65535, 10**6], [1, 7, 1000, 100000, 10**6],
+            [None, 4096, 65536], [(1, 1), (4, 2), (16, 1), (8, 8)], [32, 64, 128]):
+        if max_seqlen is None:  # the shortest allowed: most sequences full (dense)
+            max_seqlen = max(-(-t_q // batch), 1)
+        tiles = -(-max_seqlen // fixed_rows(head_dim))
+        if max_seqlen * batch < t_q or heads * tiles * batch > INT32_MAX:
+            continue
+        key = (heads, kv_heads, head_dim)
+        if key not in ops:
+            ops[key] = bwd(**dims(head_dim, heads=heads, kv_heads=kv_heads)).check_support()
+        op = ops[key]
+        ws = meta(*op.workspace_shape(t_q), dtype=F32)
+        launches.calls.clear()
+        op.execute(**meta_args(t_q=t_q, t_k=t_q, batch=batch, heads=heads, kv_heads=kv_heads,
+                               head_dim=head_dim),
+                   stream=1, workspace=ws, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+        calls = launched(launches)
+        mode, call = calls[0]
+        assert mode == "fused"
+        words = call["sync"].numel()
+        assert words == sync_rows(t_q) * heads * head_dim
+        assert word_rows(call["sync"], ws) == (t_q, ws.shape[0])
+        plan = Launch(call["compact"], call["pair_group"])
+        assert plan == Launch.plan(head_dim, kv_heads, t_q, batch, max_seqlen,
+                                   sync_group_capacity(words))
+        groups = plan.groups(kv_heads, batch)
+        assert groups == -(-kv_heads * batch // plan.pair_group)
+        assert 2 * groups + SYNC_EXTRA_WORDS <= words, (t_q, batch, max_seqlen, key, plan)
+        chosen = l2_pair_group(head_dim, tiles, kv_heads * batch)
+        assert plan.pair_group >= chosen  # the bound only makes groups larger
+        bound += plan.pair_group > chosen
+        if plan.compact:
+            assert len(calls) == 1
+        else:
+            ((finish_mode, finish),) = calls[1:]
+            assert finish_mode == "dq_finish" and finish["pair_group"] == plan.pair_group
+            assert finish["sync"] is call["sync"] and finish["max_seqlen_q"] == max_seqlen
+            dense += 1
+        cases += 1
+    assert cases > 500 and bound > 10 and 0 < dense < cases
 
 
 WORKSPACE_RULES = [
-    # (id, workspace for meta_args() with the default (fused) op, exception, match)
-    ("dtype-bf16", meta(T, H, D), TypeError,
+    # (id, workspace for meta_args() with the default (fused) op, exception, match);
+    # workspace_shape(64) = (65, 4, 64)
+    ("dtype-bf16", meta(WS, H, D), TypeError,
      "workspace: dtype bfloat16 is not supported; expected float32"),
-    ("dtype-fp64", meta(T, H, D, dtype=torch.float64), TypeError, "workspace: dtype float64"),
-    ("dtype-int32", meta(T, H, D, dtype=I32), TypeError, "workspace: dtype int32"),
+    ("dtype-fp64", meta(WS, H, D, dtype=torch.float64), TypeError, "workspace: dtype float64"),
+    ("dtype-int32", meta(WS, H, D, dtype=I32), TypeError, "workspace: dtype int32"),
     ("more-tokens", meta(T + 8, H, D, dtype=F32), ValueError,
-     r"workspace: extent 72 on axis 0 does not match \(64, 4, 64\)"),
+     r"workspace: extent 72 on axis 0 does not match \(65, 4, 64\)"),
     ("fewer-tokens", meta(T - 8, H, D, dtype=F32), ValueError,
-     r"workspace: extent 56 on axis 0 does not match \(64, 4, 64\)"),
-    ("kv-heads", meta(T, HKV, D, dtype=F32), ValueError,
-     r"workspace: extent 2 on axis 1 does not match \(64, 4, 64\)"),
-    ("head-dim", meta(T, H, 2 * D, dtype=F32), ValueError, "workspace: extent 128 on axis 2"),
-    ("flat", meta(T * H * D, dtype=F32), ValueError,
-     r"workspace: expected a rank-3 tensor of shape \(64, 4, 64\)"),
+     r"workspace: extent 56 on axis 0 does not match \(65, 4, 64\)"),
+    # the accumulator alone (the shape before the sync words): no room for them
+    ("no-sync-rows", meta(T, H, D, dtype=F32), ValueError,
+     r"workspace: extent 64 on axis 0 does not match \(65, 4, 64\)"),
+    ("kv-heads", meta(WS, HKV, D, dtype=F32), ValueError,
+     r"workspace: extent 2 on axis 1 does not match \(65, 4, 64\)"),
+    ("head-dim", meta(WS, H, 2 * D, dtype=F32), ValueError, "workspace: extent 128 on axis 2"),
+    ("flat", meta(WS * H * D, dtype=F32), ValueError,
+     r"workspace: expected a rank-3 tensor of shape \(65, 4, 64\)"),
     ("not-fused-shape", meta(0, dtype=F32), ValueError, "workspace: expected a rank-3 tensor"),
-    ("padded-heads", meta(T, H, 2 * D, dtype=F32)[..., :D], ValueError,
+    ("padded-heads", meta(WS, H, 2 * D, dtype=F32)[..., :D], ValueError,
      r"workspace: must be contiguous \(strides \[256, 64, 1\]\), got strides \[512, 128, 1\]"),
-    ("padded-tokens", meta(T, H + 1, D, dtype=F32)[:, :H], ValueError,
+    ("padded-tokens", meta(WS, H + 1, D, dtype=F32)[:, :H], ValueError,
      r"workspace: must be contiguous \(strides \[256, 64, 1\]\), got strides \[320, 64, 1\]"),
-    ("heads-major", meta(H, T, D, dtype=F32).transpose(0, 1), ValueError,
+    ("heads-major", meta(H, WS, D, dtype=F32).transpose(0, 1), ValueError,
      "workspace: must be contiguous"),
-    ("broadcast-tokens", meta(1, H, D, dtype=F32).expand(T, H, D), ValueError,
+    ("broadcast-tokens", meta(1, H, D, dtype=F32).expand(WS, H, D), ValueError,
      r"workspace: must be contiguous \(strides \[256, 64, 1\]\), got strides \[0, 64, 1\]"),
-    ("last-dim-strided", meta(T, H, 2 * D, dtype=F32)[..., ::2], ValueError,
+    ("last-dim-strided", meta(WS, H, 2 * D, dtype=F32)[..., ::2], ValueError,
      r"workspace: the last dimension must be contiguous \(stride 1\)"),
-    ("4-byte-aligned", meta(T * H * D + 1, dtype=F32)[1:].view(T, H, D), ValueError,
+    ("4-byte-aligned", meta(WS * H * D + 1, dtype=F32)[1:].view(WS, H, D), ValueError,
      "workspace: base address is 4-byte aligned; 16-byte alignment is required"),
-    ("8-byte-aligned", meta(T * H * D + 2, dtype=F32)[2:].view(T, H, D), ValueError,
+    ("8-byte-aligned", meta(WS * H * D + 2, dtype=F32)[2:].view(WS, H, D), ValueError,
      "workspace: base address is 8-byte aligned"),
-    ("cpu", torch.zeros(T, H, D, dtype=F32), ValueError,
+    ("cpu", torch.zeros(WS, H, D, dtype=F32), ValueError,
      "workspace: tensor is on cpu; expected a cuda tensor"),
     ("not-a-tensor", [[0.0]], TypeError, "expected a torch.Tensor or TensorDesc, got list"),
 ]
@@ -967,15 +1266,17 @@ def test_execute_refuses_bad_workspaces(launches, workspace, exc, match):
 
 def test_execute_workspace_is_sized_for_this_calls_t_q(launches):
     op = bwd().check_support()
-    with pytest.raises(ValueError, match=r"workspace: extent 64 on axis 0 does not match "
-                                         r"\(128, 4, 64\)"):
-        op.execute(**meta_args(t_q=2 * T), stream=1, workspace=meta(T, H, D, dtype=F32),
+    with pytest.raises(ValueError, match=r"workspace: extent 65 on axis 0 does not match "
+                                         r"\(129, 4, 64\)"):
+        op.execute(**meta_args(t_q=2 * T), stream=1, workspace=meta(WS, H, D, dtype=F32),
                    max_seqlen_q=2 * MAXS, max_seqlen_k=2 * MAXS)
     assert launches.events == []
     # (16-byte aligned offsets into a larger buffer are fine)
-    ws = meta(T * H * D + 4, dtype=F32)[4:].view(T, H, D)
+    ws = meta(WS * H * D + 4, dtype=F32)[4:].view(WS, H, D)
     op.execute(**meta_args(), stream=1, workspace=ws)
-    assert launches.calls[-1][1][6] is ws
+    (_, call), (_, finish) = launched(launches)
+    assert is_dq_acc(call["dq_acc"], ws, T) and word_rows(call["sync"], ws) == (T, WS)
+    assert finish["dq_acc"] is call["dq_acc"] and finish["sync"] is call["sync"]
 
 
 @pytest.mark.parametrize("kw,modes", [
@@ -992,7 +1293,7 @@ def test_execute_ignores_the_workspace_when_not_fused(launches, kw, modes, works
     assert not op.fused
     op.execute(**meta_args(head_dim=op.head_dim), stream=2, workspace=workspace)
     assert tuple(mode for mode, _ in launches.calls) == modes
-    assert all(call[6] is None for _, call in launches.calls)
+    assert all(call[n] is None for _, call in launched(launches) for n in ("dq_acc", "dq", "sync"))
     assert kinds(launches) == ["launch"] * len(modes)  # no copy, no memset
     assert op._workspaces == {} and launches.capture_queries == []
 
@@ -1004,24 +1305,33 @@ def test_own_workspace_made_on_first_use_then_reused(launches):
     op.execute(**meta_args(), stream=7)
     ws = op._workspaces[(None, 7)]
     assert list(op._workspaces) == [(None, 7)]
-    assert ws.dtype == F32 and tuple(ws.shape) == (T, H, D)
+    assert ws.dtype == F32 and tuple(ws.shape) == (WS, H, D) == op.workspace_shape(T)
     assert launches.capture_queries == [7]  # asked before allocating
     # again, and with fewer query tokens: the same buffer (a view of its first rows), no new
     # allocation and no capture query
     launches.events.clear()
+    launches.calls.clear()
     a = meta_args()
     op.execute(**a, stream=7)
     b = meta_args(t_q=T // 2)
     op.execute(**b, stream=7)
     assert list(op._workspaces) == [(None, 7)] and op._workspaces[(None, 7)] is ws
-    (_, first), (_, second) = launches.calls[-2:]
-    assert first[6]._base is ws and tuple(first[6].shape) == (T, H, D)
-    assert second[6]._base is ws and tuple(second[6].shape) == (T // 2, H, D)
+    (_, first), (_, first_finish), (_, second), (_, second_finish) = launched(launches)
+    assert first["dq_acc"]._base is ws and is_dq_acc(first["dq_acc"], ws, T)
+    assert second["dq_acc"]._base is ws and is_dq_acc(second["dq_acc"], ws, T // 2)
+    # the sync words follow this call's accumulator: rows T / 2 .. T / 2 + 1 - 1
+    assert word_rows(first["sync"], ws) == (T, WS)
+    assert word_rows(second["sync"], ws) == (T // 2, T // 2 + 1)
+    assert first_finish["sync"] is first["sync"] and second_finish["sync"] is second["sync"]
     assert launches.capture_queries == [7]
-    half = f"ws[:{T // 2}]"
     assert trace(launches, ws=ws, dq=a["dq"], dq_b=b["dq"]) == [
-        ("launch", "fused"), ("stream", 7, None), ("copy", "dq", f"ws[:{T}]"),
-        ("zero", f"ws[:{T}]"), ("end stream",),
+        ("launch", "fused"), ("launch", "dq_finish"),
+        ("launch", "fused"), ("launch", "dq_finish")]
+    # a jagged batch with fewer tokens: the torch conversion of the first T / 2 rows
+    launches.events.clear()
+    op.execute(**b, stream=7, max_seqlen_q=JAGGED, max_seqlen_k=JAGGED)
+    half = f"ws[:{T // 2}]"
+    assert trace(launches, ws=ws, dq_b=b["dq"]) == [
         ("launch", "fused"), ("stream", 7, None), ("copy", "dq_b", half), ("zero", half),
         ("end stream",)]
 
@@ -1033,16 +1343,19 @@ def test_own_workspace_grows_with_t_q(launches):
     op.execute(**meta_args(t_q=2 * T), stream=7, max_seqlen_q=2 * MAXS, max_seqlen_k=2 * MAXS)
     big = op._workspaces[(None, 7)]
     assert big is not small and list(op._workspaces) == [(None, 7)]
-    assert tuple(big.shape) == (2 * T, H, D) and big.dtype == F32
-    assert launches.calls[-1][1][6]._base is big
-    assert tuple(launches.calls[-1][1][6].shape) == (2 * T, H, D)
-    assert [e[1] for e in launches.events if e[0] == "zeros"] == [(T, H, D), (2 * T, H, D)]
+    # remade with max(rows, twice as many): 2 x 65 rows for 2 T + 1
+    assert tuple(big.shape) == (2 * WS, H, D) and big.dtype == F32
+    (_, call), (_, finish) = launched(launches)[-2:]
+    assert call["dq_acc"]._base is big and is_dq_acc(call["dq_acc"], big, 2 * T)
+    assert word_rows(call["sync"], big) == (2 * T, 2 * T + 1) and finish["sync"] is call["sync"]
+    assert [e[1] for e in launches.events if e[0] == "zeros"] == [(WS, H, D), (2 * WS, H, D)]
     assert launches.capture_queries == [7, 7]
     # fewer tokens again: the grown one serves
     op.execute(**meta_args(), stream=7)
     assert op._workspaces[(None, 7)] is big
-    assert launches.calls[-1][1][6]._base is big
-    assert tuple(launches.calls[-1][1][6].shape) == (T, H, D)
+    (_, call), _ = launched(launches)[-2:]
+    assert call["dq_acc"]._base is big and is_dq_acc(call["dq_acc"], big, T)
+    assert word_rows(call["sync"], big) == (T, WS)
     assert kinds(launches).count("zeros") == 2 and launches.capture_queries == [7, 7]
 
 
@@ -1054,8 +1367,12 @@ def test_own_workspace_per_stream(launches):
     assert set(op._workspaces) == {(None, 7), (None, 8)}
     ws7, ws8 = op._workspaces[(None, 7)], op._workspaces[(None, 8)]
     assert ws7 is not ws8
-    assert len(launches.calls) == 3
-    assert all(call[6]._base is ws for (_, call), ws in zip(launches.calls, (ws7, ws8, ws7)))
+    assert [mode for mode, _ in launches.calls] == list(FUSED_MODES) * 3
+    fused = [call for mode, call in launched(launches) if mode == "fused"]
+    finish = [call for mode, call in launched(launches) if mode == "dq_finish"]
+    for call, done, ws, stream in zip(fused, finish, (ws7, ws8, ws7), (7, 8, 7)):
+        assert call["dq_acc"]._base is ws and word_rows(call["sync"], ws) == (T, WS)
+        assert done["sync"] is call["sync"] and call["stream"] == done["stream"] == stream
     # each made in its own stream's order
     events = launches.events
     made_on = [events[i - 1][1] for i, e in enumerate(events) if e[0] == "zeros"]
@@ -1070,12 +1387,13 @@ def test_own_workspace_is_made_on_the_ops_device_in_stream_order(launches):
     op = bwd(**dims(128, heads=8, kv_heads=1)).check_support()
     view = op._own_workspace(1, 99, 40)
     ws = op._workspaces[(1, 99)]
-    assert view._base is ws and tuple(view.shape) == (40, 8, 128)
+    # workspace_shape(40): 40 accumulator rows and one of sync words
+    assert view._base is ws and tuple(view.shape) == (41, 8, 128) == op.workspace_shape(40)
     assert launches.alloc_devices == ["cuda:1"]
-    assert launches.events == [("stream", 99, 1), ("zeros", (40, 8, 128), F32), ("end stream",)]
+    assert launches.events == [("stream", 99, 1), ("zeros", (41, 8, 128), F32), ("end stream",)]
     assert launches.capture_queries == [99]
     assert op._own_workspace(1, 99, 40)._base is ws
-    assert op._own_workspace(1, 99, 0).shape[0] == 0
+    assert op._own_workspace(1, 99, 0).shape[0] == 1  # the sync words still
     assert launches.alloc_devices == ["cuda:1"]  # reused
     op._own_workspace(0, 99, 40)  # another device: its own
     assert launches.alloc_devices == ["cuda:1", "cuda:0"]
@@ -1098,22 +1416,25 @@ def test_own_workspace_refused_while_capturing(launches):
     launches.capturing = True
     op.execute(**meta_args(t_q=T // 2), stream=7)
     op.execute(**meta_args(), stream=7)
-    assert len(launches.calls) == 3
-    assert all(call[6]._base is ws for _, call in launches.calls)
+    assert [mode for mode, _ in launches.calls] == list(FUSED_MODES) * 3
+    assert all(call["dq_acc"]._base is ws for mode, call in launched(launches)
+               if mode == "fused")
     # ... but not grown (the old buffer stays)
     with pytest.raises(RuntimeError, match="capturing a CUDA graph.*no workspace of 128 rows"):
         op.execute(**meta_args(t_q=2 * T), stream=7, max_seqlen_q=2 * MAXS,
                    max_seqlen_k=2 * MAXS)
-    assert op._workspaces[(None, 7)] is ws and len(launches.calls) == 3
+    assert op._workspaces[(None, 7)] is ws and len(launches.calls) == 6
     # another capturing stream has none yet
     with pytest.raises(RuntimeError, match="workspace"):
         op.execute(**meta_args(), stream=8)
     assert set(op._workspaces) == {(None, 7)}
     assert kinds(launches).count("zeros") == 1
     # a given workspace needs no own one
-    ws8 = meta(T, H, D, dtype=F32)
+    ws8 = meta(*op.workspace_shape(T), dtype=F32)
     op.execute(**meta_args(), stream=8, workspace=ws8)
-    assert launches.calls[-1][1][6] is ws8 and set(op._workspaces) == {(None, 7)}
+    (_, call), (_, finish) = launched(launches)[-2:]
+    assert call["dq_acc"]._base is ws8 and finish["sync"] is call["sync"]
+    assert word_rows(call["sync"], ws8) == (T, WS) and set(op._workspaces) == {(None, 7)}
 
 
 def test_own_workspace_not_needed_when_not_fused(launches):
@@ -1153,71 +1474,106 @@ def cpu_args(t_q=T, t_k=T, batch=B):
                 cu_seqlens_k=torch.zeros(batch + 1, dtype=I32))
 
 
+@pytest.mark.parametrize("jagged", [False, True], ids=["dense", "jagged"])
 @pytest.mark.parametrize("given", [True, False], ids=["given-workspace", "own-workspace"])
-def test_execute_fused_converts_the_workspace_into_dq_and_leaves_it_zero(on_cpu, given):
+def test_execute_fused_converts_the_workspace_into_dq_and_leaves_it_zero(on_cpu, given, jagged):
+    """Jagged batches: the host's copy and memset convert the accumulator (real tensors here).
+    Dense batches: dq_finish does (stood in for), with the accumulator, dq and the sync words
+    the fused kernel had; the host adds no torch pass that would overwrite dq after it."""
     op = bwd().check_support()
     assert op.fused
     a = cpu_args()
+    lengths = dict(max_seqlen_q=JAGGED, max_seqlen_k=JAGGED) if jagged else {}
     contribution = torch.randn(T, H, D, generator=torch.Generator().manual_seed(1))
     seen = []
 
     def fused(args):  # what the kernel leaves: dK, dV written, dQ reduce-added (fp32)
-        dq_acc = args[6]
-        seen.append(dq_acc)
-        assert dq_acc.dtype == F32 and tuple(dq_acc.shape) == (T, H, D)
-        assert not dq_acc.any()  # zero before every launch
-        dq_acc += contribution
-        args[4].fill_(1.0)
-        args[5].fill_(2.0)
+        call = named_args("fused", args)
+        seen.append((call["dq_acc"], call["sync"]))
+        assert call["dq_acc"].dtype == F32 and tuple(call["dq_acc"].shape) == (T, H, D)
+        assert call["sync"].dtype == I32 and call["sync"].numel() == H * D
+        # zero before every launch, the sync words too
+        assert not call["dq_acc"].any() and not call["sync"].any()
+        assert call["compact"] == int(jagged) and call["dq"] is a["dq"]
+        call["dq_acc"] += contribution
+        if not jagged:
+            call["sync"][0] = 8  # an arrival count: dq_finish clears it
+        call["grad_a"].fill_(1.0)
+        call["grad_b"].fill_(2.0)
+
+    def finish(args):
+        assert not jagged
+        assert args[0] is seen[-1][0] and args[2] is seen[-1][1] and args[2][0] == 8
+        finish_like_the_kernel(args)
     on_cpu.effects["fused"] = fused
+    on_cpu.effects["dq_finish"] = finish
     ws = torch.zeros(op.workspace_shape(T), dtype=F32) if given else None
     for _ in range(3):  # each execute leaves the workspace zero for the next
         a["dq"].fill_(math.nan)
-        op.execute(**a, stream=1, workspace=ws)
+        op.execute(**a, stream=1, workspace=ws, **lengths)
         assert torch.equal(a["dq"], contribution.to(BF))
         assert torch.equal(a["dk"], torch.ones(T, HKV, D, dtype=BF))
         assert torch.equal(a["dv"], torch.full((T, HKV, D), 2.0, dtype=BF))
-        assert not seen[-1].any()
+        assert not seen[-1][0].any() and not seen[-1][1].any()
+    modes = ["fused"] if jagged else list(FUSED_MODES)
+    assert [mode for mode, _ in on_cpu.calls] == modes * 3
+    host = ["stream", "copy", "zero", "end stream"] if jagged else []
+    made = [] if given else ["stream", "zeros", "end stream"]  # the own workspace, once
+    assert kinds(on_cpu) == made + (["launch"] * len(modes) + host) * 3
     if given:
-        assert all(s is ws for s in seen) and op._workspaces == {}
+        assert all(is_dq_acc(acc, ws, T) and word_rows(sync, ws) == (T, WS) for acc, sync in seen)
+        assert op._workspaces == {} and not ws.any()
     else:
         own = op._workspaces[(None, 1)]
-        assert own.device.type == "cpu" and all(s._base is own for s in seen)
-        assert kinds(on_cpu).count("zeros") == 1
+        assert own.device.type == "cpu" and all(acc._base is own for acc, _ in seen)
+        assert all(word_rows(sync, own) == (T, WS) for _, sync in seen)
+        assert kinds(on_cpu).count("zeros") == 1 and not own.any()
 
 
-def test_execute_fused_workspace_rows_beyond_t_q_stay_untouched(on_cpu):
+@pytest.mark.parametrize("jagged", [False, True], ids=["dense", "jagged"])
+def test_execute_fused_workspace_rows_beyond_t_q_stay_untouched(on_cpu, jagged):
     """The own workspace grown for more tokens: a call with fewer uses (and zeroes) only its
-    first rows."""
+    first rows, with its sync words in the row right after them."""
     op = bwd().check_support()
+    lengths = dict(max_seqlen_q=JAGGED, max_seqlen_k=JAGGED) if jagged else {}
     on_cpu.effects["fused"] = lambda args: args[6].add_(1.0)
-    op.execute(**cpu_args(t_q=2 * T), stream=1, max_seqlen_q=2 * MAXS, max_seqlen_k=2 * MAXS)
-    a = cpu_args()
-    op.execute(**a, stream=1)
+    on_cpu.effects["dq_finish"] = finish_like_the_kernel
+    op.execute(**cpu_args(t_q=2 * T), stream=1,
+               **(lengths or dict(max_seqlen_q=2 * MAXS, max_seqlen_k=2 * MAXS)))
     own = op._workspaces[(None, 1)]
-    assert tuple(own.shape) == (2 * T, H, D) and not own.any()
+    own[T + 1:].fill_(7.0)  # rows the next call must not touch
+    a = cpu_args()
+    op.execute(**a, stream=1, **lengths)
+    assert tuple(own.shape) == (2 * T + 1, H, D) and not own[:T + 1].any()
+    assert torch.equal(own[T + 1:], torch.full((T, H, D), 7.0))
     assert torch.equal(a["dq"], torch.ones(T, H, D, dtype=BF))
+    call = named_args("fused", on_cpu.calls[-1 if jagged else -2][1])
+    assert is_dq_acc(call["dq_acc"], own, T) and word_rows(call["sync"], own) == (T, WS)
 
 
-def overlapping(name, dtype, shape):
-    """A float32 (T, H, D) workspace and a tensor ``name`` over its first bytes."""
-    ws = torch.zeros(T, H, D, dtype=F32)
+def overlapping(name, dtype, shape, at=0):
+    """A float32 workspace_shape(T) = (T + 1, H, D) workspace at the start of a larger buffer
+    and a tensor ``name`` over the buffer's bytes from row ``at`` on."""
+    buf = torch.zeros(WS + T, H, D, dtype=F32)
     count = math.prod(shape)
-    return ws, ws.view(-1).view(dtype)[:count].view(shape)
+    return buf[:WS], buf[at:].reshape(-1).view(dtype)[:count].view(shape)
 
 
-@pytest.mark.parametrize("name,dtype,shape,match", [
-    ("dq", BF, (T, H, D), "dq overlaps workspace in memory; outputs must not alias"),
-    ("dk", BF, (T, HKV, D), "dk overlaps workspace in memory"),
-    ("dv", BF, (T, HKV, D), "dv overlaps workspace in memory"),
-    ("q", BF, (T, H, D), "workspace overlaps q in memory"),
-    ("do", BF, (T, H, D), "workspace overlaps do in memory"),
-    ("k", BF, (T, HKV, D), "workspace overlaps k in memory"),
-    ("cu_seqlens_q", I32, (B + 1,), "workspace overlaps cu_seqlens_q in memory"),
+@pytest.mark.parametrize("name,dtype,shape,at,match", [
+    ("dq", BF, (T, H, D), 0, "dq overlaps workspace in memory; outputs must not alias"),
+    ("dk", BF, (T, HKV, D), 0, "dk overlaps workspace in memory"),
+    ("dv", BF, (T, HKV, D), 0, "dv overlaps workspace in memory"),
+    ("q", BF, (T, H, D), 0, "workspace overlaps q in memory"),
+    ("do", BF, (T, H, D), 0, "workspace overlaps do in memory"),
+    ("k", BF, (T, HKV, D), 0, "workspace overlaps k in memory"),
+    ("cu_seqlens_q", I32, (B + 1,), 0, "workspace overlaps cu_seqlens_q in memory"),
+    # the sync words (the row after the accumulator's T rows) are written too
+    ("dq", BF, (T, H, D), T, "dq overlaps workspace in memory"),
+    ("cu_seqlens_q", I32, (B + 1,), T, "workspace overlaps cu_seqlens_q in memory"),
 ])
-def test_execute_refuses_a_workspace_overlapping(on_cpu, name, dtype, shape, match):
+def test_execute_refuses_a_workspace_overlapping(on_cpu, name, dtype, shape, at, match):
     op = bwd().check_support()
-    ws, alias = overlapping(name, dtype, shape)
+    ws, alias = overlapping(name, dtype, shape, at)
     with pytest.raises(ValueError, match=match):
         op.execute(**{**cpu_args(), name: alias}, stream=1, workspace=ws)
     assert on_cpu.events == [] and op._workspaces == {}
@@ -1225,13 +1581,16 @@ def test_execute_refuses_a_workspace_overlapping(on_cpu, name, dtype, shape, mat
 
 def test_execute_accepts_a_workspace_beside_the_gradients_in_one_buffer(on_cpu):
     op = bwd().check_support()
-    buf = torch.zeros(2 * T * H * D, dtype=F32)
-    ws = buf[:T * H * D].view(T, H, D)
-    dq = buf[T * H * D:].view(BF)[:T * H * D].view(T, H, D)  # the bytes right after it
+    buf = torch.zeros((WS + T) * H * D, dtype=F32)
+    ws = buf[:WS * H * D].view(WS, H, D)
+    dq = buf[WS * H * D:].view(BF)[:T * H * D].view(T, H, D)  # the bytes right after it
     a = {**cpu_args(), "dq": dq}
     on_cpu.effects["fused"] = lambda args: args[6].fill_(3.0)
+    on_cpu.effects["dq_finish"] = finish_like_the_kernel
     op.execute(**a, stream=1, workspace=ws)
-    assert on_cpu.calls[-1][1][6] is ws
+    (_, call), (_, finish) = launched(on_cpu)
+    assert is_dq_acc(call["dq_acc"], ws, T) and word_rows(call["sync"], ws) == (T, WS)
+    assert call["dq"] is dq and finish["dq"] is dq
     assert torch.equal(dq, torch.full((T, H, D), 3.0, dtype=BF)) and not ws.any()
 
 
@@ -1246,7 +1605,7 @@ def test_execute_not_fused_ignores_an_overlapping_workspace(on_cpu):
     assert all(call[6] is None for _, call in on_cpu.calls)
     assert kinds(on_cpu) == ["launch", "launch"]
     # nothing copied out of or zeroed the workspace
-    assert torch.equal(ws, torch.full((T, H, D), 5.0))
+    assert torch.equal(ws, torch.full((WS, H, D), 5.0))
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -1256,12 +1615,15 @@ def test_execute_head_dim_256_runs_three_kernels(launches, deterministic):
     assert not op.fused
     op.execute(**a, stream=1)
     assert [mode for mode, _ in launches.calls] == ["dq", "dk", "dv"]
-    calls = dict(launches.calls)
-    assert calls["dq"][4] is a["dq"] and calls["dq"][5] is None
-    assert calls["dk"][4] is a["dk"] and calls["dk"][5] is None
-    assert calls["dv"][4] is None and calls["dv"][5] is a["dv"]
-    assert all(call[6] is None for call in calls.values())
-    assert calls["dq"][10] == MAXS and calls["dk"][10] == calls["dv"][10] == MAXS
+    calls = dict(launched(launches))
+    assert calls["dq"]["grad_a"] is a["dq"] and calls["dq"]["grad_b"] is None
+    assert calls["dk"]["grad_a"] is a["dk"] and calls["dk"]["grad_b"] is None
+    assert calls["dv"]["grad_a"] is None and calls["dv"]["grad_b"] is a["dv"]
+    assert all(call[n] is None for call in calls.values() for n in ("dq_acc", "dq", "sync"))
+    # 64-row tiles at D = 256: one per sequence, dense; 256 tiles of 64 x 256 per L2 group
+    # hold every pair (H x B = 16 with the queries fixed, H_kv x B = 8 with the keys fixed)
+    assert scalars(calls["dq"])[:4] == (MAXS, 0, 16, MAXS)
+    assert scalars(calls["dk"])[:4] == scalars(calls["dv"])[:4] == (MAXS, 0, 8, MAXS)
     assert kinds(launches) == ["launch"] * 3 and op._workspaces == {}
 
 
@@ -1273,8 +1635,12 @@ def test_execute_writes_disjoint_views_in_place(launches, deterministic):
                                       "cu_seqlens_k")), MAXS, MAXS,
                      deterministic=deterministic).check_support()
     op.execute(**a, stream=0)
-    assert launches.calls[-1][0] == ("dkdv" if deterministic else "fused")
-    assert launches.calls[-1][1][4] is a["dk"] and launches.calls[-1][1][5] is a["dv"]
+    calls = dict(launched(launches))
+    assert list(calls) == (["dq", "dkdv"] if deterministic else list(FUSED_MODES))
+    call = calls["dkdv" if deterministic else "fused"]
+    assert call["grad_a"] is a["dk"] and call["grad_b"] is a["dv"]
+    if not deterministic:
+        assert call["dq"] is calls["dq_finish"]["dq"] is a["dq"]
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -1282,14 +1648,17 @@ def test_execute_caps_wide_windows_and_passes_func(launches, deterministic):
     fused = not deterministic
     bwd(window_size=(2**31 - 1, 2**30 + 5), deterministic=deterministic).check_support().execute(
         **meta_args(), stream=1)
-    assert launches.calls[-1][1][11:13] == (WINDOW_CAP, WINDOW_CAP)
+    kernels = [call for mode, call in launched(launches) if mode != "dq_finish"]
+    assert len(kernels) == (1 if fused else 2)
+    assert all((call["left"], call["right"]) == (WINDOW_CAP, WINDOW_CAP) for call in kernels)
     launches.calls.clear()
     func = meta(1, 3, 2 * L, dtype=I32)  # wider than needed is fine
     bwd(**FUNC, deterministic=deterministic).check_support().execute(
         **meta_args(), func_tensor=func, stream=3)
-    assert [m for m, _ in launches.calls] == (["fused"] if fused else ["dq", "dkdv"])
-    assert all(call[9] is func for _, call in launches.calls)
-    assert all(call[11:13] == (-1, -1) for _, call in launches.calls)
+    assert [m for m, _ in launches.calls] == (list(FUSED_MODES) if fused else ["dq", "dkdv"])
+    kernels = [call for mode, call in launched(launches) if mode != "dq_finish"]
+    assert all(call["func"] is func for call in kernels)
+    assert all((call["left"], call["right"]) == (-1, -1) for call in kernels)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -1308,7 +1677,7 @@ def test_execute_empty_tokens_zero_every_gradient(launches, args, max_q, max_k, 
     assert op._workspaces == {} and launches.capture_queries == []
     # a given workspace (validated for T_q when fused, else ignored) is left alone
     launches.events.clear()
-    ws = meta(args["q"].shape[0], H, D, dtype=F32)
+    ws = meta(args["q"].shape[0] + 1, H, D, dtype=F32)
     op.execute(**args, stream=5, max_seqlen_q=max_q, max_seqlen_k=max_k, workspace=ws)
     assert trace(launches, ws=ws, **args) == [("stream", 5, None), ("zero", "dq"),
                                               ("zero", "dk"), ("zero", "dv"), ("end stream",)]
@@ -1339,24 +1708,33 @@ def stub_kernel(monkeypatch):
         def __init__(self, *args):
             made.append(args)
 
+    class Finish:
+        def __init__(self, *args):
+            made.append(("dq_finish",) + args)
+
     module = types.ModuleType("precast.kernels.hstu_attention_bwd_sm90")
     module.HstuAttentionBackwardSm90 = Kernel
+    module.DqFinishSm90 = Finish
     monkeypatch.setitem(sys.modules, module.__name__, module)
     return made
 
 
 @pytest.mark.parametrize("config,none_args", [
-    # None at 4/5 (grad_a/grad_b unused), 6 (dq_acc, fused only), 9 (func_tensor)
-    ({}, {"fused": (9,)}),  # the default: fused
-    (dict(deterministic=True), {"dq": (5, 6, 9), "dkdv": (6, 9)}),
-    (dict(head_dim=32, num_kv_heads=1, deterministic=True), {"dq": (5, 6, 9), "dkdv": (6, 9)}),
-    (dict(head_dim=32, num_kv_heads=1), {"fused": (9,)}),
-    (dict(head_dim=256, num_kv_heads=1), {"dq": (5, 6, 9), "dk": (5, 6, 9), "dv": (4, 6, 9)}),
-    (dict(head_dim=256, deterministic=True), {"dq": (5, 6, 9), "dk": (5, 6, 9),
-                                              "dv": (4, 6, 9)}),
-    (dict(window_right_bounded=False, func_intervals=3, num_kv_heads=2), {"fused": ()}),
+    # None at 4/5 (grad_a/grad_b unused), 6, 7, 8 (dq_acc, dq, sync: fused only),
+    # 11 (func_tensor); dq_finish takes no None
+    ({}, {"fused": (11,), "dq_finish": ()}),  # the default: fused
+    (dict(deterministic=True), {"dq": (5, 6, 7, 8, 11), "dkdv": (6, 7, 8, 11)}),
+    (dict(head_dim=32, num_kv_heads=1, deterministic=True),
+     {"dq": (5, 6, 7, 8, 11), "dkdv": (6, 7, 8, 11)}),
+    (dict(head_dim=32, num_kv_heads=1), {"fused": (11,), "dq_finish": ()}),
+    (dict(head_dim=256, num_kv_heads=1), {"dq": (5, 6, 7, 8, 11), "dk": (5, 6, 7, 8, 11),
+                                          "dv": (4, 6, 7, 8, 11)}),
+    (dict(head_dim=256, deterministic=True), {"dq": (5, 6, 7, 8, 11), "dk": (5, 6, 7, 8, 11),
+                                              "dv": (4, 6, 7, 8, 11)}),
+    (dict(window_right_bounded=False, func_intervals=3, num_kv_heads=2),
+     {"fused": (), "dq_finish": ()}),
     (dict(window_right_bounded=False, func_intervals=3, num_kv_heads=2, deterministic=True),
-     {"dq": (5, 6), "dkdv": (6,)}),
+     {"dq": (5, 6, 7, 8), "dkdv": (6, 7, 8)}),
 ])
 def test_kernel_builder_arguments(stub_kernel, config, none_args):
     import cutlass
@@ -1367,30 +1745,49 @@ def test_kernel_builder_arguments(stub_kernel, config, none_args):
     h, h_kv, d = 4, cfg["num_kv_heads"], cfg["head_dim"]
     for mode, build in builders.items():
         kernel, args = build()
+        assert tuple(i for i, a in enumerate(args) if a is None) == none_args[mode]
+        if mode == "dq_finish":  # DqFinishSm90(H, H_kv)
+            assert stub_kernel[-1] == ("dq_finish", h, h_kv)
+            assert len(args) == len(FINISH_ARGS)
+            dq_acc, dq, sync, cu_seqlens_q = args[:4]
+            assert dq_acc.element_type == cutlass.Float32 and tuple(dq_acc.stride) == (h * d,
+                                                                                       d, 1)
+            assert dq_acc.shape[0] is dq.shape[0] and tuple(dq_acc.shape[1:]) == (h, d)
+            assert dq.element_type == cutlass.Float16 and tuple(dq.shape[1:]) == (h, d)
+            assert sync.element_type == cutlass.Int32 and len(sync.shape) == 1
+            assert cu_seqlens_q.element_type == cutlass.Int32
+            # pair_group, max_seqlen_q (Int32), the stream
+            assert [type(x) for x in args[4:6]] == [cutlass.Int32] * 2
+            assert args[6] is not None and not isinstance(args[6], cutlass.Int32)
+            continue
         assert stub_kernel[-1] == (cutlass.Float16, d, h, h_kv, cfg["window_left_bounded"],
                                    cfg["window_right_bounded"], cfg["func_intervals"], mode)
-        assert len(args) == 17
-        assert tuple(i for i, a in enumerate(args) if a is None) == none_args[mode]
+        assert len(args) == len(KERNEL_ARGS)
         q, k, v, do = args[:4]
         assert tuple(q.shape[1:]) == (h, d) and q.stride[2] == 1
         assert tuple(k.shape[1:]) == (h_kv, d)
         assert q.shape[0] is do.shape[0] and k.shape[0] is v.shape[0]  # one T_q, one T_k
-        assert args[7].shape[0] is args[8].shape[0]  # B + 1 entries in both cu_seqlens
+        assert args[9].shape[0] is args[10].shape[0]  # B + 1 entries in both cu_seqlens
         grads = [g for g in args[4:6] if g is not None]
         expected_tokens = q.shape[0] if mode == "dq" else k.shape[0]
         assert all(g.shape[0] is expected_tokens for g in grads)
         assert all(g.element_type == cutlass.Float16 for g in grads)
-        if mode == "fused":  # dk, dv and the compact fp32 (T_q, H, D) dQ accumulator
+        if mode == "fused":
+            # dk, dv; the compact fp32 (T_q, H, D) dQ accumulator, dq, the int32 sync words
             assert len(grads) == 2 and tuple(grads[0].shape[1:]) == (h_kv, d)
-            dq_acc = args[6]
+            dq_acc, dq, sync = args[6:9]
             assert dq_acc.element_type == cutlass.Float32
             assert dq_acc.shape[0] is q.shape[0] and tuple(dq_acc.shape[1:]) == (h, d)
             assert tuple(dq_acc.stride) == (h * d, d, 1)
+            assert dq.shape[0] is q.shape[0] and tuple(dq.shape[1:]) == (h, d)
+            assert dq.element_type == cutlass.Float16
+            assert sync.element_type == cutlass.Int32 and len(sync.shape) == 1
         if cfg["func_intervals"]:
-            assert tuple(args[9].shape[:2]) == (1, 3) and args[9].stride[2] == 1
-        # longest, left, right (Int32), alpha / 2, scale_ds, scale_p (Float32), the stream
-        assert [type(x) for x in args[10:16]] == [cutlass.Int32] * 3 + [cutlass.Float32] * 3
-        assert args[16] is not None and not isinstance(args[16], (cutlass.Int32, cutlass.Float32))
+            assert tuple(args[11].shape[:2]) == (1, 3) and args[11].stride[2] == 1
+        # longest, compact, pair_group, max_seqlen_q, left, right (Int32), alpha / 2,
+        # scale_ds, scale_p (Float32), the stream
+        assert [type(x) for x in args[12:21]] == [cutlass.Int32] * 6 + [cutlass.Float32] * 3
+        assert args[21] is not None and not isinstance(args[21], (cutlass.Int32, cutlass.Float32))
 
 
 # --- the allocating function and the custom ops ---------------------------------------------------
@@ -1409,10 +1806,11 @@ def test_allocating_backward_deterministic(no_compile):
     assert dq.dtype == dk.dtype == dv.dtype == BF
     # deterministic: the two kernels, dq written by its own, no workspace, no copy
     assert [m for m, _ in no_compile.calls] == ["dq", "dkdv"]
-    (_, dq_call), (_, dkdv_call) = no_compile.calls
-    assert dq_call[4] is dq and dq_call[5] is None and dq_call[6] is None
-    assert dkdv_call[4] is dk and dkdv_call[5] is dv and dkdv_call[6] is None
-    assert dq_call[10:12] == (MAXS, -1) and dq_call[12] == 0  # causal by default
+    (_, dq_call), (_, dkdv_call) = launched(no_compile)
+    assert dq_call["grad_a"] is dq and dq_call["grad_b"] is None and dq_call["dq_acc"] is None
+    assert dkdv_call["grad_a"] is dk and dkdv_call["grad_b"] is dv
+    assert all(call[n] is None for call in (dq_call, dkdv_call) for n in ("dq_acc", "dq", "sync"))
+    assert scalars(dq_call)[:6] == (MAXS, 0, 16, MAXS, -1, 0)  # causal by default
     assert kinds(no_compile) == ["launch", "launch"]
     (op,) = COMPILED_OPS._ops.values()
     assert not op.fused and op._workspaces == {} and no_compile.capture_queries == []
@@ -1428,7 +1826,7 @@ def test_allocating_backward_deterministic(no_compile):
     no_compile.calls.clear()
     hstu_attention_backward(**backward_args())
     assert len(COMPILED_OPS._ops) == 2
-    assert [m for m, _ in no_compile.calls] == ["fused"]
+    assert [m for m, _ in no_compile.calls] == list(FUSED_MODES)
     # supplied gradient buffers (dk, dv split from one packed buffer) are written in place
     kv = meta(T, 2, HKV, D)
     r = hstu_attention_backward(**backward_args(deterministic=True), dk_tensor=kv[:, 0],
@@ -1445,19 +1843,30 @@ def test_allocating_backward_fused(no_compile):
     assert r.dq_tensor is dq and r["dk_tensor"] is dk and r.dv_tensor is dv
     assert dq.shape == (T, H, D) and dk.shape == dv.shape == (T, HKV, D)
     assert dq.dtype == dk.dtype == dv.dtype == BF
-    # not deterministic by default: the fused kernel, dq through the op's own workspace
-    assert [m for m, _ in no_compile.calls] == ["fused"]
-    call = no_compile.calls[0][1]
-    assert call[4] is dk and call[5] is dv
+    # not deterministic by default: the fused kernel, dq through the op's own workspace and
+    # dq_finish (a dense batch)
+    assert [m for m, _ in no_compile.calls] == list(FUSED_MODES)
+    (_, call), (_, finish) = launched(no_compile)
+    assert call["grad_a"] is dk and call["grad_b"] is dv and call["dq"] is dq
     (op,) = COMPILED_OPS._ops.values()
     ws = op._workspaces[(None, 0)]
-    assert call[6]._base is ws and tuple(call[6].shape) == (T, H, D) and ws.dtype == F32
-    assert call[10:12] == (MAXS, -1) and call[12] == 0  # causal by default
+    assert tuple(ws.shape) == (WS, H, D) and ws.dtype == F32
+    assert call["dq_acc"]._base is ws and is_dq_acc(call["dq_acc"], ws, T)
+    assert word_rows(call["sync"], ws) == (T, WS)
+    assert scalars(call)[:6] == (MAXS, 0, 8, MAXS, -1, 0)  # causal by default
+    assert finish["dq_acc"] is call["dq_acc"] and finish["dq"] is dq
+    assert finish["sync"] is call["sync"] and finish["pair_group"] == call["pair_group"]
+    assert "copy" not in kinds(no_compile)  # dq_finish converts
+    # a jagged batch: the torch copy instead of dq_finish
+    no_compile.calls.clear()
+    r = hstu_attention_backward(**backward_args(max_seqlen_q=JAGGED, max_seqlen_k=JAGGED))
+    assert [m for m, _ in no_compile.calls] == ["fused"]
+    assert no_compile.calls[0][1][13] == 1  # compact
     copies = [e for e in no_compile.events if e[0] == "copy"]
-    assert len(copies) == 1 and copies[0][1] is dq and copies[0][2]._base is ws
+    assert len(copies) == 1 and copies[0][1] is r.dq_tensor and copies[0][2]._base is ws
     # runtime values reuse the op (and its workspace); deterministic is static
     hstu_attention_backward(**backward_args(alpha=0.5, scaling_seqlen=2.0))
-    assert len(COMPILED_OPS._ops) == 1 and no_compile.calls[-1][1][6]._base is ws
+    assert len(COMPILED_OPS._ops) == 1 and no_compile.calls[-2][1][6]._base is ws
     assert [e[0] for e in no_compile.events].count("zeros") == 1
     no_compile.calls.clear()
     r = hstu_attention_backward(**backward_args(deterministic=True))
@@ -1467,8 +1876,8 @@ def test_allocating_backward_fused(no_compile):
     # supplied gradient buffers (dk, dv split from one packed buffer) are written in place
     kv = meta(T, 2, HKV, D)
     r = hstu_attention_backward(**backward_args(), dk_tensor=kv[:, 0], dv_tensor=kv[:, 1])
-    assert no_compile.calls[-1][0] == "fused"
-    dk, dv = no_compile.calls[-1][1][4:6]
+    assert [m for m, _ in no_compile.calls[-2:]] == list(FUSED_MODES)
+    dk, dv = no_compile.calls[-2][1][4:6]
     assert dk is r.dk_tensor and dv is r.dv_tensor
     assert dk.shape == dv.shape == (T, HKV, D) and dk.stride() == kv[:, 0].stride()
 

@@ -45,7 +45,7 @@ def test_attention_wgmma_is_not_serialized(needles):
 
 
 BACKWARD_VARIANTS = [  # (needles, fused): every head dim, masks, GQA, both paths
-    # fused (the default: not deterministic, D <= 128): one kernel
+    # fused (the default: not deterministic, D <= 128): the fused kernel and dq_finish
     (("head_dim=32,", "window_left_bounded=True", "window_right_bounded=True"), True),
     (("head_dim=64,", "window_left_bounded=False", "window_right_bounded=True",
       "dtype=float16"), True),  # not "float16": "bfloat16" contains it
@@ -84,8 +84,11 @@ def test_attention_backward_wgmma_is_not_serialized(needles, fused):
     assert entries, needles
     assert HSTUBwdSm90.from_config(**dict(entries[0].config)).fused is fused, needles
     ptxs = ptxas_report.compile_ptx(entries[0], ptxas_report.DUMP_DIR)
-    expected = 1 if fused else (3 if "head_dim=256," in needles else 2)
+    # fused: the fused kernel, then dq_finish (the rest of the dQ conversion)
+    expected = 2 if fused else (3 if "head_dim=256," in needles else 2)
     assert len(ptxs) == expected
+    assert [p.parent.name for p in ptxs] == list(
+        HSTUBwdSm90.from_config(**dict(entries[0].config)).kernel_modes())
     for ptx in ptxs:
         verdict = ptxas_report.ptxas_verdict(_ptxas(), ptx)
         assert not verdict["error"], verdict["error"][:2000]

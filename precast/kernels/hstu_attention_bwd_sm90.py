@@ -19,7 +19,10 @@ streams 64-row tiles of the other side through a TMA ring:
   into a (T_q, H, D) fp32 workspace by a TMA reduce-add. One pass instead of two, but the
   order of the additions varies from run to run (not bitwise reproducible). The next
   streamed tile's S and dP are issued before a tile's dQ partial is staged and sent, and
-  CTAs are scheduled a few (sequence, head) pairs at a time so the reduce-adds hit L2.
+  CTAs are scheduled a few (sequence, head) pairs at a time (an L2 group) so the reduce-adds
+  hit L2. Once every CTA of a group has counted its reduce-adds in, the idle warps of the
+  producer warpgroup in later CTAs turn that group's fp32 rows into dq (and zeros) while
+  their consumers compute; DqFinishSm90 converts what they did not reach.
 Jagged batches (T / R + B fixed tiles at most half of the max_seqlen-sized grid): the grid
 counts only the fixed tiles that exist; each CTA finds its sequence by a warp scan of the
 sequence lengths, 32 at a time (the forward's device-side varlen decode).
@@ -35,7 +38,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Boolean, Float32, Int32, Uint32, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
@@ -52,7 +55,14 @@ DQ_STAGED_BARRIER = 3  # 3 and 4: a warpgroup's dQ buffer is free / staged (fuse
 EPILOGUE_BARRIER = DQ_STAGED_BARRIER  # 3 and 4 again: a warpgroup's gradients are staged
 K_FREE_BARRIER = ZERO_BARRIER  # 1 again (fused): no warpgroup reads K (sX) any more
 MODES = ("dq", "dkdv", "dk", "dv", "fused")
-L2_GROUP_BYTES = 32 << 20  # streamed data of the (sequence, head) pairs scheduled together
+# fused, dense numbering: the producer warpgroup's idle warps convert finished groups' dQ.
+SLICE_ROWS = 16  # query rows (x the kv head's query heads x D) a warp converts at a time
+CONVERTER_WARPS = 3  # warps 1-3 (the producer warpgroup's idle ones)
+CLAIM_MARGIN = 3  # a warp claims a slice only while its producer has this many tiles to load
+POLL_NS = 2000  # backoff between looks at a group's arrival counter
+# The producer warp's word to the converting warps: streamed tiles it has still to load, and
+# whether it is done (its consumers then have at most `stages` tiles left).
+PROGRESS_REMAINING, PROGRESS_DONE = 0, 1
 
 
 def consumer_warpgroups(head_dim: int) -> int:
@@ -94,13 +104,25 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mdA: cute.Tensor, mdB: cute.Tensor, mdQacc: cute.Tensor,
-                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor,
-                 max_seqlen_fixed: Int32, window_left: Int32, window_right: Int32,
+                 mdA: cute.Tensor, mdB: cute.Tensor, mdQacc: cute.Tensor, mdQ: cute.Tensor,
+                 mSync: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                 mFunc: cute.Tensor, max_seqlen_fixed: Int32, compact: Int32,
+                 pair_group: Int32, max_seqlen_q: Int32, window_left: Int32,
+                 window_right: Int32,
                  half_alpha: Float32, scale_ds: Float32, scale_p: Float32,
                  stream: cuda.CUstream):
         """mdA: dQ (mode dq) or dK (dkdv, dk, fused); mdB: dV (dkdv, dv, fused); mdQacc: the
-        fp32 (T_q, H, D) dQ accumulator (fused: zero before, dQ * 1 after). Unused: None."""
+        fp32 (T_q, H, D) dQ accumulator (fused: zero before). Unused: None.
+
+        The host decides the CTA numbering (compact: 1 for jagged batches) and the L2 groups
+        (pair_group (sequence, head) pairs each). Fused with dense numbering, the kernel
+        converts most of mdQacc into mdQ itself (and zeroes it): the idle producer warps of
+        group g's CTAs convert finished earlier groups' rows in slices of SLICE_ROWS query
+        rows (ceil(max_seqlen_q / SLICE_ROWS) per pair), claimed from a counter per group;
+        DqFinishSm90 converts the rest after the kernel. mSync (int32, zero before and
+        after) holds per group an arrival count, then per group a claim count, then the
+        finisher's CTA count and the oldest group that may have unclaimed slices
+        (SYNC_EXTRA_WORDS in the lifecycle)."""
         dt = self.dtype
         D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
         mQ, mK, mV, mdO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mdO)]  # (T, D, H)
@@ -145,6 +167,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         sdS_size = cute.cosize(sdS_layout) if const_expr(self.fused) else 0
         sdQ_size = cute.cosize(sdQ_layout) if const_expr(self.fused) else 0
         sdQ2_size = sdQ_size if const_expr(self.dq_buffers == 2) else 0
+        # the converting warps' staging slices (fused)
+        convert_size = CONVERTER_WARPS * SLICE_ROWS * D if const_expr(self.fused) else 0
 
         @cute.struct
         class SharedStorage:
@@ -157,6 +181,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             sdS: cute.struct.Align[cute.struct.MemRange[dt, sdS_size], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, sdQ_size], 1024]
             sdQ2: cute.struct.Align[cute.struct.MemRange[Float32, sdQ2_size], 1024]
+            progress: cute.struct.MemRange[Int32, 2]  # PROGRESS_REMAINING, PROGRESS_DONE
+            convert: cute.struct.Align[cute.struct.MemRange[Float32, convert_size], 128]
 
         self.storage = SharedStorage
         num_batches = mCuSeqlensQ.shape[0] - 1
@@ -169,15 +195,13 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         # exist, at most T / R + B of them, found by a scan of the sequence lengths.
         dense = tiles * cutlass.max(num_batches, 1)
         compact_tiles = mX.shape[0] // R + num_batches
-        compact = Int32(0)
-        if compact_tiles * 2 <= dense:
-            compact = Int32(1)
+        q_chunks = (max_seqlen_q + SLICE_ROWS - 1) // SLICE_ROWS
         grid_tiles = dense + compact * (compact_tiles - dense)
         self.kernel(mma_s, mma_g, mma_dq, mX_tma, mY_tma, mU_tma, mW_tma, mdQacc_tma, tma_x,
                     tma_y, tma_u, tma_w, tma_dq, sX_layout, sU_layout, sdS_layout, sdQ_layout,
-                    mdA, mdB, mCuSeqlensQ, mCuSeqlensK, mFunc, tiles, compact,
-                    num_batches, window_left, window_right, half_alpha, scale_ds,
-                    scale_p).launch(grid=[grid_tiles * heads, 1, 1],
+                    mdA, mdB, mdQacc, mdQ, mSync, mCuSeqlensQ, mCuSeqlensK, mFunc, tiles,
+                    compact, pair_group, q_chunks, num_batches, window_left, window_right,
+                    half_alpha, scale_ds, scale_p).launch(grid=[grid_tiles * heads, 1, 1],
                                     block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -188,9 +212,10 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                tma_u: cute.CopyAtom, tma_w: cute.CopyAtom, tma_dq: cute.CopyAtom,
                sX_layout: cute.ComposedLayout, sU_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
-               mdA: cute.Tensor, mdB: cute.Tensor, mCuSeqlensQ: cute.Tensor,
-               mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor, tiles: Int32, compact: Int32,
-               num_batches: Int32,
+               mdA: cute.Tensor, mdB: cute.Tensor, mAcc: cute.Tensor, mdQ: cute.Tensor,
+               mSync: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+               mFunc: cute.Tensor, tiles: Int32, compact: Int32, pair_group: Int32,
+               q_chunks: Int32, num_batches: Int32,
                window_left: Int32, window_right: Int32, half_alpha: Float32, scale_ds: Float32,
                scale_p: Float32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -200,15 +225,13 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         # the CTAs in flight share few pairs, so the tiles they stream and the fp32 dQ rows
         # they add into stay in L2. (All pairs in flight at once, the fused kernel's dQ
         # reduce-adds missed L2: 396 -> 437 TFLOP/s at causal 16 x 4096 on the H200.) A group
-        # holds about L2_GROUP_BYTES of streamed data (8 bytes per element of a pair's
-        # longest side: fp32 dQ plus two 16-bit tiles).
+        # holds about 32 MB of streamed data (the host's l2_pair_group).
         head = Int32(0)
         batch = Int32(0)
         block = Int32(0)
+        group = Int32(0)
+        pairs = heads * cutlass.max(num_batches, 1)
         if compact == 0:
-            pairs = heads * cutlass.max(num_batches, 1)
-            per_tile = self.fixed_rows * self.head_dim * 8
-            pair_group = cutlass.max(cutlass.min(L2_GROUP_BYTES // per_tile // tiles, pairs), 1)
             group_ctas = pair_group * tiles
             group = cta // group_ctas
             in_group = cutlass.min(pair_group, pairs - group * pair_group)
@@ -245,6 +268,10 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         pipe_fixed = tma_pipeline(storage.fixed_bars.data_ptr(), 1, self.fixed_bytes, consumers)
         pipe_stream = tma_pipeline(storage.stream_bars.data_ptr(), self.stages,
                                    self.stream_bytes, consumers)
+        progress = storage.progress.get_tensor(cute.make_layout(2))
+        if tidx == 0:
+            progress[PROGRESS_REMAINING] = Int32(0)
+            progress[PROGRESS_DONE] = Int32(0)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -265,15 +292,20 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         if warp_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mX, mY, mU, mW, tma_x, tma_y, tma_u, tma_w, sX, sY, sU, sW,
-                         pipe_fixed, pipe_stream, block, head, span)
+                         pipe_fixed, pipe_stream, block, head, span, progress)
         elif warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if const_expr(self.fused):
+                if compact == 0:
+                    staging = storage.convert.data_ptr() + (warp_idx - 1) * SLICE_ROWS * self.head_dim
+                    self.convert_finished_groups(mAcc, mdQ, mSync, mCuSeqlensQ, progress, group,
+                                                pair_group, pairs, tiles, q_chunks, staging)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(mma_s, mma_g, mma_dq, sX, sY, sU, sW, sdS, sdQ, pipe_fixed,
                          pipe_stream, tidx - THREADS_PER_WG, block, head, span, mdA, mdB,
                          mdQacc, tma_dq, mFunc, window_left, window_right, half_alpha,
-                         scale_ds, scale_p)
+                         scale_ds, scale_p, mSync, pair_group, tiles, compact)
 
     @cute.jit
     def work_span(self, block: Int32, batch: Int32, mCuSeqlensQ, mCuSeqlensK,
@@ -319,7 +351,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
 
     @cute.jit
     def produce(self, mX, mY, mU, mW, tma_x, tma_y, tma_u, tma_w, sX, sY, sU, sW, pipe_fixed,
-                pipe_stream, block: Int32, head: Int32, span):
+                pipe_stream, block: Int32, head: Int32, span, progress):
         q_start, len_q, k_start, len_k, s_min, s_max = span
         D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
         fixed_start, _, stream_start, _ = self.sides(q_start, len_q, k_start, len_k)
@@ -357,12 +389,20 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                                                    cute.group_modes(g, 0, 2))
                     cute.copy(atom, tg, ts[None, state.index], tma_bar_ptr=bar)
                 state = advanced(state)
+                if const_expr(self.fused):  # a hint for the converting warps
+                    if cute.arch.lane_idx() == 0:
+                        cute.arch.atomic_exch(progress.iterator + PROGRESS_REMAINING,
+                                              tiles * self.stream_heads() - 1 - i)
+        if const_expr(self.fused):
+            if cute.arch.lane_idx() == 0:
+                cute.arch.atomic_exch(progress.iterator + PROGRESS_DONE, Int32(1))
 
     @cute.jit
     def consume(self, mma_s, mma_g, mma_dq, sX, sY, sU, sW, sdS, sdQ, pipe_fixed, pipe_stream,
                 consumer_tidx: Int32, block: Int32, head: Int32, span, mdA, mdB, mdQacc,
                 tma_dq, mFunc, window_left: Int32, window_right: Int32, half_alpha: Float32,
-                scale_ds: Float32, scale_p: Float32):
+                scale_ds: Float32, scale_p: Float32, mSync, pair_group: Int32,
+                seq_tiles: Int32, compact: Int32):
         q_start, len_q, k_start, len_k, s_min, s_max = span
         D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
         wg = consumer_tidx // THREADS_PER_WG
@@ -467,6 +507,20 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             copy_rows_out(cute.local_tile(staging, (WG_ROWS, D), (wg, 0)),
                           cute.local_tile(rows, (WG_ROWS, D), (r0 // WG_ROWS + wg, 0)),
                           r0 + wg * WG_ROWS, len_fixed, consumer_tidx % THREADS_PER_WG)
+        if const_expr(self.fused):
+            if compact == 0:
+                # This warpgroup's dQ reduce-adds are complete and visible: count it in.
+                if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:
+                    cute.arch.cp_async_bulk_wait_group(0)
+                    cute.arch.fence_proxy("async.global")
+                    cute.arch.sync_warp()
+                    if consumer_tidx % THREADS_PER_WG == 0:
+                        # (The group again from the CTA index: no pointer kept live through
+                        # the loop.)
+                        cta, _, _ = cute.arch.block_idx()
+                        group = cta // (pair_group * seq_tiles)
+                        cute.arch.atomic_add(mSync.iterator + group, Int32(1), sem="release",
+                                             scope="gpu")
 
     @cute.jit
     def stream_step(self, i: Int32, state, ops, where, sU, sW, sdS, sdQ, pipe_stream, mdQacc,
@@ -716,3 +770,188 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                                                      cute.group_modes(g, 0, 2))
                     cute.copy(tma_dq, t_s[None, wg], t_g)
             cute.arch.cp_async_bulk_commit_group()
+
+    # ---------------------------------------------------------------- dQ conversion
+    @cute.jit
+    def convert_finished_groups(self, mAcc, mdQ, mSync, mCuSeqlensQ, progress, group: Int32,
+                                pair_group: Int32, pairs: Int32, tiles: Int32,
+                                q_chunks: Int32, staging):
+        """fused, dense numbering, each idle producer warp of a CTA of L2 group ``group``:
+        claims the dQ slices of earlier groups, oldest first, once every CTA of that group
+        has counted its reduce-adds in, and converts them (dq = acc, acc = 0), while this
+        CTA's producer still has CLAIM_MARGIN streamed tiles to load; stops when it is done
+        or no earlier group has a slice left. Any later CTA may convert a finished
+        group: when a group completes, the CTAs of the next one are mostly the light tiles
+        near its end, with too few tiles left to convert much (run 27a: +1 % at 4k with the
+        next group alone converting). Nothing here waits on another CTA: what no warp
+        claims, DqFinishSm90 converts after the kernel."""
+        if group > 0:
+            n_groups = (pairs + pair_group - 1) // pair_group
+            expected = pair_group * tiles * self.nwg  # every group before the last is full
+            slices = pair_group * q_chunks
+            lowest = mSync.iterator + 2 * n_groups + 1  # a hint: groups below are claimed
+            lane = cute.arch.lane_idx()
+            prev = cute.arch.load(lowest, Int32, sem="relaxed", scope="gpu")
+            ready = Int32(0)
+            going = Int32(1)
+            while going != 0:
+                # (Atomics on the progress words: they are hints, read and written without
+                # barriers.)
+                if cute.arch.atomic_add(progress.iterator + PROGRESS_DONE, Int32(0)) != 0:
+                    going = Int32(0)
+                elif prev >= group:
+                    going = Int32(0)
+                else:
+                    if ready == 0:
+                        if cute.arch.load(mSync.iterator + prev, Int32, sem="acquire",
+                                          scope="gpu") >= expected:
+                            ready = Int32(1)
+                    remaining = cute.arch.atomic_add(progress.iterator + PROGRESS_REMAINING,
+                                                     Int32(0))
+                    if ready != 0 and remaining >= CLAIM_MARGIN:
+                        k = Int32(0)
+                        if lane == 0:
+                            k = cute.arch.atomic_add(mSync.iterator + n_groups + prev,
+                                                     Int32(1))
+                        k = cute.arch.shuffle_sync(k, 0)
+                        if k < slices:
+                            chunk = k // pair_group
+                            convert_slice(mAcc, mdQ, mCuSeqlensQ,
+                                          prev * pair_group + k - chunk * pair_group, chunk,
+                                          lane, self.num_kv_heads, self.group, staging)
+                        else:  # group prev is claimed: on to the next, and tell the others
+                            if lane == 0:
+                                cute.arch.atomic_max(lowest, prev + 1)
+                            prev = prev + 1
+                            ready = Int32(0)
+                    else:
+                        cute.arch.inline_ptx("nanosleep.u32 {$r0};",
+                                             read_only_args=[Int32(POLL_NS)])
+
+
+@cute.jit
+def convert_slice(mAcc, mdQ, mCuSeqlensQ, pair: Int32, chunk: Int32, lane: Int32,
+                  num_kv_heads: cutlass.Constexpr, group: cutlass.Constexpr, staging):
+    """Query rows chunk * SLICE_ROWS .. + SLICE_ROWS of (sequence, kv head) pair ``pair``
+    (pair = sequence * H_kv + kv head), all its query heads: dq = acc, acc = 0 (one warp)."""
+    batch = pair // num_kv_heads
+    q_start = mCuSeqlensQ[batch]
+    rows = mCuSeqlensQ[batch + 1] - q_start - chunk * SLICE_ROWS
+    if rows > 0:
+        head0 = (pair - batch * num_kv_heads) * group
+        first = q_start + chunk * SLICE_ROWS
+        # Rolled loops here and in convert_rows: the converting warps have 24 registers, and
+        # unrolled (GQA: a copy per query head) ptxas spilled over 1 KB of their state.
+        for j in cutlass.range(group, unroll=1):
+            convert_rows(mAcc, mdQ, first, rows, head0 + j, lane, staging)
+
+
+@cute.jit
+def convert_rows(mAcc: cute.Tensor, mdQ: cute.Tensor, first: Int32, rows: Int32,
+                 head: Int32, lane: Int32, staging):
+    """Rows first .. first + min(rows, SLICE_ROWS) - 1 of head ``head``: mdQ = mAcc (fp32 ->
+    16-bit) and mAcc = 0, by one warp. The fp32 rows come into ``staging`` (this warp's
+    SLICE_ROWS x D fp32 in shared memory) by cp.async, all at once: the warps that convert
+    beside the fused kernel's consumers have 24 registers, too few to keep more than two
+    16-byte loads in flight, and a slice then took several DRAM round trips. Each lane reads
+    back only what it copied, so no barrier is needed."""
+    D = cute.size(mAcc, mode=[2])
+    chunks = SLICE_ROWS * D // 4 // cute.arch.WARP_SIZE  # 16-byte pieces per lane
+    per_row = D // 4
+    half2 = "bf16x2" if const_expr(mdQ.element_type == cutlass.BFloat16) else "f16x2"
+    # 64-bit addresses: the workspace may hold more than 2^31 elements.
+    acc_row, acc_head = mAcc.stride[0], mAcc.stride[1]
+    dq_row, dq_head = mdQ.stride[0], mdQ.stride[1]
+    dq_bytes = mdQ.element_type.width // 8
+    acc_base = mAcc.iterator.toint() + Int64(head) * acc_head * 4
+    dq_base = mdQ.iterator.toint() + Int64(head) * dq_head * dq_bytes
+    smem = staging.toint()
+    for c in cutlass.range(chunks, unroll=1):
+        piece = c * cute.arch.WARP_SIZE + lane
+        r = cutlass.min(piece // per_row, rows - 1)  # rows past the slice: read nothing
+        size = Int32(16) if piece // per_row < rows else Int32(0)
+        src = acc_base + (Int64(first + r) * acc_row + piece % per_row * 4) * 4
+        cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};",
+                             read_only_args=[smem + piece * 16, src, size])
+    cute.arch.inline_ptx("cp.async.commit_group;")
+    cute.arch.inline_ptx("cp.async.wait_group 0;")
+    for c in cutlass.range(chunks, unroll=1):
+        piece = c * cute.arch.WARP_SIZE + lane
+        r = piece // per_row
+        on = Int32(r < rows)
+        col = piece % per_row * 4
+        src = acc_base + (Int64(first + r) * acc_row + col) * 4
+        dst = dq_base + (Int64(first + r) * dq_row + col) * dq_bytes
+        cute.arch.inline_ptx(
+            "{ .reg .pred p; .reg .f32 x0, x1, x2, x3, z; .reg .b32 lo, hi; "
+            "setp.ne.b32 p, {$r0}, 0; ld.shared.v4.f32 {x0, x1, x2, x3}, [{$r1}]; "
+            "mov.f32 z, 0f00000000; @p st.global.v4.f32 [{$r2}], {z, z, z, z}; "
+            "cvt.rn." + half2 + ".f32 lo, x1, x0; cvt.rn." + half2 + ".f32 hi, x3, x2; "
+            "@p st.global.v2.b32 [{$r3}], {lo, hi}; }",
+            read_only_args=[on, smem + piece * 16, src, dst])
+
+
+FINISH_WARPS = 4
+
+
+class DqFinishSm90:
+    """After the fused backward (dense numbering): converts the dQ slices its idle warps did
+    not claim (dq = acc, acc = 0) and clears the sync words for the next launch. A CTA per
+    (pair, FINISH_WARPS slices), a warp per slice."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int):
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+
+    @cute.jit
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mSync: cute.Tensor,
+                 mCuSeqlensQ: cute.Tensor, pair_group: Int32, max_seqlen_q: Int32,
+                 stream: cuda.CUstream):
+        q_chunks = (max_seqlen_q + SLICE_ROWS - 1) // SLICE_ROWS
+        pairs = self.num_kv_heads * cutlass.max(mCuSeqlensQ.shape[0] - 1, 1)
+        blocks = (q_chunks + FINISH_WARPS - 1) // FINISH_WARPS
+        self.kernel(mdQacc, mdQ, mSync, mCuSeqlensQ, pairs, pair_group, q_chunks,
+                    blocks).launch(grid=[pairs * blocks, 1, 1],
+                                   block=[FINISH_WARPS * cute.arch.WARP_SIZE, 1, 1],
+                                   stream=stream)
+
+    @cute.kernel
+    def kernel(self, mAcc: cute.Tensor, mdQ: cute.Tensor, mSync: cute.Tensor,
+               mCuSeqlensQ: cute.Tensor, pairs: Int32, pair_group: Int32, q_chunks: Int32,
+               blocks: Int32):
+        cta, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        D = cute.size(mAcc, mode=[2])
+
+        @cute.struct
+        class Staging:
+            convert: cute.struct.Align[cute.struct.MemRange[Float32,
+                                                            FINISH_WARPS * SLICE_ROWS * D], 128]
+
+        storage = cutlass.utils.SmemAllocator().allocate(Staging)
+        staging = storage.convert.data_ptr() + warp * SLICE_ROWS * D
+        n_groups = (pairs + pair_group - 1) // pair_group
+        pair = cta // blocks
+        chunk = (cta - pair * blocks) * FINISH_WARPS + warp
+        group = pair // pair_group
+        in_group = cutlass.min(pair_group, pairs - group * pair_group)
+        # the fused kernel's claim order: slice k = chunk * in_group + the pair's place
+        k = chunk * in_group + pair - group * pair_group
+        if chunk < q_chunks:
+            if k >= mSync[n_groups + group]:
+                convert_slice(mAcc, mdQ, mCuSeqlensQ, pair, chunk, lane, self.num_kv_heads,
+                              self.group, staging)
+        # The last CTA out clears the sync words: every CTA has read its claim count.
+        cute.arch.sync_threads()
+        if warp == 0:
+            finished = Int32(0)
+            if lane == 0:
+                cute.arch.fence_acq_rel_gpu()
+                finished = cute.arch.atomic_add(mSync.iterator + 2 * n_groups, Int32(1))
+            finished = cute.arch.shuffle_sync(finished, 0)
+            if finished == pairs * blocks - 1:
+                cute.arch.fence_acq_rel_gpu()
+                for w in cutlass.range(lane, 2 * n_groups + 2, cute.arch.WARP_SIZE, unroll=1):
+                    mSync[w] = Int32(0)
+

@@ -8,9 +8,12 @@ Two paths, chosen by the static configuration:
 
 * default (deterministic=False, D <= 128): one fused kernel with the key tiles fixed computes
   dK and dV and adds each query tile's dQ part into an fp32 workspace (T_q, H, D) with TMA
-  reduce-adds; execute() then converts the workspace into dq and zeroes it again, both on
-  the launch stream. The reduce-adds land in a varying order: dq may differ in the last
-  bits from run to run (dk and dv do not).
+  reduce-adds. The kernel's idle warps convert the rows of finished L2 groups into dq (and
+  zero them) while later groups run; a small kernel (dq_finish) converts the rest (the
+  last group's, and any the warps had no time for). Jagged batches, whose CTAs are not
+  scheduled in groups, take two torch passes instead (dq = workspace, workspace = 0). The
+  reduce-adds land in a varying order: dq may differ in the last bits from run to run (dk
+  and dv do not).
 * deterministic=True, or D = 256: two kernels, no atomics: dQ with the query tiles fixed
   (K, V streamed), dK and dV with the key tiles fixed (Q, dO streamed; at D = 256 dK and dV
   are separate passes, their accumulators do not fit in registers together). Every
@@ -19,7 +22,7 @@ Two paths, chosen by the static configuration:
 """
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -37,11 +40,54 @@ KERNEL_SOURCES = ("precast.kernels.hstu_attention_bwd_sm90",
                   "precast.kernels.hstu_attention_fwd_sm90", "precast.kernels.attention_sm90",
                   "precast.kernels.fake")
 GRADIENTS = ("dq", "dk", "dv")
+L2_GROUP_BYTES = 32 << 20  # streamed data of the (sequence, head) pairs scheduled together
+SYNC_ROWS_PER = 32768  # query tokens per workspace row of sync words (at least one row)
 
 
 def fixed_rows(head_dim: int) -> int:
     """Rows of a kernel's fixed tile (64 per consumer warpgroup)."""
     return 128 if head_dim <= 128 else 64
+
+
+SYNC_EXTRA_WORDS = 2  # sync words beside the two per L2 group (see HstuAttentionBackwardSm90)
+
+
+def sync_rows(total_q: int) -> int:
+    """Workspace rows after the T_q accumulator rows that hold the fused kernel's int32 sync
+    words (two per L2 group, plus SYNC_EXTRA_WORDS)."""
+    return 1 + total_q // SYNC_ROWS_PER
+
+
+def sync_group_capacity(words: int) -> int:
+    """The most L2 groups that ``words`` int32 sync words serve."""
+    return (words - SYNC_EXTRA_WORDS) // 2
+
+
+class Launch(NamedTuple):
+    """How one backward kernel numbers its CTAs: compact (1: only the fixed tiles that
+    exist, jagged batches) or dense in L2 groups of pair_group (sequence, head) pairs."""
+    compact: int
+    pair_group: int
+
+    @staticmethod
+    def plan(head_dim: int, heads: int, total_fixed: int, batch: int, max_fixed: int,
+             max_groups: int) -> "Launch":
+        """heads: the fixed side's (H_kv with the keys fixed); at most max_groups groups."""
+        rows = fixed_rows(head_dim)
+        tiles = max(-(-max_fixed // rows), 1)
+        pairs = heads * max(batch, 1)
+        # Dense CTAs of sequences shorter than max_seqlen have no rows: with most of them
+        # empty, number only the tiles that exist (T / R + B per head at most).
+        compact = int((total_fixed // rows + batch) * 2 <= tiles * max(batch, 1))
+        # A group holds about L2_GROUP_BYTES of streamed data: 8 bytes per element of a
+        # pair's longest side (fp32 dQ plus two 16-bit tiles).
+        per_tile = rows * head_dim * 8
+        pair_group = max(min(L2_GROUP_BYTES // per_tile // tiles, pairs), 1,
+                         -(-pairs // max_groups))
+        return Launch(compact, pair_group)
+
+    def groups(self, heads: int, batch: int) -> int:
+        return -(-heads * max(batch, 1) // self.pair_group)
 
 
 class HSTUBwdSm90(_AttentionRules, Op):
@@ -165,8 +211,8 @@ class HSTUBwdSm90(_AttentionRules, Op):
         return not self.deterministic and self.head_dim <= 128
 
     def kernel_modes(self) -> Tuple[str, ...]:
-        if self.fused:
-            return ("fused",)
+        if self.fused:  # the kernel, then the rest of the dQ conversion
+            return ("fused", "dq_finish")
         # D = 256: the dK and dV accumulators do not fit in registers together.
         return ("dq", "dkdv") if self.head_dim <= 128 else ("dq", "dk", "dv")
 
@@ -177,7 +223,8 @@ class HSTUBwdSm90(_AttentionRules, Op):
                 import cutlass.cute as cute
                 from ..kernels.fake import (cute_dtype, fake_packed, fake_stream, fake_tokens,
                                             scalar)
-                from ..kernels.hstu_attention_bwd_sm90 import HstuAttentionBackwardSm90
+                from ..kernels.hstu_attention_bwd_sm90 import (DqFinishSm90,
+                                                               HstuAttentionBackwardSm90)
                 dt = cute_dtype(dtype_name(self.dtype))
                 h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
 
@@ -188,6 +235,14 @@ class HSTUBwdSm90(_AttentionRules, Op):
                     return fake_packed(cutlass.Int32, shape, INDEX_ALIGN)
 
                 t_q, t_k, entries = cute.sym_int(), cute.sym_int(), cute.sym_int()
+                # the op's compact fp32 workspace (T_q, H, D) and its int32 sync words
+                dq_acc = cute.runtime.make_fake_tensor(
+                    cutlass.Float32, (t_q, h, d), (h * d, d, 1), assumed_align=DATA_ALIGN)
+                sync = packed((cute.sym_int(),))
+                if mode == "dq_finish":
+                    return DqFinishSm90(h, h_kv), (
+                        dq_acc, tokens(t_q, h), sync, packed((entries,)),
+                        scalar(cutlass.Int32, 1), scalar(cutlass.Int32, 1), fake_stream())
                 func = None
                 if self.func_intervals:
                     func = packed((1, self.func_intervals, cute.sym_int()))
@@ -197,14 +252,15 @@ class HSTUBwdSm90(_AttentionRules, Op):
                 grad_a = {"dq": tokens(t_q, h), "dkdv": tokens(t_k, h_kv),
                           "fused": tokens(t_k, h_kv), "dk": tokens(t_k, h_kv), "dv": None}[mode]
                 grad_b = tokens(t_k, h_kv) if mode in ("dkdv", "dv", "fused") else None
-                dq_acc = None
-                if mode == "fused":  # the op's compact fp32 workspace, (T_q, H, D)
-                    dq_acc = cute.runtime.make_fake_tensor(
-                        cutlass.Float32, (t_q, h, d), (h * d, d, 1), assumed_align=DATA_ALIGN)
+                fused = mode == "fused"
                 args = (tokens(t_q, h), tokens(t_k, h_kv), tokens(t_k, h_kv), tokens(t_q, h),
-                        grad_a, grad_b, dq_acc, packed((entries,)), packed((entries,)), func,
-                        scalar(cutlass.Int32, 0), scalar(cutlass.Int32, -1),
-                        scalar(cutlass.Int32, -1), scalar(cutlass.Float32, 0.5),
+                        grad_a, grad_b, dq_acc if fused else None,
+                        tokens(t_q, h) if fused else None, sync if fused else None,
+                        packed((entries,)), packed((entries,)), func,
+                        scalar(cutlass.Int32, 0), scalar(cutlass.Int32, 0),
+                        scalar(cutlass.Int32, 1), scalar(cutlass.Int32, 0),
+                        scalar(cutlass.Int32, -1), scalar(cutlass.Int32, -1),
+                        scalar(cutlass.Float32, 0.5),
                         scalar(cutlass.Float32, 1.0), scalar(cutlass.Float32, 1.0),
                         fake_stream())
                 return kernel, args
@@ -214,26 +270,30 @@ class HSTUBwdSm90(_AttentionRules, Op):
     # --- run ----------------------------------------------------------------------------------
     def workspace_shape(self, total_q: int) -> Tuple[int, ...]:
         """Shape of the float32 workspace ``execute(workspace=...)`` takes for T_q query
-        tokens: (T_q, H, D) for the fused kernel (zero it once; every execute leaves it
+        tokens: (T_q + sync_rows(T_q), H, D) for the fused kernel, its dQ accumulator and a
+        few int32 words the kernels synchronize with (zero it once; every execute leaves it
         zero), else (0,): no workspace (deterministic=True or D = 256)."""
         t_q = check_int("total_q", total_q, lo=0)
-        return (t_q, self.num_heads, self.head_dim) if self.fused else (0,)
+        if not self.fused:
+            return (0,)
+        return (t_q + sync_rows(t_q), self.num_heads, self.head_dim)
 
     def _own_workspace(self, index: int, handle: int, total_q: int) -> torch.Tensor:
-        """This op's dQ accumulator for (device, stream) (launch.stream_workspace); a view
-        of its first T_q rows."""
+        """This op's workspace for (device, stream) (launch.stream_workspace); a view of its
+        first workspace_shape(T_q)[0] rows."""
         def make(rows):
             with torch.cuda.stream(torch_stream(handle, index)):
-                return torch.zeros(self.workspace_shape(rows), dtype=torch.float32,
-                                   device=f"cuda:{index}")
+                return torch.zeros((rows, self.num_heads, self.head_dim),
+                                   dtype=torch.float32, device=f"cuda:{index}")
+        rows = self.workspace_shape(total_q)[0]
         ws = stream_workspace(
-            self._workspaces, self._outgrown, (index, handle), total_q, make,
+            self._workspaces, self._outgrown, (index, handle), rows, make,
             lambda: stream_is_capturing(handle),
             lambda: "HSTUBwdSm90.execute: the stream is capturing a CUDA graph and this op "
                     f"has no workspace of {total_q} rows for it; pass workspace= (float32, "
                     f"shape workspace_shape({total_q}), zeroed) or execute once on this "
                     "stream with as many query tokens before capturing")
-        return ws[:total_q]
+        return ws[:rows]
 
     def execute(self, do, q, k, v, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, func_tensor=None,
                 stream=None, *, alpha: Optional[float] = None,
@@ -278,21 +338,40 @@ class HSTUBwdSm90(_AttentionRules, Op):
                     grad.zero_()
             return
         left, right = min(self.window[0], WINDOW_CAP), min(self.window[1], WINDOW_CAP)
-        dq_acc = None
-        if self.fused:
-            dq_acc = workspace if workspace is not None else self._own_workspace(index, handle,
-                                                                                 t_q)
+        batch = entries - 1
         launches = {"dq": (dq, None, max_q), "dkdv": (dk, dv, max_k), "dk": (dk, None, max_k),
                     "dv": (None, dv, max_k), "fused": (dk, dv, max_k)}
+        dq_acc = sync = None
+        max_groups = 1 << 31  # no bound: only the fused kernel keeps sync words
+        if self.fused:
+            ws = workspace if workspace is not None else self._own_workspace(index, handle,
+                                                                             t_q)
+            dq_acc = ws[:t_q]
+            sync = ws[t_q:].view(torch.int32).reshape(-1)
+            max_groups = sync_group_capacity(sync.shape[0])
         with device_guard(index):
             for mode in self.kernel_modes():
+                if mode == "dq_finish":
+                    continue
                 grad_a, grad_b, longest = launches[mode]
-                kernels[mode](q, k, v, do, grad_a, grad_b, dq_acc, cu_seqlens_q, cu_seqlens_k,
-                              func_tensor, longest, left, right, half_alpha, scale_ds, scale_p,
-                              handle)
-            if dq_acc is not None:
-                # The accumulator holds dQ (scaled in the kernel): convert it into dq and leave
-                # it zero for the next launch (two stream-ordered passes, no allocation).
-                with torch.cuda.stream(torch_stream(handle, index)):
-                    dq.copy_(dq_acc)
-                    dq_acc.zero_()
+                keys_fixed = mode != "dq"
+                plan = Launch.plan(self.head_dim,
+                                   self.num_kv_heads if keys_fixed else self.num_heads,
+                                   t_k if keys_fixed else t_q, batch, longest, max_groups)
+                kernels[mode](q, k, v, do, grad_a, grad_b, dq_acc,
+                              dq if mode == "fused" else None, sync, cu_seqlens_q,
+                              cu_seqlens_k, func_tensor, longest, plan.compact,
+                              plan.pair_group, max_q, left, right, half_alpha, scale_ds,
+                              scale_p, handle)
+                if mode != "fused":
+                    continue
+                if plan.compact:
+                    # Jagged batches have no L2 groups to convert behind: convert the
+                    # accumulator into dq and leave it zero for the next launch (two
+                    # stream-ordered passes, no allocation).
+                    with torch.cuda.stream(torch_stream(handle, index)):
+                        dq.copy_(dq_acc)
+                        dq_acc.zero_()
+                else:  # what the kernel's idle warps did not convert
+                    kernels["dq_finish"](dq_acc, dq, sync, cu_seqlens_q, plan.pair_group,
+                                         max_q, handle)

@@ -1,0 +1,77 @@
+"""Where the fused attention backward's dQ conversion happens: for causal batches of 64k
+tokens, the share of each L2 group's dQ slices that the kernel's idle warps converted (the
+rest is dq_finish's), and each kernel of one execute() timed alone.
+
+    python bench/dq_conversion_stats.py [L ...]     (default 1024 4096 16384; D = 128)
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from bench_hstu_attention import HEADS, TOKENS, make_inputs
+from common import do_bench, kernel_times
+from precast import HSTUBwdSm90
+
+SLICE_ROWS = 16  # precast.kernels.hstu_attention_bwd_sm90.SLICE_ROWS (no DSL on a GPU host)
+
+
+def converted_shares(op, args, ws):
+    """Per L2 group: the share of its slices claimed inside the fused kernel."""
+    kernels = op._ready(torch.cuda.current_device())
+    if "dq_finish" not in kernels:
+        return None  # a build before the kernel converted dQ itself (torch passes)
+    real = kernels["dq_finish"]
+    seen = {}
+
+    def spy(dq_acc, dq, sync, cu_q, pair_group, max_q, handle):
+        torch.cuda.synchronize()
+        seen.update(sync=sync.clone(), pair_group=pair_group, max_q=max_q,
+                    batch=cu_q.shape[0] - 1)
+        return real(dq_acc, dq, sync, cu_q, pair_group, max_q, handle)
+
+    kernels["dq_finish"] = spy
+    try:
+        op.execute(*args, workspace=ws)
+        torch.cuda.synchronize()
+    finally:
+        kernels["dq_finish"] = real
+    if not seen:
+        return None  # compact numbering: torch passes
+    pairs = op.num_kv_heads * seen["batch"]
+    groups = -(-pairs // seen["pair_group"])
+    slices = seen["pair_group"] * -(-seen["max_q"] // SLICE_ROWS)
+    claims = seen["sync"][groups:2 * groups].clamp(max=slices).float() / slices
+    assert torch.count_nonzero(ws) == 0, "workspace not left zero"
+    return seen["pair_group"], claims.tolist()
+
+
+def main(argv) -> int:
+    lengths = [int(a) for a in argv] or [1024, 4096, 16384]
+    for seqlen in lengths:
+        lens = [seqlen] * (TOKENS // seqlen)
+        q, k, v, cu_q, cu_k = make_inputs(lens, lens, 128)
+        do = torch.randn_like(q)
+        cu_q, cu_k = cu_q.cuda(), cu_k.cuda()
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        op = HSTUBwdSm90(do, q, k, v, *grads, cu_q, cu_k, seqlen, seqlen, (-1, 0),
+                         alpha=1 / math.sqrt(128)).check_support().compile()
+        ws = torch.zeros(op.workspace_shape(q.shape[0]), dtype=torch.float32, device="cuda")
+        args = (do, q, k, v, *grads, cu_q, cu_k)
+        shares = converted_shares(op, args, ws)
+        total = do_bench(lambda: op.execute(*args, workspace=ws)) * 1e3
+        alone = kernel_times(op, torch.cuda.current_device(),
+                             lambda: op.execute(*args, workspace=ws))
+        times = ", ".join(f"{m} {us:.1f} us" for m, us in alone.items())
+        print(f"causal L={seqlen}: execute {total:.1f} us ({times})")
+        if shares is not None:
+            pair_group, claimed = shares
+            print(f"  {len(claimed)} groups of {pair_group} pairs; converted in the kernel: "
+                  + " ".join(f"{c:.2f}" for c in claimed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
