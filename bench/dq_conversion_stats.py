@@ -2,7 +2,9 @@
 tokens, the share of each L2 group's dQ slices that the kernel's idle warps converted (the
 rest is dq_finish's), and each kernel of one execute() timed alone.
 
-    python bench/dq_conversion_stats.py [L ...]     (default 1024 4096 16384; D = 128)
+    python bench/dq_conversion_stats.py [L[:LEFT] ...]   (default 1024 4096 16384; D = 128)
+
+L:LEFT is a local window (LEFT, 0) instead of causal.
 """
 from __future__ import annotations
 
@@ -49,14 +51,15 @@ def converted_shares(op, args, ws):
 
 
 def main(argv) -> int:
-    lengths = [int(a) for a in argv] or [1024, 4096, 16384]
-    for seqlen in lengths:
+    for case in argv or ["1024", "4096", "16384"]:
+        seqlen, _, left = case.partition(":")
+        seqlen, window = int(seqlen), ((int(left), 0) if left else (-1, 0))
         lens = [seqlen] * (TOKENS // seqlen)
         q, k, v, cu_q, cu_k = make_inputs(lens, lens, 128)
         do = torch.randn_like(q)
         cu_q, cu_k = cu_q.cuda(), cu_k.cuda()
         grads = [torch.empty_like(t) for t in (q, k, v)]
-        op = HSTUBwdSm90(do, q, k, v, *grads, cu_q, cu_k, seqlen, seqlen, (-1, 0),
+        op = HSTUBwdSm90(do, q, k, v, *grads, cu_q, cu_k, seqlen, seqlen, window,
                          alpha=1 / math.sqrt(128)).check_support().compile()
         ws = torch.zeros(op.workspace_shape(q.shape[0]), dtype=torch.float32, device="cuda")
         args = (do, q, k, v, *grads, cu_q, cu_k)
@@ -65,7 +68,8 @@ def main(argv) -> int:
         alone = kernel_times(op, torch.cuda.current_device(),
                              lambda: op.execute(*args, workspace=ws))
         times = ", ".join(f"{m} {us:.1f} us" for m, us in alone.items())
-        print(f"causal L={seqlen}: execute {total:.1f} us ({times})")
+        name = f"local {window[0]}" if left else "causal"
+        print(f"{name} L={seqlen}: execute {total:.1f} us ({times})")
         if shares is not None:
             pair_group, claimed = shares
             print(f"  {len(claimed)} groups of {pair_group} pairs; converted in the kernel: "

@@ -22,7 +22,11 @@ from precast.lifecycle.cache import MANIFEST, default_cache, source_fingerprint
 from precast.plan import PlanEntry, expand, load_plan
 
 ARCH = "sm_90a"
-DSL_VERSION = importlib.metadata.version("nvidia-cutlass-dsl")
+try:
+    DSL_VERSION = importlib.metadata.version("nvidia-cutlass-dsl")
+except importlib.metadata.PackageNotFoundError:  # a GPU host that only runs artifacts
+    pytest.skip("the cache tests key entries by the installed nvidia-cutlass-dsl",
+                allow_module_level=True)
 SMALL = dict(dim=64, dropout=False)
 
 
