@@ -50,6 +50,40 @@ def converted_shares(op, args, ws):
     return seen["pair_group"], claims.tolist()
 
 
+def split_costs(op, args, ws):
+    """us of (the fused kernel converting on fresh sync words, dq_finish after it with
+    nothing left to convert): with execute's total and the fused kernel on stale sync
+    words (no conversion work), this splits the conversion's cost between the kernel's
+    warps and dq_finish's fixed part. Each repeat first resets the words it needs (its
+    cost, timed alone, is subtracted)."""
+    kernels = op._ready(torch.cuda.current_device())
+    if "dq_finish" not in kernels:
+        return None
+    calls = {}
+    real = dict(kernels)
+    for mode in ("fused", "dq_finish"):
+        kernels[mode] = (lambda m: lambda *a: calls.setdefault(m, a))(mode)
+    try:
+        op.execute(*args, workspace=ws)
+    finally:
+        kernels.update(real)
+    if "dq_finish" not in calls:
+        return None  # compact numbering
+    fused_args, finish_args = calls["fused"], calls["dq_finish"]
+    sync = finish_args[2]
+    zero = do_bench(lambda: sync.zero_())
+    converting = do_bench(lambda: (sync.zero_(), real["fused"](*fused_args))) - zero
+    claimed = 1 << 30  # every claim count past its group's slices: nothing to convert
+    pairs = op.num_kv_heads * (finish_args[3].shape[0] - 1)
+    groups = -(-pairs // finish_args[4])
+    fill = do_bench(lambda: sync[groups:2 * groups].fill_(claimed))
+    idle_finish = do_bench(lambda: (sync[groups:2 * groups].fill_(claimed),
+                                    real["dq_finish"](*finish_args))) - fill
+    op.execute(*args, workspace=ws)  # leaves the workspace zero again
+    torch.cuda.synchronize()
+    return converting * 1e3, idle_finish * 1e3
+
+
 def main(argv) -> int:
     for case in argv or ["1024", "4096", "16384"]:
         seqlen, _, left = case.partition(":")
@@ -70,6 +104,10 @@ def main(argv) -> int:
         times = ", ".join(f"{m} {us:.1f} us" for m, us in alone.items())
         name = f"local {window[0]}" if left else "causal"
         print(f"{name} L={seqlen}: execute {total:.1f} us ({times})")
+        split = split_costs(op, args, ws)
+        if split is not None:
+            print(f"  fused kernel converting {split[0]:.1f} us, dq_finish with nothing to "
+                  f"convert {split[1]:.1f} us")
         if shares is not None:
             pair_group, claimed = shares
             print(f"  {len(claimed)} groups of {pair_group} pairs; converted in the kernel: "

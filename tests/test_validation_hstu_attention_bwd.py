@@ -938,7 +938,8 @@ def launches(monkeypatch):
 # The arguments of every backward kernel (HstuAttentionBackwardSm90) and of dq_finish
 # (DqFinishSm90), in order.
 KERNEL_ARGS = ("q", "k", "v", "do", "grad_a", "grad_b", "dq_acc", "dq", "sync", "cu_seqlens_q",
-               "cu_seqlens_k", "func", "longest", "compact", "pair_group", "max_seqlen_q",
+               "cu_seqlens_k", "func", "longest", "compact", "convert", "pair_group",
+               "max_seqlen_q",
                "left", "right", "half_alpha", "scale_ds", "scale_p", "stream")
 FINISH_ARGS = ("dq_acc", "dq", "sync", "cu_seqlens_q", "pair_group", "max_seqlen_q", "stream")
 SCALARS = KERNEL_ARGS[KERNEL_ARGS.index("longest"):]
@@ -1036,8 +1037,8 @@ def test_execute_launch_arguments_not_fused(launches):
     # alpha / scaling_seqlen, 1 / scaling_seqlen, stream. B = 4 sequences of one 128-row tile
     # each: dense numbering; every (sequence, head) pair in one L2 group (H x B = 16 pairs
     # with the queries fixed, H_kv x B = 8 with the keys fixed).
-    assert scalars(dq_call) == (MAXS, 0, 16, MAXS, 16, 0, 0.25, 0.5 / MAXS, 1 / MAXS, 7)
-    assert scalars(dkdv_call) == (MAXS, 0, 8, MAXS, 16, 0, 0.25, 0.5 / MAXS, 1 / MAXS, 7)
+    assert scalars(dq_call) == (MAXS, 0, 0, 16, MAXS, 16, 0, 0.25, 0.5 / MAXS, 1 / MAXS, 7)
+    assert scalars(dkdv_call) == (MAXS, 0, 0, 8, MAXS, 16, 0, 0.25, 0.5 / MAXS, 1 / MAXS, 7)
     assert (dq_call["compact"], dq_call["pair_group"]) == Launch.plan(D, H, T, B, MAXS, BIG)
     assert (dkdv_call["compact"], dkdv_call["pair_group"]) == Launch.plan(D, HKV, T, B, MAXS,
                                                                           BIG)
@@ -1049,22 +1050,23 @@ def test_execute_launch_arguments_not_fused(launches):
     op.execute(**meta_args(t_q=3 * T, t_k=5 * T, batch=2 * B), stream=7, alpha=-3.0,
                scaling_seqlen=4.0, max_seqlen_q=40, max_seqlen_k=80)
     (_, dq_call), (_, dkdv_call) = launched(launches)
-    assert scalars(dq_call) == (40, 0, 32, 40, 16, 0, -1.5, -0.75, 0.25, 7)    # dq: max_q
-    assert scalars(dkdv_call) == (80, 0, 16, 40, 16, 0, -1.5, -0.75, 0.25, 7)  # dk, dv: max_k
+    assert scalars(dq_call) == (40, 0, 0, 32, 40, 16, 0, -1.5, -0.75, 0.25, 7)    # dq: max_q
+    assert scalars(dkdv_call) == (80, 0, 0, 16, 40, 16, 0, -1.5, -0.75, 0.25, 7)  # dk, dv: max_k
     # a jagged batch (4 sequences of 64 tokens in all, max_seqlen 1024: 8 tiles per head and
     # sequence, at most one of them with rows): compact numbering, for each kernel
     launches.calls.clear()
     op.execute(**a, stream=7, max_seqlen_q=JAGGED, max_seqlen_k=JAGGED)
     (_, dq_call), (_, dkdv_call) = launched(launches)
-    assert scalars(dq_call)[:4] == (JAGGED, 1, 16, JAGGED)
-    assert scalars(dkdv_call)[:4] == (JAGGED, 1, 8, JAGGED)
+    assert scalars(dq_call)[:5] == (JAGGED, 1, 0, 16, JAGGED)
+    assert scalars(dkdv_call)[:5] == (JAGGED, 1, 0, 8, JAGGED)
     assert kinds(launches) == ["launch"] * 6  # no torch pass in any of the three calls
 
 
 def test_execute_launch_arguments_fused(launches):
     """The default (deterministic=False, D <= 128), a dense batch: the fused kernel, then
-    dq_finish with the same accumulator, dq, sync words and L2 groups."""
-    op = bwd(window_size=(16, 0), alpha=0.5).check_support()
+    dq_finish with the same accumulator, dq, sync words and L2 groups (a local window wide
+    enough for the kernel to convert: 640 + 128 = MIN_CONVERT_STREAM_ROWS)."""
+    op = bwd(window_size=(640, 0), alpha=0.5).check_support()
     assert op.fused
     a = meta_args()
     op.execute(**a, stream=7)
@@ -1079,9 +1081,9 @@ def test_execute_launch_arguments_fused(launches):
     assert call["dq_acc"]._base is ws and is_dq_acc(call["dq_acc"], ws, T)
     assert word_rows(call["sync"], ws) == (T, WS) and call["sync"].numel() == H * D
     # key tiles fixed: max_k; dense; H_kv x B = 8 pairs in one L2 group; max_seqlen_q
-    assert scalars(call) == (MAXS, 0, 8, MAXS, 16, 0, 0.25, 0.5 / MAXS, 1 / MAXS, 7)
+    assert scalars(call) == (MAXS, 0, 1, 8, MAXS, 640, 0, 0.25, 0.5 / MAXS, 1 / MAXS, 7)
     assert (call["compact"], call["pair_group"]) == Launch.plan(
-        D, HKV, T, B, MAXS, (H * D - 1) // 2)
+        D, HKV, T, B, MAXS, sync_group_capacity(H * D))
     # dq_finish: the rest of the conversion, with what the fused kernel had
     assert finish["dq_acc"] is call["dq_acc"] and finish["dq"] is a["dq"]
     assert finish["sync"] is call["sync"] and finish["cu_seqlens_q"] is a["cu_seqlens_q"]
@@ -1099,10 +1101,45 @@ def test_execute_launch_arguments_fused(launches):
     ws = op._workspaces[(None, 7)]  # grown to 3 T + 1 rows
     assert is_dq_acc(call["dq_acc"], ws, 3 * T) and word_rows(call["sync"], ws) == (3 * T,
                                                                                    3 * T + 1)
-    assert scalars(call) == (80, 0, 16, 40, 16, 0, -1.5, -0.75, 0.25, 7)
+    assert scalars(call) == (80, 0, 1, 16, 40, 640, 0, -1.5, -0.75, 0.25, 7)
     assert finish["dq_acc"] is call["dq_acc"] and finish["dq"] is b["dq"]
     assert finish["sync"] is call["sync"]
     assert (finish["pair_group"], finish["max_seqlen_q"], finish["stream"]) == (16, 40, 7)
+
+
+@pytest.mark.parametrize("window,converts", [
+    ((-1, 0), True), ((-1, -1), True), ((0, -1), True), ((5000, 3), True),
+    ((640, 0), True), ((639, 0), False), ((320, 320), True), ((320, 319), False),
+    ((16, 0), False), ((0, 0), False), ((256, 0), False)])
+def test_converts_in_kernel(window, converts):
+    """The fused kernel converts dQ itself behind dense numbering unless the window is
+    bounded on both sides and narrow: left + right + 128 < MIN_CONVERT_STREAM_ROWS = 768
+    (the key tile's rows at D <= 128); jagged batches never."""
+    assert bwd_module.MIN_CONVERT_STREAM_ROWS == 768
+    dense, jagged = Launch(0, 8), Launch(1, 8)
+    for head_dim in (32, 64, 128):
+        assert bwd_module.converts_in_kernel(dense, window, head_dim) is converts
+        assert bwd_module.converts_in_kernel(jagged, window, head_dim) is False
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["given-workspace", "own-workspace"])
+def test_execute_fused_narrow_window_converts_with_torch(launches, given):
+    """A dense batch under a narrow local window (16, 0): the fused kernel told not to
+    convert (convert = 0), then dq <- accumulator and a memset of it on the stream; no
+    dq_finish."""
+    op = bwd(window_size=(16, 0)).check_support()
+    a = meta_args()
+    ws = meta(*op.workspace_shape(T), dtype=F32) if given else None
+    op.execute(**a, stream=7, workspace=ws)
+    ws = ws if given else op._workspaces[(None, 7)]
+    ((mode, call),) = launched(launches)
+    assert mode == "fused" and (call["compact"], call["convert"]) == (0, 0)
+    assert call["dq"] is a["dq"] and is_dq_acc(call["dq_acc"], ws, T)
+    made = [] if given else [("stream", 7, None), ("zeros", (WS, H, D), F32), ("end stream",)]
+    assert trace(launches, ws=ws, **a) == made + [
+        ("launch", "fused"),
+        ("stream", 7, None), ("copy", "dq", f"ws[:{T}]"), ("zero", f"ws[:{T}]"),
+        ("end stream",)]
 
 
 @pytest.mark.parametrize("given", [True, False], ids=["given-workspace", "own-workspace"])
@@ -1118,7 +1155,7 @@ def test_execute_fused_jagged_batch_converts_with_torch(launches, given):
     ((mode, call),) = launched(launches)
     assert mode == "fused"
     # 8 tiles per head and sequence, at most one with rows: (0 + 4) x 2 <= 8 x 4
-    assert (call["compact"], call["pair_group"]) == (1, 8)
+    assert (call["compact"], call["convert"], call["pair_group"]) == (1, 0, 8)
     assert (call["longest"], call["max_seqlen_q"]) == (JAGGED, JAGGED)
     assert call["dq"] is a["dq"] and is_dq_acc(call["dq_acc"], ws, T)
     assert word_rows(call["sync"], ws) == (T, WS)  # passed, but only dense numbering uses it
@@ -1622,8 +1659,8 @@ def test_execute_head_dim_256_runs_three_kernels(launches, deterministic):
     assert all(call[n] is None for call in calls.values() for n in ("dq_acc", "dq", "sync"))
     # 64-row tiles at D = 256: one per sequence, dense; 256 tiles of 64 x 256 per L2 group
     # hold every pair (H x B = 16 with the queries fixed, H_kv x B = 8 with the keys fixed)
-    assert scalars(calls["dq"])[:4] == (MAXS, 0, 16, MAXS)
-    assert scalars(calls["dk"])[:4] == scalars(calls["dv"])[:4] == (MAXS, 0, 8, MAXS)
+    assert scalars(calls["dq"])[:5] == (MAXS, 0, 0, 16, MAXS)
+    assert scalars(calls["dk"])[:5] == scalars(calls["dv"])[:5] == (MAXS, 0, 0, 8, MAXS)
     assert kinds(launches) == ["launch"] * 3 and op._workspaces == {}
 
 
@@ -1810,7 +1847,7 @@ def test_allocating_backward_deterministic(no_compile):
     assert dq_call["grad_a"] is dq and dq_call["grad_b"] is None and dq_call["dq_acc"] is None
     assert dkdv_call["grad_a"] is dk and dkdv_call["grad_b"] is dv
     assert all(call[n] is None for call in (dq_call, dkdv_call) for n in ("dq_acc", "dq", "sync"))
-    assert scalars(dq_call)[:6] == (MAXS, 0, 16, MAXS, -1, 0)  # causal by default
+    assert scalars(dq_call)[:7] == (MAXS, 0, 0, 16, MAXS, -1, 0)  # causal by default
     assert kinds(no_compile) == ["launch", "launch"]
     (op,) = COMPILED_OPS._ops.values()
     assert not op.fused and op._workspaces == {} and no_compile.capture_queries == []
@@ -1853,7 +1890,7 @@ def test_allocating_backward_fused(no_compile):
     assert tuple(ws.shape) == (WS, H, D) and ws.dtype == F32
     assert call["dq_acc"]._base is ws and is_dq_acc(call["dq_acc"], ws, T)
     assert word_rows(call["sync"], ws) == (T, WS)
-    assert scalars(call)[:6] == (MAXS, 0, 8, MAXS, -1, 0)  # causal by default
+    assert scalars(call)[:7] == (MAXS, 0, 1, 8, MAXS, -1, 0)  # causal by default
     assert finish["dq_acc"] is call["dq_acc"] and finish["dq"] is dq
     assert finish["sync"] is call["sync"] and finish["pair_group"] == call["pair_group"]
     assert "copy" not in kinds(no_compile)  # dq_finish converts

@@ -107,7 +107,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                  mdA: cute.Tensor, mdB: cute.Tensor, mdQacc: cute.Tensor, mdQ: cute.Tensor,
                  mSync: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
                  mFunc: cute.Tensor, max_seqlen_fixed: Int32, compact: Int32,
-                 pair_group: Int32, max_seqlen_q: Int32, window_left: Int32,
+                 convert: Int32, pair_group: Int32, max_seqlen_q: Int32, window_left: Int32,
                  window_right: Int32,
                  half_alpha: Float32, scale_ds: Float32, scale_p: Float32,
                  stream: cuda.CUstream):
@@ -115,13 +115,14 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         fp32 (T_q, H, D) dQ accumulator (fused: zero before). Unused: None.
 
         The host decides the CTA numbering (compact: 1 for jagged batches) and the L2 groups
-        (pair_group (sequence, head) pairs each). Fused with dense numbering, the kernel
-        converts most of mdQacc into mdQ itself (and zeroes it): the idle producer warps of
-        group g's CTAs convert finished earlier groups' rows in slices of SLICE_ROWS query
-        rows (ceil(max_seqlen_q / SLICE_ROWS) per pair), claimed from a counter per group;
-        DqFinishSm90 converts the rest after the kernel. mSync (int32, zero before and
-        after) holds per group an arrival count, then per group a claim count, then the
-        finisher's CTA count and the oldest group that may have unclaimed slices
+        (pair_group (sequence, head) pairs each). Fused with convert = 1 (dense numbering
+        only), the kernel converts most of mdQacc into mdQ itself (and zeroes it): the idle
+        producer warps of group g's CTAs convert finished earlier groups' rows in slices of
+        SLICE_ROWS query rows (ceil(max_seqlen_q / SLICE_ROWS) per pair), claimed from a
+        counter per group; DqFinishSm90 converts the rest after the kernel. mSync (int32,
+        zero before and after) holds per group an arrival count, then per group a claim
+        count, then the finisher's CTA count and the oldest group that may have unclaimed
+        slices
         (SYNC_EXTRA_WORDS in the lifecycle)."""
         dt = self.dtype
         D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
@@ -200,7 +201,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         self.kernel(mma_s, mma_g, mma_dq, mX_tma, mY_tma, mU_tma, mW_tma, mdQacc_tma, tma_x,
                     tma_y, tma_u, tma_w, tma_dq, sX_layout, sU_layout, sdS_layout, sdQ_layout,
                     mdA, mdB, mdQacc, mdQ, mSync, mCuSeqlensQ, mCuSeqlensK, mFunc, tiles,
-                    compact, pair_group, q_chunks, num_batches, window_left, window_right,
+                    compact, convert, pair_group, q_chunks, num_batches, window_left,
+                    window_right,
                     half_alpha, scale_ds, scale_p).launch(grid=[grid_tiles * heads, 1, 1],
                                     block=[self.num_threads, 1, 1], stream=stream)
 
@@ -214,7 +216,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
                mdA: cute.Tensor, mdB: cute.Tensor, mAcc: cute.Tensor, mdQ: cute.Tensor,
                mSync: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
-               mFunc: cute.Tensor, tiles: Int32, compact: Int32, pair_group: Int32,
+               mFunc: cute.Tensor, tiles: Int32, compact: Int32, convert: Int32,
+               pair_group: Int32,
                q_chunks: Int32, num_batches: Int32,
                window_left: Int32, window_right: Int32, half_alpha: Float32, scale_ds: Float32,
                scale_p: Float32):
@@ -296,8 +299,9 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         elif warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if const_expr(self.fused):
-                if compact == 0:
-                    staging = storage.convert.data_ptr() + (warp_idx - 1) * SLICE_ROWS * self.head_dim
+                if convert != 0:
+                    staging = (storage.convert.data_ptr()
+                               + (warp_idx - 1) * SLICE_ROWS * self.head_dim)
                     self.convert_finished_groups(mAcc, mdQ, mSync, mCuSeqlensQ, progress, group,
                                                 pair_group, pairs, tiles, q_chunks, staging)
         else:
@@ -305,7 +309,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             self.consume(mma_s, mma_g, mma_dq, sX, sY, sU, sW, sdS, sdQ, pipe_fixed,
                          pipe_stream, tidx - THREADS_PER_WG, block, head, span, mdA, mdB,
                          mdQacc, tma_dq, mFunc, window_left, window_right, half_alpha,
-                         scale_ds, scale_p, mSync, pair_group, tiles, compact)
+                         scale_ds, scale_p, mSync, pair_group, tiles, convert)
 
     @cute.jit
     def work_span(self, block: Int32, batch: Int32, mCuSeqlensQ, mCuSeqlensK,
@@ -402,7 +406,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                 consumer_tidx: Int32, block: Int32, head: Int32, span, mdA, mdB, mdQacc,
                 tma_dq, mFunc, window_left: Int32, window_right: Int32, half_alpha: Float32,
                 scale_ds: Float32, scale_p: Float32, mSync, pair_group: Int32,
-                seq_tiles: Int32, compact: Int32):
+                seq_tiles: Int32, convert: Int32):
         q_start, len_q, k_start, len_k, s_min, s_max = span
         D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
         wg = consumer_tidx // THREADS_PER_WG
@@ -508,7 +512,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                           cute.local_tile(rows, (WG_ROWS, D), (r0 // WG_ROWS + wg, 0)),
                           r0 + wg * WG_ROWS, len_fixed, consumer_tidx % THREADS_PER_WG)
         if const_expr(self.fused):
-            if compact == 0:
+            if convert != 0:
                 # This warpgroup's dQ reduce-adds are complete and visible: count it in.
                 if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:
                     cute.arch.cp_async_bulk_wait_group(0)

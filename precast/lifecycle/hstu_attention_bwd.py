@@ -11,7 +11,8 @@ Two paths, chosen by the static configuration:
   reduce-adds. The kernel's idle warps convert the rows of finished L2 groups into dq (and
   zero them) while later groups run; a small kernel (dq_finish) converts the rest (the
   last group's, and any the warps had no time for). Jagged batches, whose CTAs are not
-  scheduled in groups, take two torch passes instead (dq = workspace, workspace = 0). The
+  scheduled in groups, and narrow windows, whose CTAs are too short to convert beside
+  (converts_in_kernel), take two torch passes instead (dq = workspace, workspace = 0). The
   reduce-adds land in a varying order: dq may differ in the last bits from run to run (dk
   and dv do not).
 * deterministic=True, or D = 256: two kernels, no atomics: dQ with the query tiles fixed
@@ -88,6 +89,25 @@ class Launch(NamedTuple):
 
     def groups(self, heads: int, batch: int) -> int:
         return -(-heads * max(batch, 1) // self.pair_group)
+
+
+# The fused kernel's idle warps convert dQ only behind CTAs that may stream at least this many
+# query rows: under a narrow window (a local window of 256: ~6 streamed tiles a CTA) a slice
+# still in flight when the producer finishes stretches a short CTA, and the torch passes win
+# (run 27c: -1.4 % converting in the kernel).
+MIN_CONVERT_STREAM_ROWS = 768
+
+
+def converts_in_kernel(plan: Launch, window: Tuple[int, int], head_dim: int) -> bool:
+    """Whether the fused kernel with this plan converts dQ itself (then dq_finish the rest)
+    rather than leaving it to two torch passes: dense numbering (jagged batches have no L2
+    groups to convert behind) and key tiles that see at least MIN_CONVERT_STREAM_ROWS query
+    rows when the window is bounded on both sides (left + right + the tile's rows)."""
+    left, right = window
+    if plan.compact:
+        return False
+    return (left < 0 or right < 0
+            or left + right + fixed_rows(head_dim) >= MIN_CONVERT_STREAM_ROWS)
 
 
 class HSTUBwdSm90(_AttentionRules, Op):
@@ -258,7 +278,8 @@ class HSTUBwdSm90(_AttentionRules, Op):
                         tokens(t_q, h) if fused else None, sync if fused else None,
                         packed((entries,)), packed((entries,)), func,
                         scalar(cutlass.Int32, 0), scalar(cutlass.Int32, 0),
-                        scalar(cutlass.Int32, 1), scalar(cutlass.Int32, 0),
+                        scalar(cutlass.Int32, 0), scalar(cutlass.Int32, 1),
+                        scalar(cutlass.Int32, 0),
                         scalar(cutlass.Int32, -1), scalar(cutlass.Int32, -1),
                         scalar(cutlass.Float32, 0.5),
                         scalar(cutlass.Float32, 1.0), scalar(cutlass.Float32, 1.0),
@@ -358,17 +379,18 @@ class HSTUBwdSm90(_AttentionRules, Op):
                 plan = Launch.plan(self.head_dim,
                                    self.num_kv_heads if keys_fixed else self.num_heads,
                                    t_k if keys_fixed else t_q, batch, longest, max_groups)
+                convert = mode == "fused" and converts_in_kernel(plan, (left, right),
+                                                                self.head_dim)
                 kernels[mode](q, k, v, do, grad_a, grad_b, dq_acc,
                               dq if mode == "fused" else None, sync, cu_seqlens_q,
-                              cu_seqlens_k, func_tensor, longest, plan.compact,
+                              cu_seqlens_k, func_tensor, longest, plan.compact, int(convert),
                               plan.pair_group, max_q, left, right, half_alpha, scale_ds,
                               scale_p, handle)
                 if mode != "fused":
                     continue
-                if plan.compact:
-                    # Jagged batches have no L2 groups to convert behind: convert the
-                    # accumulator into dq and leave it zero for the next launch (two
-                    # stream-ordered passes, no allocation).
+                if not convert:
+                    # Convert the accumulator into dq and leave it zero for the next launch
+                    # (two stream-ordered passes, no allocation).
                     with torch.cuda.stream(torch_stream(handle, index)):
                         dq.copy_(dq_acc)
                         dq_acc.zero_()
