@@ -51,8 +51,8 @@ def converted_shares(op, args, ws):
 
 
 def split_costs(op, args, ws):
-    """us of (the fused kernel converting on fresh sync words, dq_finish after it with
-    nothing left to convert): with execute's total and the fused kernel on stale sync
+    """us of (the fused kernel converting on fresh sync words, dq_finish with nothing left
+    to convert, dq_finish on the sync words a converting kernel left): with execute's total and the fused kernel on stale sync
     words (no conversion work), this splits the conversion's cost between the kernel's
     warps and dq_finish's fixed part. Each repeat first resets the words it needs (its
     cost, timed alone, is subtracted)."""
@@ -79,9 +79,16 @@ def split_costs(op, args, ws):
     fill = do_bench(lambda: sync[groups:2 * groups].fill_(claimed))
     idle_finish = do_bench(lambda: (sync[groups:2 * groups].fill_(claimed),
                                     real["dq_finish"](*finish_args))) - fill
+    # dq_finish as execute runs it: on the sync words one converting kernel left behind
+    sync.zero_()
+    real["fused"](*fused_args)
+    torch.cuda.synchronize()
+    left = sync.clone()
+    restore = do_bench(lambda: sync.copy_(left))
+    after_kernel = do_bench(lambda: (sync.copy_(left), real["dq_finish"](*finish_args))) - restore
     op.execute(*args, workspace=ws)  # leaves the workspace zero again
     torch.cuda.synchronize()
-    return converting * 1e3, idle_finish * 1e3
+    return converting * 1e3, idle_finish * 1e3, after_kernel * 1e3
 
 
 def main(argv) -> int:
@@ -107,7 +114,7 @@ def main(argv) -> int:
         split = split_costs(op, args, ws)
         if split is not None:
             print(f"  fused kernel converting {split[0]:.1f} us, dq_finish with nothing to "
-                  f"convert {split[1]:.1f} us")
+                  f"convert {split[1]:.1f} us, after a converting kernel {split[2]:.1f} us")
         if shares is not None:
             pair_group, claimed = shares
             print(f"  {len(claimed)} groups of {pair_group} pairs; converted in the kernel: "
