@@ -16,6 +16,7 @@ import torch
 from bench_hstu_attention import HEADS, TOKENS, make_inputs
 from common import do_bench, kernel_times
 from precast import HSTUBwdSm90
+from precast.lifecycle.hstu_attention_bwd import Launch
 
 SLICE_ROWS = 16  # precast.kernels.hstu_attention_bwd_sm90.SLICE_ROWS (no DSL on a GPU host)
 
@@ -42,8 +43,7 @@ def converted_shares(op, args, ws):
         kernels["dq_finish"] = real
     if not seen:
         return None  # compact numbering: torch passes
-    pairs = op.num_kv_heads * seen["batch"]
-    groups = -(-pairs // seen["pair_group"])
+    groups = Launch(0, seen["pair_group"]).groups(op.num_kv_heads, seen["batch"])
     slices = seen["pair_group"] * -(-seen["max_q"] // SLICE_ROWS)
     claims = seen["sync"][groups:2 * groups].clamp(max=slices).float() / slices
     assert torch.count_nonzero(ws) == 0, "workspace not left zero"
@@ -74,8 +74,7 @@ def split_costs(op, args, ws):
     zero = do_bench(lambda: sync.zero_())
     converting = do_bench(lambda: (sync.zero_(), real["fused"](*fused_args))) - zero
     claimed = 1 << 30  # every claim count past its group's slices: nothing to convert
-    pairs = op.num_kv_heads * (finish_args[3].shape[0] - 1)
-    groups = -(-pairs // finish_args[4])
+    groups = Launch(0, finish_args[4]).groups(op.num_kv_heads, finish_args[3].shape[0] - 1)
     fill = do_bench(lambda: sync[groups:2 * groups].fill_(claimed))
     idle_finish = do_bench(lambda: (sync[groups:2 * groups].fill_(claimed),
                                     real["dq_finish"](*finish_args))) - fill

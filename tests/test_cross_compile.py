@@ -57,3 +57,14 @@ def test_all_planned_kernels_cross_compile(tmp_path_factory):
         assert kernels == expected, manifest["key"]
         assert manifest["key"]["arch"] == "sm_90a"
     assert not list(root.rglob(".tmp-*"))
+
+
+def test_backward_sync_words_are_the_kernels():
+    """The lifecycle sizes the fused backward's sync words (it cannot import the kernels: a
+    GPU host has no DSL), the kernels lay them out: the same words beside the groups'."""
+    from precast.kernels import hstu_attention_bwd_sm90 as kernel
+    from precast.lifecycle.hstu_attention_bwd import SYNC_EXTRA_WORDS, sync_group_capacity
+    assert kernel.SYNC_EXTRA_WORDS == SYNC_EXTRA_WORDS
+    for groups in (1, 7, 1000):
+        words = kernel.extra_at(groups, kernel.SYNC_EXTRA_WORDS)
+        assert words == 2 * groups + SYNC_EXTRA_WORDS and sync_group_capacity(words) == groups

@@ -63,6 +63,21 @@ POLL_NS = 2000  # backoff between looks at a group's arrival counter
 # The producer warp's word to the converting warps: streamed tiles it has still to load, and
 # whether it is done (its consumers then have at most `stages` tiles left).
 PROGRESS_REMAINING, PROGRESS_DONE = 0, 1
+# The int32 sync words (mSync) of n L2 groups: n arrival counts, n claim counts, then
+# SYNC_EXTRA_WORDS more: the finisher's CTA count and the oldest group that may have unclaimed
+# slices (a hint). The lifecycle sizes the workspace by the same count.
+FINISHED_WORD, LOWEST_WORD = 0, 1  # after the 2 n group words
+SYNC_EXTRA_WORDS = 2
+
+
+def claims_at(n_groups):
+    """Offset of group 0's claim count (the arrival counts come first)."""
+    return n_groups
+
+
+def extra_at(n_groups, word):
+    """Offset of one of the SYNC_EXTRA_WORDS."""
+    return 2 * n_groups + word
 
 
 def consumer_warpgroups(head_dim: int) -> int:
@@ -119,11 +134,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         only), the kernel converts most of mdQacc into mdQ itself (and zeroes it): the idle
         producer warps of group g's CTAs convert finished earlier groups' rows in slices of
         SLICE_ROWS query rows (ceil(max_seqlen_q / SLICE_ROWS) per pair), claimed from a
-        counter per group; DqFinishSm90 converts the rest after the kernel. mSync (int32,
-        zero before and after) holds per group an arrival count, then per group a claim
-        count, then the finisher's CTA count and the oldest group that may have unclaimed
-        slices
-        (SYNC_EXTRA_WORDS in the lifecycle)."""
+        counter per group; DqFinishSm90 converts the rest after the kernel. mSync: the int32
+        sync words (claims_at, extra_at), zero before and after."""
         dt = self.dtype
         D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
         mQ, mK, mV, mdO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mdO)]  # (T, D, H)
@@ -793,7 +805,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             n_groups = (pairs + pair_group - 1) // pair_group
             expected = pair_group * tiles * self.nwg  # every group before the last is full
             slices = pair_group * q_chunks
-            lowest = mSync.iterator + 2 * n_groups + 1  # a hint: groups below are claimed
+            lowest = mSync.iterator + extra_at(n_groups, LOWEST_WORD)  # groups below: claimed
             lane = cute.arch.lane_idx()
             prev = cute.arch.load(lowest, Int32, sem="relaxed", scope="gpu")
             ready = Int32(0)
@@ -815,10 +827,12 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                     if ready != 0 and remaining >= CLAIM_MARGIN:
                         k = Int32(0)
                         if lane == 0:
-                            k = cute.arch.atomic_add(mSync.iterator + n_groups + prev,
-                                                     Int32(1))
+                            k = cute.arch.atomic_add(mSync.iterator + claims_at(n_groups)
+                                                     + prev, Int32(1))
                         k = cute.arch.shuffle_sync(k, 0)
                         if k < slices:
+                            # The claim order (DqFinishSm90 decodes it too): slice k = chunk
+                            # * pairs in the group + the pair's place (prev is a full group).
                             chunk = k // pair_group
                             convert_slice(mAcc, mdQ, mCuSeqlensQ,
                                           prev * pair_group + k - chunk * pair_group, chunk,
@@ -943,7 +957,7 @@ class DqFinishSm90:
         n_groups = (pairs + pair_group - 1) // pair_group
         group_slices = pair_group * q_chunks  # of a full group (every group but the last)
         # Groups below the hint are claimed whole (the fused kernel's warps converted them).
-        lowest = cutlass.min(mSync[2 * n_groups + 1], n_groups)
+        lowest = cutlass.min(mSync[extra_at(n_groups, LOWEST_WORD)], n_groups)
         for s in cutlass.range(lowest * group_slices + cta * FINISH_WARPS + warp,
                                pairs * q_chunks, ctas * FINISH_WARPS, unroll=1):
             group = s // group_slices
@@ -951,7 +965,7 @@ class DqFinishSm90:
             in_group = cutlass.min(pair_group, pairs - group * pair_group)
             # the fused kernel's claim order: slice k = chunk * in_group + the pair's place
             chunk = k // in_group
-            if k >= mSync[n_groups + group]:
+            if k >= mSync[claims_at(n_groups) + group]:
                 convert_slice(mAcc, mdQ, mCuSeqlensQ, group * pair_group + k - chunk * in_group,
                               chunk, lane, self.num_kv_heads, self.group, staging)
         # The last CTA out clears the sync words: every CTA has read what it needed.
@@ -960,9 +974,11 @@ class DqFinishSm90:
             finished = Int32(0)
             if lane == 0:
                 cute.arch.fence_acq_rel_gpu()
-                finished = cute.arch.atomic_add(mSync.iterator + 2 * n_groups, Int32(1))
+                finished = cute.arch.atomic_add(
+                    mSync.iterator + extra_at(n_groups, FINISHED_WORD), Int32(1))
             finished = cute.arch.shuffle_sync(finished, 0)
             if finished == ctas - 1:
                 cute.arch.fence_acq_rel_gpu()
-                for w in cutlass.range(lane, 2 * n_groups + 2, cute.arch.WARP_SIZE, unroll=1):
+                for w in cutlass.range(lane, extra_at(n_groups, SYNC_EXTRA_WORDS),
+                                       cute.arch.WARP_SIZE, unroll=1):
                     mSync[w] = Int32(0)
