@@ -621,7 +621,7 @@ def test_own_workspace_refused_while_capturing(monkeypatch):
 
 def test_execute_constructor_scaling_and_unbounded_windows(launches):
     attn(scaling_seqlen=10.0).check_support().execute(**meta_args(), stream=1)
-    assert launches.calls[-1][11:] == (MAXS, -1, -1, 0.5, 0.1, 132, B, 1)
+    assert launches.calls[-1][11:] == (MAXS, -1, -1, 0.5, 0.1, 132, 0, 1)
     op = attn(**PAGED).check_support()
     args = paged_meta_args()
     op.execute(**args, stream=2)
@@ -781,11 +781,14 @@ def test_custom_op_fake_gives_o_shape():
 
 def test_dense_seq_group():
     """The forward's dense tile order only when T_q = B x max_seqlen_q (every sequence has
-    max_seqlen_q queries), with about KV_GROUP_BYTES of K/V per group of sequences."""
+    max_seqlen_q queries) under a right-bounded window, with about KV_GROUP_BYTES of K/V per
+    group of sequences."""
     per_seq = 2 * 4096 * 4 * 128 * 2  # K and V of one 4096-key sequence, 4 heads, D 128
-    assert dense_seq_group(16 * 4096, 16, 4096, 4096, 4, 128, 2) == KV_GROUP_BYTES // per_seq
-    assert dense_seq_group(16 * 4096 - 1, 16, 4096, 4096, 4, 128, 2) == 0  # one is shorter
-    assert dense_seq_group(4096, 1, 4096, 4096, 4, 128, 2) == 0  # one sequence: no order
-    assert dense_seq_group(0, 4, 0, 0, 4, 128, 2) == 0
-    assert dense_seq_group(3 * 100, 3, 100, 100, 1, 32, 2) == 3  # at most the batch
-    assert dense_seq_group(2 * 65536, 2, 65536, 65536, 8, 256, 2) == 1  # at least one
+    args = (16 * 4096, 16, 4096, 4096, 4, 128, 2)
+    assert dense_seq_group(*args, True) == KV_GROUP_BYTES // per_seq
+    assert dense_seq_group(*args, False) == 0  # equal tiles: sequence by sequence
+    assert dense_seq_group(16 * 4096 - 1, 16, 4096, 4096, 4, 128, 2, True) == 0  # one shorter
+    assert dense_seq_group(4096, 1, 4096, 4096, 4, 128, 2, True) == 0  # one sequence
+    assert dense_seq_group(0, 4, 0, 0, 4, 128, 2, True) == 0
+    assert dense_seq_group(3 * 100, 3, 100, 100, 1, 32, 2, True) == 3  # at most the batch
+    assert dense_seq_group(2 * 65536, 2, 65536, 65536, 8, 256, 2, True) == 1  # at least one
