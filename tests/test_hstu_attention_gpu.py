@@ -245,6 +245,23 @@ def test_many_sequences():
         check(launch(get_op(BF, 64, window=window), b), b, window, what=str(window))
 
 
+@pytest.mark.parametrize("window", [(-1, 0), (7, 33), (-1, 5)], ids=lambda w: f"w{w[0]}_{w[1]}")
+def test_dense_batches_run_in_groups(window, monkeypatch):
+    """Equal query lengths (T_q = B x max_seqlen_q) under right-bounded windows take the
+    kernel's dense tile order (heaviest tiles of all sequences first, by groups of
+    sequences): small groups (KV_GROUP_BYTES lowered) with a larger last one, keys longer
+    than the queries and unequal; paged KV too (causal)."""
+    import precast.lifecycle.hstu_attention as lifecycle
+    lens_q = [640] * 7
+    b = make_batch(lens_q, [640 + 37 * i for i in range(7)], 64, BF, seed=11)
+    monkeypatch.setattr(lifecycle, "KV_GROUP_BYTES", 2 * (2 * b.max_k * H * 64 * 2))
+    assert lifecycle.dense_seq_group(sum(lens_q), 7, b.max_q, b.max_k, H, 64, 2, True) == 2
+    check(launch(get_op(BF, 64, window=window), b), b, window, what="dense")
+    if window == (-1, 0):
+        p = with_pages(b, seed=11)
+        check(launch(get_op(BF, 64, paged=True), p), p, window, what="dense, paged")
+
+
 def test_empty_batches_launch_nothing():
     op = get_op(BF, 64, window=(-1, 0))
     for lens in ([], [0, 0, 0]):

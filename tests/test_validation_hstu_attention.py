@@ -10,7 +10,8 @@ import torch
 from conftest import isolate_from_kernels, key_of
 
 from precast import HSTUFwdSm90, TensorDesc, hstu_attention_forward
-from precast.lifecycle.hstu_attention import (QUERY_TILE_ROWS, TMA_SPAN_LIMIT, WORKSPACE_SHAPE,
+from precast.lifecycle.hstu_attention import (KV_GROUP_BYTES, QUERY_TILE_ROWS, TMA_SPAN_LIMIT,
+                                              WORKSPACE_SHAPE, dense_seq_group,
                                               kernel_scalars)
 from precast.lifecycle.op import Op
 from precast.lifecycle.validation import INT32_MAX
@@ -567,19 +568,22 @@ def test_execute_launch_arguments(launches):
     (call,) = launches.calls
     assert call[:11] == (args["q"], args["k"], args["v"], args["o"], args["cu_seqlens_q"],
                          args["cu_seqlens_k"], None, None, None, None, OWN_WORKSPACE)
-    assert call[11:] == (MAXS, 16, 0, 0.25, 1 / MAXS, 132, 7)
+    # (T_q = B x max_seqlen_q: the dense tile order, all B sequences in one group)
+    assert call[11:] == (MAXS, 16, 0, 0.25, 1 / MAXS, 132, B, 7)
     # runtime values: another batch, alpha, scaling and max_seqlen, without a new op
     args = meta_args(t_q=3 * T, t_k=5 * T, batch=2 * B)
     op.execute(**args, stream=7, alpha=-3.0, scaling_seqlen=4.0, max_seqlen_q=40,
                max_seqlen_k=80)
-    assert launches.calls[1][11:] == (40, 16, 0, -1.5, 0.25, 132, 7)
+    assert launches.calls[1][11:] == (40, 16, 0, -1.5, 0.25, 132, 0, 7)
     # an omitted scaling_seqlen follows this call's max_seqlen_q
     op.execute(**args, stream=7, max_seqlen_q=48, max_seqlen_k=80)
-    assert launches.calls[2][11:] == (48, 16, 0, 0.25, 1 / 48, 132, 7)
+    assert launches.calls[2][11:] == (48, 16, 0, 0.25, 1 / 48, 132, 0, 7)
     # a caller's workspace replaces the op's own
     ws = torch.zeros(WORKSPACE_SHAPE, dtype=I32, device="meta")
     op.execute(**args, stream=7, max_seqlen_q=48, max_seqlen_k=80, workspace=ws)
     assert launches.calls[3][10] is ws
+    op.execute(**args, stream=7, max_seqlen_q=3 * T // (2 * B), max_seqlen_k=80)
+    assert launches.calls[4][17] == 2 * B  # dense again: 2 B sequences of 3 T / 2 B
 
 
 def test_execute_caps_wide_windows(launches):
@@ -617,7 +621,7 @@ def test_own_workspace_refused_while_capturing(monkeypatch):
 
 def test_execute_constructor_scaling_and_unbounded_windows(launches):
     attn(scaling_seqlen=10.0).check_support().execute(**meta_args(), stream=1)
-    assert launches.calls[-1][11:] == (MAXS, -1, -1, 0.5, 0.1, 132, 1)
+    assert launches.calls[-1][11:] == (MAXS, -1, -1, 0.5, 0.1, 132, 0, 1)
     op = attn(**PAGED).check_support()
     args = paged_meta_args()
     op.execute(**args, stream=2)
@@ -713,11 +717,11 @@ def test_allocating_function_allocates_o_and_reuses_one_op(no_compile):
     assert r.o_tensor is o and r["o_tensor"] is o
     assert o.shape == (T, H, D) and o.dtype == BF and o.is_contiguous()
     call = no_compile.calls[-1]
-    assert call[3] is o and call[11:] == (MAXS, -1, 0, 1.0, 1 / MAXS, 132, 0)  # causal by default
+    assert call[3] is o and call[11:] == (MAXS, -1, 0, 1.0, 1 / MAXS, 132, B, 0)  # causal
     # runtime values reuse the op; another window makes another instance (same kernel)
     hstu_attention_forward(**forward_args(alpha=0.5, scaling_seqlen=2.0, max_seqlen_q=20,
                                           max_seqlen_k=20))
-    assert no_compile.calls[-1][11:] == (20, -1, 0, 0.25, 0.5, 132, 0)
+    assert no_compile.calls[-1][11:] == (20, -1, 0, 0.25, 0.5, 132, 0, 0)
     hstu_attention_forward(**forward_args(q=meta(2 * T, H, D), max_seqlen_q=32, max_seqlen_k=32))
     assert len(COMPILED_OPS._ops) == 1
     hstu_attention_forward(**forward_args(window_size=(4, 0)))
@@ -773,3 +777,18 @@ def test_custom_op_fake_gives_o_shape():
     o = torch.ops.precast.hstu_attention_fwd(q, k, v, cu, cu, MAXS, MAXS, None, -1, 0, 1.0,
                                              None, None, None, None)
     assert o.shape == q.shape and o.dtype == q.dtype and o.device.type == "meta"
+
+
+def test_dense_seq_group():
+    """The forward's dense tile order only when T_q = B x max_seqlen_q (every sequence has
+    max_seqlen_q queries) under a right-bounded window, with about KV_GROUP_BYTES of K/V per
+    group of sequences."""
+    per_seq = 2 * 4096 * 4 * 128 * 2  # K and V of one 4096-key sequence, 4 heads, D 128
+    args = (16 * 4096, 16, 4096, 4096, 4, 128, 2)
+    assert dense_seq_group(*args, True) == KV_GROUP_BYTES // per_seq
+    assert dense_seq_group(*args, False) == 0  # equal tiles: sequence by sequence
+    assert dense_seq_group(16 * 4096 - 1, 16, 4096, 4096, 4, 128, 2, True) == 0  # one shorter
+    assert dense_seq_group(4096, 1, 4096, 4096, 4, 128, 2, True) == 0  # one sequence
+    assert dense_seq_group(0, 4, 0, 0, 4, 128, 2, True) == 0
+    assert dense_seq_group(3 * 100, 3, 100, 100, 1, 32, 2, True) == 3  # at most the batch
+    assert dense_seq_group(2 * 65536, 2, 65536, 65536, 8, 256, 2, True) == 1  # at least one

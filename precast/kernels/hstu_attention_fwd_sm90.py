@@ -92,7 +92,12 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                  mPagedKV: cute.Tensor, mPageIds: cute.Tensor, mPageIndptrs: cute.Tensor,
                  mTileCounter: cute.Tensor, max_seqlen_q: Int32, window_left: Int32,
                  window_right: Int32, half_alpha: Float32, out_scale: Float32, num_ctas: Int32,
-                 stream: cuda.CUstream):
+                 seq_group: Int32, stream: cuda.CUstream):
+        """seq_group > 0: every sequence has max_seqlen_q queries (the host knows it from the
+        token count), and the tiles run by rank from the end of their sequence across groups
+        of seq_group sequences (the last group takes the remainder): the heaviest tiles of
+        the whole batch start first while a group's K/V stays in L2. 0: sequence by
+        sequence, each heaviest first."""
         dt = self.dtype
         D, tn = self.head_dim, self.tile_n
         # (T, H, D) -> (T, D, H): rows and head dim first, as TMA tiles them.
@@ -150,7 +155,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         self.kernel(mma_qk, mma_qk_half, mma_pv, mQ_tma, mK_tma, mVt_tma, mO, tma_q, tma_k,
                     tma_v, sQ_layout, sK_layout, sVt_layout, mCuSeqlensQ, mCuSeqlensK, mFunc,
                     mPageIds, mPageIndptrs, mTileCounter, num_batches, window_left,
-                    window_right, half_alpha, out_scale).launch(
+                    window_right, half_alpha, out_scale, seq_group,
+                    (max_seqlen_q + TILE_M - 1) // TILE_M).launch(
             grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -163,7 +169,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor,
                mPageIds: cute.Tensor, mPageIndptrs: cute.Tensor, mTileCounter: cute.Tensor,
                num_batches: Int32, window_left: Int32, window_right: Int32, half_alpha: Float32,
-               out_scale: Float32):
+               out_scale: Float32, seq_group: Int32, m_blocks: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -188,7 +194,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mQ, mK, mVt, tma_q, tma_k, tma_v, sQ, sK, sVt, work, pipe_q, pipe_k,
                          pipe_v, mCuSeqlensQ, mCuSeqlensK, mTileCounter, num_batches,
-                         window_left, window_right, mPageIds, mPageIndptrs)
+                         window_left, window_right, mPageIds, mPageIndptrs,
+                         (seq_group, m_blocks))
         elif warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         else:
@@ -211,18 +218,34 @@ class HstuAttentionForwardSm90(AttentionTileOps):
 
     @cute.jit
     def find_tile(self, tile: Int32, group: Int32, base: Int32, mCuSeqlensQ,
-                  num_batches: Int32):
+                  num_batches: Int32, order):
         """Maps a work-tile number to (batch, m_block, head), scanning the sequences 32 at a
         time from (group, base): the first sequence of the current group and the number of
         tiles before it. Tiles count only query rows that exist: sequence b has
         H * ceil(len_q / 128) of them, its heaviest (last) query tiles first. Returns
-        batch == num_batches past the last tile."""
+        batch == num_batches past the last tile. With order = (seq_group > 0, m_blocks) the
+        tile is decoded by arithmetic instead (see __call__)."""
         lane = cute.arch.lane_idx()
         heads = self.num_heads
         batch = num_batches
         m_block = Int32(0)
         head = Int32(0)
-        searching = Boolean(True)
+        seq_group, m_blocks = order
+        searching = seq_group == 0
+        if seq_group > 0:
+            group_tiles = seq_group * m_blocks * heads
+            groups = cutlass.max(num_batches // seq_group, 1)
+            g = cutlass.min(tile // group_tiles, groups - 1)
+            first = g * seq_group
+            local = tile - g * group_tiles
+            width = heads * seq_group
+            if g == groups - 1:
+                width = heads * (num_batches - first)
+            rank = local // width
+            if rank < m_blocks:
+                batch = first + local % width // heads
+                head = local % heads
+                m_block = m_blocks - 1 - rank
         while searching:
             b = group + lane
             count = Int32(0)
@@ -268,7 +291,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
     @cute.jit
     def produce(self, mQ, mK, mVt, tma_q, tma_k, tma_v, sQ, sK, sVt, work, pipe_q, pipe_k,
                 pipe_v, mCuSeqlensQ, mCuSeqlensK, mTileCounter, num_batches: Int32,
-                window_left: Int32, window_right: Int32, mPageIds, mPageIndptrs):
+                window_left: Int32, window_right: Int32, mPageIds, mPageIndptrs, order):
         """Warp 0: claims work tiles (dynamically, so the heaviest finish first), posts each
         to the consumers beside its Q, and streams the tile's K/V. With two Q buffers the
         next tile is claimed and posted before this one's K/V, so its Q is in shared memory
@@ -283,7 +306,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         group = Int32(0)
         base = Int32(0)
         batch, m_block, head, group, base = self.find_tile(cta, group, base, mCuSeqlensQ,
-                                                          num_batches)
+                                                          num_batches, order)
         if batch < num_batches:
             q_state = self.post_tile(mQ, tma_q, sQ, work, pipe_q, q_state, batch, m_block,
                                      head, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
@@ -304,11 +327,12 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                 if i == claim_at:
                     next_batch, next_m_block, next_head, group, base, q_state = self.claim_next(
                         mQ, tma_q, sQ, work, pipe_q, q_state, mTileCounter, group, base,
-                        mCuSeqlensQ, mCuSeqlensK, num_batches, window_left, window_right)
+                        mCuSeqlensQ, mCuSeqlensK, num_batches, window_left, window_right,
+                        order)
             if claim_at < 0:  # no visible key tile
                 next_batch, next_m_block, next_head, group, base, q_state = self.claim_next(
                     mQ, tma_q, sQ, work, pipe_q, q_state, mTileCounter, group, base,
-                    mCuSeqlensQ, mCuSeqlensK, num_batches, window_left, window_right)
+                    mCuSeqlensQ, mCuSeqlensK, num_batches, window_left, window_right, order)
             if const_expr(self.q_stages == 1):
                 # One Q buffer: it frees only after this tile's last Q K^T, which needs the
                 # K/V just issued.
@@ -366,7 +390,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
     @cute.jit
     def claim_next(self, mQ, tma_q, sQ, work, pipe_q, q_state, mTileCounter, group: Int32,
                    base: Int32, mCuSeqlensQ, mCuSeqlensK, num_batches: Int32,
-                   window_left: Int32, window_right: Int32):
+                   window_left: Int32, window_right: Int32, order):
         """Claims the next tile (one atomic, lane 0 for the warp); with two Q buffers also
         posts it."""
         claimed = Int32(0)
@@ -374,7 +398,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             claimed = cute.arch.atomic_add(mTileCounter.iterator, Int32(1))
         ctas, _, _ = cute.arch.grid_dim()
         batch, m_block, head, group, base = self.find_tile(
-            ctas + cute.arch.shuffle_sync(claimed, 0), group, base, mCuSeqlensQ, num_batches)
+            ctas + cute.arch.shuffle_sync(claimed, 0), group, base, mCuSeqlensQ, num_batches,
+            order)
         if const_expr(self.q_stages > 1):
             if batch < num_batches:
                 q_state = self.post_tile(mQ, tma_q, sQ, work, pipe_q, q_state, batch, m_block,
