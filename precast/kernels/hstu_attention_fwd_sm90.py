@@ -6,8 +6,9 @@ For each packed sequence and query head h (kv head h // (H / H_kv)):
 Work tiles are (sequence, head, 128 query rows). Persistent CTAs (one per SM) claim them
 from an int32 counter in global memory, the heaviest query tiles of a sequence first (they
 see the most keys under a causal mask); a warp prefix sum over cu_seqlens_q maps a tile
-number to its sequence on the device, so no host ever reads the metadata. The last CTA to
-finish resets the counter for the next launch.
+number to its sequence on the device, so no host ever reads the metadata. Dense batches
+(the host passes seq_group) run the heaviest tiles of groups of sequences first instead,
+decoded by arithmetic. The last CTA to finish resets the counter for the next launch.
 - warp 0 (producer; the other three warps of its warpgroup give their registers back)
   claims a tile, posts it with its Q into one of two Q buffers, and streams the tile's
   visible K and V tiles through TMA into separate multi-stage rings;
