@@ -85,7 +85,9 @@ def hstu_attention_forward(q: torch.Tensor, k: Optional[torch.Tensor], v: Option
     """o = (mask * SiLU(alpha q k^T)) v / scaling_seqlen over packed (THD) sequences.
 
     Returns (o_tensor,). ``o_tensor`` may be supplied (written and returned, whatever its
-    layout). With ``paged_kv`` (causal only), k and v must be None. The compiled op is made
+    layout). With ``paged_kv`` (causal only), k and v must be None. max_seqlen_q and
+    max_seqlen_k must bound every sequence's length: cu_seqlens are trusted, never read on
+    the host (a batch with T_q = B x max_seqlen_q is taken to be dense). The compiled op is made
     once per static configuration and window_size; every other argument is a runtime value.
     ``workspace``: see ``HSTUFwdSm90.workspace_shape`` (by default the op keeps one per
     device and stream; pass one to capture a stream the op has not run on yet).
