@@ -151,13 +151,13 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         self.storage = SharedStorage
         # Persistent CTAs; at most one per work tile (max_seqlen_q bounds the tile count).
         num_batches = mCuSeqlensQ.shape[0] - 1
-        tile_bound = self.num_heads * ((max_seqlen_q + TILE_M - 1) // TILE_M) * num_batches
+        m_blocks = (max_seqlen_q + TILE_M - 1) // TILE_M  # query tiles of the longest sequence
+        tile_bound = self.num_heads * m_blocks * num_batches
         grid = cutlass.max(cutlass.min(tile_bound, num_ctas), 1)
         self.kernel(mma_qk, mma_qk_half, mma_pv, mQ_tma, mK_tma, mVt_tma, mO, tma_q, tma_k,
                     tma_v, sQ_layout, sK_layout, sVt_layout, mCuSeqlensQ, mCuSeqlensK, mFunc,
                     mPageIds, mPageIndptrs, mTileCounter, num_batches, window_left,
-                    window_right, half_alpha, out_scale, seq_group,
-                    (max_seqlen_q + TILE_M - 1) // TILE_M).launch(
+                    window_right, half_alpha, out_scale, seq_group, m_blocks).launch(
             grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -224,8 +224,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         time from (group, base): the first sequence of the current group and the number of
         tiles before it. Tiles count only query rows that exist: sequence b has
         H * ceil(len_q / 128) of them, its heaviest (last) query tiles first. Returns
-        batch == num_batches past the last tile. With order = (seq_group > 0, m_blocks) the
-        tile is decoded by arithmetic instead (see __call__)."""
+        batch == num_batches past the last tile. order = (seq_group, m_blocks): with
+        seq_group > 0 (a dense batch, see __call__) the tile is decoded by arithmetic."""
         lane = cute.arch.lane_idx()
         heads = self.num_heads
         batch = num_batches

@@ -97,8 +97,8 @@ def dense_seq_group(t_q: int, batch: int, max_seqlen_q: int, max_seqlen_k: int,
     if (not right_bounded or batch < 2 or max_seqlen_q <= 0
             or t_q != batch * max_seqlen_q):
         return 0
-    kv_bytes = 2 * max_seqlen_k * kv_heads * head_dim * elem_bytes
-    return min(max(KV_GROUP_BYTES // max(kv_bytes, 1), 1), batch)
+    kv_bytes = 2 * max_seqlen_k * kv_heads * head_dim * elem_bytes  # > 0: max_k >= max_q
+    return min(max(KV_GROUP_BYTES // kv_bytes, 1), batch)
 
 
 def default_scaling_seqlen(max_seqlen_q: int) -> float:
