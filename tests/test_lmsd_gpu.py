@@ -323,6 +323,8 @@ def test_execute_rejects_mismatched_runtime_tensors():
         op.execute(x, u, w, b, y, mean, rstd, mask, dropout_ratio=0.0)
     with pytest.raises(ValueError, match="mean: has 63 rows"):
         op.execute(x, u, w, b, y, mean[:63], rstd, mask)
+    with pytest.raises(ValueError, match="workspace overlaps"):
+        op.execute(x, u, w, b, y, mean, rstd, mask, workspace=rstd.view(torch.int32)[:2])
 
 
 def test_torch_compile_traces_the_custom_op():
