@@ -323,7 +323,7 @@ def test_execute_rejects_mismatched_runtime_tensors():
         op.execute(x, u, w, b, y, mean, rstd, mask, dropout_ratio=0.0)
     with pytest.raises(ValueError, match="mean: has 63 rows"):
         op.execute(x, u, w, b, y, mean[:63], rstd, mask)
-    with pytest.raises(ValueError, match="workspace overlaps"):
+    with pytest.raises(ValueError, match="rstd overlaps workspace"):
         op.execute(x, u, w, b, y, mean, rstd, mask, workspace=rstd.view(torch.int32)[:2])
 
 
