@@ -1,12 +1,15 @@
 """A small LMSD forward + backward for compute-sanitizer (run on the GPU host):
 
     compute-sanitizer --tool memcheck python tests/gpu_sanitize_lmsd.py
+
+The last two sizes have more row blocks than the forward's CTAs take by number, so its
+CTAs also claim blocks from the scheduler counter.
 """
 import torch
 
 from precast import hstu_lmsd_backward, hstu_lmsd_forward
 
-for n, d in ((37, 520), (5, 4096), (3, 8), (1, 512)):
+for n, d in ((37, 520), (5, 4096), (3, 8), (1, 512), (8000, 512), (3001, 4096)):
     x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
     u = torch.randn_like(x)
     w, b = torch.randn(d, device="cuda", dtype=torch.bfloat16), torch.randn(d, device="cuda", dtype=torch.bfloat16)

@@ -228,11 +228,12 @@ def test_cuda_graph_capture_and_replay():
     bwd = HstuLmsdBwdSm90(dy, x, u, w, b, mean, rstd, mask, dx, du, dw, db, dropout_ratio=p,
                           concat_u=True, concat_x=True).compile()
     ws = bwd.make_workspace(x.device)
+    counter = torch.zeros(fwd.workspace_shape(), dtype=torch.int32, device=DEV)
     torch.cuda.synchronize()
     graph = CudaGraph()
     before = torch.cuda.memory_allocated()
     with graph.capture() as s:
-        fwd.execute(x, u, w, b, y, mean, rstd, mask, seed=77, stream=s)
+        fwd.execute(x, u, w, b, y, mean, rstd, mask, seed=77, stream=s, workspace=counter)
         bwd.execute(dy, x, u, w, b, mean, rstd, mask, dx, du, dw, db, ws, stream=s)
     assert torch.cuda.memory_allocated() == before, "capture allocated device memory"
     assert graph.num_nodes() == 3
@@ -248,7 +249,63 @@ def test_cuda_graph_capture_and_replay():
         torch.cuda.synchronize()
         for got, want in zip((dx, du, dw, db), grads):
             assert torch.equal(got, want)
+        assert torch.count_nonzero(counter) == 0
     graph.close()
+
+
+def test_capture_without_workspace_on_a_new_stream_is_refused():
+    from precast.graphs import CudaGraph
+    n, d = 64, 512
+    x, u, w, b = make_inputs(n, d, torch.bfloat16)
+    fwd = HstuLmsdFwdSm90(x, u, w, b, dropout_ratio=0.1, concat_u=True, concat_x=True).compile()
+    y, mean, rstd, mask = poisoned_forward_outputs(n, d, 3, torch.bfloat16, True)
+    graph = CudaGraph()
+    with pytest.raises(RuntimeError, match="capturing a CUDA graph.*pass workspace="):
+        with graph.capture() as s:
+            fwd.execute(x, u, w, b, y, mean, rstd, mask, stream=s)
+    graph.close()
+
+
+@pytest.mark.parametrize("d", [256, 512, 4096])
+def test_scheduler_workspace_is_left_zero(d):
+    """The forward's CTAs claim row blocks from the counter: a caller-owned one is zero after
+    every launch (row counts from fewer blocks than CTAs to many blocks per CTA), so one
+    buffer serves them all, and every row is written each time."""
+    op = HstuLmsdFwdSm90.from_config(dtype="bfloat16", dim=d, dropout=True, concat_u=True,
+                                     concat_x=True).compile()
+    counter = torch.zeros(op.workspace_shape(), dtype=torch.int32, device=DEV)
+    for n in (1, 5, 130, 3001, 70001):
+        x, u, w, b = make_inputs(n, d, torch.bfloat16, seed=n)
+        y, mean, rstd, mask = poisoned_forward_outputs(n, d, 3, torch.bfloat16, True)
+        op.execute(x, u, w, b, y, mean, rstd, mask, seed=9, dropout_ratio=0.25,
+                   workspace=counter)
+        torch.cuda.synchronize()
+        assert torch.count_nonzero(counter) == 0, f"n = {n}: counter left {counter.tolist()}"
+        assert not torch.isnan(y).any() and not torch.isnan(mean).any(), f"n = {n}"
+        assert torch.equal(mask, lmsd_mask(n, d, 9, 0.25, True, True, device=DEV)), f"n = {n}"
+        ref_y, ref_mean, _, _ = lmsd_forward_reference(x, u, w, b, 1e-5, 0.25, 9, True, True,
+                                                       True, mask=mask)
+        assert rel_err(y, ref_y) < 1e-2, f"n = {n}"
+        torch.testing.assert_close(mean, ref_mean, rtol=1e-5, atol=1e-5)
+
+
+def test_launches_on_two_streams_overlap_safely():
+    """One op launched on two streams without synchronizing in between uses the counter it
+    keeps per stream; two launches sharing one counter would split each other's blocks."""
+    n, d, p = 200003, 512, 0.1
+    x, u, w, b = make_inputs(n, d, torch.bfloat16, seed=4)
+    op = HstuLmsdFwdSm90(x, u, w, b, dropout_ratio=p, concat_u=True, concat_x=True).compile()
+    expect = hstu_lmsd_forward(x, u, w, b, 1e-5, p, 21, True, True, True).y_tensor.clone()
+    outs = [poisoned_forward_outputs(n, d, 3, torch.bfloat16, True) for _ in range(6)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s, out in zip(streams, outs):  # each stream's counter is made (and zeroed) here
+        op.execute(x, u, w, b, *out, seed=21, stream=s)
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        op.execute(x, u, w, b, *out, seed=21, stream=streams[i % 2])
+    torch.cuda.synchronize()
+    for out in outs:
+        assert torch.equal(out[0], expect)
 
 
 def test_execute_rejects_mismatched_runtime_tensors():
@@ -266,6 +323,8 @@ def test_execute_rejects_mismatched_runtime_tensors():
         op.execute(x, u, w, b, y, mean, rstd, mask, dropout_ratio=0.0)
     with pytest.raises(ValueError, match="mean: has 63 rows"):
         op.execute(x, u, w, b, y, mean[:63], rstd, mask)
+    with pytest.raises(ValueError, match="rstd overlaps workspace"):
+        op.execute(x, u, w, b, y, mean, rstd, mask, workspace=rstd.view(torch.int32)[:2])
 
 
 def test_torch_compile_traces_the_custom_op():

@@ -614,7 +614,7 @@ def test_workspace_aliases_nothing():
 
 
 def test_own_workspace_refused_while_capturing(monkeypatch):
-    monkeypatch.setattr("precast.lifecycle.hstu_attention.stream_is_capturing", lambda h: True)
+    monkeypatch.setattr("precast.lifecycle.launch.stream_is_capturing", lambda h: True)
     with pytest.raises(RuntimeError, match="capturing a CUDA graph.*pass workspace="):
         attn().check_support()._own_workspace(0, 1234)
 

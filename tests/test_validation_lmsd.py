@@ -403,6 +403,52 @@ def test_fwd_execute_revalidates_tensors():
         op.execute(**t)
 
 
+@pytest.mark.parametrize("workspace, error, match", [
+    (torch.zeros(3, dtype=torch.int32, device="meta"), ValueError, r"workspace: extent 3 on axis 0"),
+    (torch.zeros(2, dtype=torch.int64, device="meta"), TypeError, "workspace: dtype int64"),
+    (torch.zeros(2, 2, dtype=torch.int32, device="meta"), ValueError, "workspace"),
+    (torch.zeros(4, dtype=torch.int32, device="meta")[::2], ValueError,
+     "workspace: the last dimension must be contiguous"),
+])
+def test_fwd_execute_rejects_bad_workspaces(workspace, error, match):
+    with pytest.raises(error, match=match):
+        fwd().check_support().execute(**fwd_meta_tensors(), workspace=workspace)
+
+
+def test_fwd_execute_launch_arguments(monkeypatch):
+    """The scheduler counter: the caller's when given, else the op's own for (device,
+    stream); the grid is the SMs' CTAs, or fewer for few rows."""
+    import types
+    from precast.lifecycle import lmsd as lmsd_mod
+    from precast.lifecycle.op import Op
+    calls, owned = [], []
+
+    def own(cache, index, handle, owner):
+        owned.append((index, handle, owner))
+        return cache.setdefault((index, handle), types.SimpleNamespace(stream=handle))
+    monkeypatch.setattr(Op, "_ready", lambda self, index: {"fwd": lambda *a: calls.append(a)})
+    monkeypatch.setattr(lmsd_mod, "sm_count", lambda index: 132)
+    monkeypatch.setattr(lmsd_mod, "own_scheduler_counter", own)
+    op = fwd(dropout_ratio=0.5).check_support()
+    t = fwd_meta_tensors(dropout=True)
+    op.execute(**t, stream=5)
+    op.execute(**t, stream=5)
+    op.execute(**t, stream=6)
+    assert [c[8].stream for c in calls] == [5, 5, 6]
+    assert calls[0][8] is calls[1][8] and calls[0][8] is not calls[2][8]
+    assert owned[0][2] == "HstuLmsdFwdSm90"
+    rows_per_cta = op.tiling.rows_per_cta
+    assert calls[0][-2] == -(-N // rows_per_cta)  # fewer row blocks than SMs' CTAs
+    ws = torch.zeros(HstuLmsdFwdSm90.workspace_shape(), dtype=torch.int32, device="meta")
+    op.execute(**t, stream=5, workspace=ws)
+    assert calls[-1][8] is ws and len(owned) == 3
+    big = dict(t, x=meta(1 << 20, D), u=meta(1 << 20, D), y=meta(1 << 20, D),
+               mean=meta(1 << 20, dtype=F32), rstd=meta(1 << 20, dtype=F32),
+               mask=meta(1 << 20, D, dtype=I8))
+    op.execute(**big, stream=5)
+    assert calls[-1][-2] == 132 * op.ctas_per_sm
+
+
 def test_execute_validation_runs_once_per_layout():
     op = fwd().check_support()
     calls = []

@@ -4,7 +4,13 @@ Per row: mean/rstd of x, ln = LN(x) * w + b, a = SiLU(u) or u, then up to three
 dropped-out segments written to y = [a?, x?, ln * a] and one int8 mask byte per
 element (bit 0 main, bit 1 x segment, bit 2 a segment).
 
-Persistent CTAs walk blocks of rows_per_cta rows (block b, b + grid, ...). The x and u
+Persistent CTAs walk blocks of rows_per_cta rows: each its first stages - 1 blocks by
+number (b, b + grid, ...), then blocks claimed one at a time from a global counter, so CTAs
+that run slower (SMs sharing more of their GPC's bandwidth) take fewer blocks and all end
+together (a fixed share each left a tail: ~11 % of the warp slots idle by the end). Thread
+0 claims a block one iteration before it loads it (the atomic's latency hides behind a
+block of row work) and posts its number in the ring stage's slot (an mbarrier per slot);
+the last CTA out resets the counter for the next launch. The x and u
 rows of the next blocks arrive by bulk copies (cp.async.bulk: one per block and tensor when
 rows are unpadded, else one per row and tensor) in a
 ring of shared-memory stages, a few blocks ahead of the threads: the memory system always
@@ -17,7 +23,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Int8, Uint32, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, Int8, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from .activation import tanh_approx
@@ -71,8 +77,10 @@ class LmsdForwardSm90:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mU: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor,
                  mY: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor, mMask: cute.Tensor,
-                 eps: Float32, keep_threshold: Int64, keep_scale: Float32, seed: Int64,
-                 num_ctas: Int32, stream: cuda.CUstream):
+                 mCounter: cute.Tensor, eps: Float32, keep_threshold: Int64,
+                 keep_scale: Float32, seed: Int64, num_ctas: Int32, stream: cuda.CUstream):
+        """mCounter: int32 (2,), zero before the launch and left zero (next claim, CTAs
+        finished)."""
         t = self.tiling
         rows_layout = cute.make_layout((self.stages, t.rows_per_cta, self.dim),
                                        stride=(t.rows_per_cta * self.dim, self.dim, 1))
@@ -81,6 +89,8 @@ class LmsdForwardSm90:
         class SharedStorage:
             full: cute.struct.MemRange[cutlass.Int64, self.stages]
             empty: cute.struct.MemRange[cutlass.Int64, self.stages]
+            posted: cute.struct.MemRange[cutlass.Int64, self.stages]  # a stage's block number
+            ids: cute.struct.MemRange[Int32, self.stages]
             sums: cute.struct.MemRange[Float32, t.rows_per_cta * t.warps_per_row * 2]
             sX: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(rows_layout)],
                                   128]
@@ -88,16 +98,16 @@ class LmsdForwardSm90:
                                   128]
 
         self.storage = SharedStorage
-        self.kernel(mX, mU, mW, mB, mY, mMean, mRstd, mMask, eps, keep_threshold, keep_scale,
-                    seed, rows_layout).launch(grid=[num_ctas, 1, 1],
+        self.kernel(mX, mU, mW, mB, mY, mMean, mRstd, mMask, mCounter, eps, keep_threshold,
+                    keep_scale, seed, rows_layout).launch(grid=[num_ctas, 1, 1],
                                               block=[t.num_threads, 1, 1], stream=stream,
                                               **self.bounds)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mU: cute.Tensor, mW: cute.Tensor, mB: cute.Tensor,
                mY: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor, mMask: cute.Tensor,
-               eps: Float32, keep_threshold: Int64, keep_scale: Float32, seed: Int64,
-               rows_layout: cute.Layout):
+               mCounter: cute.Tensor, eps: Float32, keep_threshold: Int64,
+               keep_scale: Float32, seed: Int64, rows_layout: cute.Layout):
         t = self.tiling
         tpr = const_expr(t.threads_per_row)
         vpt = const_expr(t.vecs_per_thread)
@@ -114,6 +124,8 @@ class LmsdForwardSm90:
         storage = smem.allocate(self.storage)
         full = storage.full.data_ptr()
         empty = storage.empty.data_ptr()
+        posted = storage.posted.data_ptr()
+        ids = storage.ids.get_tensor(cute.make_layout(stages))
         sX = storage.sX.get_tensor(rows_layout)
         sU = storage.sU.get_tensor(rows_layout)
         sbuf = None
@@ -123,19 +135,26 @@ class LmsdForwardSm90:
             for s in cutlass.range_constexpr(stages):
                 cute.arch.mbarrier_init(full + s, 1)
                 cute.arch.mbarrier_init(empty + s, t.num_threads // WARP)
+                cute.arch.mbarrier_init(posted + s, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # Blocks of this CTA: bidx + i * nctas for i < my_blocks.
-        my_blocks = (num_blocks - bidx + nctas - 1) // nctas
+        # The CTA's i-th block: bidx + i * nctas for i < stages - 1 (all CTAs together: the
+        # first (stages - 1) * nctas blocks), then (stages - 1) * nctas + a claim. Its number
+        # goes to stage i % stages' slot; a number >= num_blocks ends the CTA.
+        claimed_from = (stages - 1) * nctas
         row_bytes = self.dim * (self.dtype.width // 8)
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), self.dtype,
                                    num_bits_per_copy=self.dim * self.dtype.width)
+        claim = Int32(0)
+        claiming = Boolean(False)
         if tidx == 0:
             for i in cutlass.range_constexpr(stages - 1):
-                if i < my_blocks:
-                    self.load_block(mX, mU, sX, sU, bulk, full, bidx + i * nctas, i, num_rows,
-                                    row_bytes)
+                self.post_block(mX, mU, sX, sU, bulk, full, posted, ids, bidx + i * nctas, i,
+                                num_rows, num_blocks, row_bytes)
+            claiming = bidx + (stages - 2) * nctas < num_blocks
+            if claiming:
+                claim = cute.arch.atomic_add(mCounter.iterator, Int32(1))
 
         atom = vector_copy_atom(self.dtype, VEC)
         mask_atom = vector_copy_atom(Int8, VEC)
@@ -162,24 +181,34 @@ class LmsdForwardSm90:
         # barriers).
         rng_ahead = const_expr(self.use_dropout and t.warps_per_row == 1)
         rNext = None
+        block = bidx
         if const_expr(rng_ahead):
             rNext = cute.make_rmem_tensor(cute.make_layout((2, vpt)), Uint32)
-            self.dropout_words(rNext, bidx * t.rows_per_cta + row_in_cta, num_rows, lane,
+            self.dropout_words(rNext, block * t.rows_per_cta + row_in_cta, num_rows, lane,
                                seed, keep_threshold)
 
-        for i in cutlass.range(my_blocks, unroll=1):
+        i = Int32(0)
+        while block < num_blocks:
             stage = i % stages
             phase = (i // stages) % 2
             if tidx == 0:
-                # Refill the stage read in the previous iteration, stages - 1 blocks ahead.
-                ahead = i + stages - 1
-                if ahead < my_blocks:
-                    prev = ahead % stages
+                if claiming:
+                    # Refill the stage read in the previous iteration, stages - 1 blocks
+                    # ahead, with the block claimed in the previous iteration; claim the next.
+                    ahead_block = claimed_from + claim
+                    claiming = ahead_block < num_blocks
+                    if claiming:
+                        claim = cute.arch.atomic_add(mCounter.iterator, Int32(1))
+                    prev = (i + stages - 1) % stages
                     if i > 0:
                         cute.arch.mbarrier_wait(empty + prev, ((i - 1) // stages) % 2)
-                    self.load_block(mX, mU, sX, sU, bulk, full, bidx + ahead * nctas, prev,
-                                    num_rows, row_bytes)
-            row = (bidx + i * nctas) * t.rows_per_cta + row_in_cta
+                    self.post_block(mX, mU, sX, sU, bulk, full, posted, ids, ahead_block, prev,
+                                    num_rows, num_blocks, row_bytes)
+            # The next block's number (posted stages - 2 iterations ago, at the latest in
+            # this one's refill above): its rows' dropout words are made during this block.
+            cute.arch.mbarrier_wait(posted + (i + 1) % stages, ((i + 1) // stages) % 2)
+            next_block = ids[(i + 1) % stages]
+            row = block * t.rows_per_cta + row_in_cta
             row_ok = row < num_rows
             row_c = row if row_ok else Int32(0)
 
@@ -195,7 +224,12 @@ class LmsdForwardSm90:
                                       rX[None, v])
                     cute.autovec_copy(cute.local_tile(sU[stage, row_in_cta, None], (VEC,), (j,)),
                                       rU[None, v])
-            # The warp has read its rows of this stage: one arrival per warp frees it.
+            # The warp has read its rows of this stage: one arrival per warp frees it. The
+            # proxy fence orders these generic-proxy reads before the bulk copies (async
+            # proxy) that refill the stage. (racecheck still reports the refill as racing
+            # with lanes 1-31's reads: it does not carry the warp barrier over to lane 0's
+            # arrival. Every thread arriving silences it but costs 1-2.5 %, run 30d.)
+            cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_warp()
             if cute.arch.lane_idx() == 0:
                 cute.arch.mbarrier_arrive(empty + stage)
@@ -206,8 +240,8 @@ class LmsdForwardSm90:
                 partial = partial + x[e]
             if const_expr(rng_ahead):
                 rWords.store(rNext.load())
-                self.dropout_words(rNext, row + nctas * t.rows_per_cta, num_rows, lane, seed,
-                                   keep_threshold)
+                self.dropout_words(rNext, next_block * t.rows_per_cta + row_in_cta, num_rows,
+                                   lane, seed, keep_threshold)
             # (Rows spanning warps: each sbuf slot is rewritten only after the barrier of the
             # other slot, which every reader of the previous block has passed.)
             mean = row_sum(partial, t, sbuf, 0, True) * Float32(1.0 / self.dim)
@@ -230,6 +264,16 @@ class LmsdForwardSm90:
                 mRstd[row] = rstd
             self.write_row(mY, mMask, x, rU, rW, rB, rY, rWords, atom, mask_atom, mean, rstd,
                            keep_scale, row_c, row_ok, lane)
+            block = next_block
+            i = i + 1
+        # The last CTA out resets the counter for the next launch: every CTA has made its
+        # final claim (the one past the end) before it counts itself out.
+        if tidx == 0:
+            cute.arch.fence_acq_rel_gpu()
+            finished = cute.arch.atomic_add(mCounter.iterator + 1, Int32(1))
+            if finished == nctas - 1:
+                mCounter[0] = Int32(0)
+                mCounter[1] = Int32(0)
 
     @cute.jit
     def dropout_words(self, rWords, row: Int32, num_rows: Int32, lane: Int32, seed: Int64,
@@ -252,6 +296,16 @@ class LmsdForwardSm90:
                     for q in cutlass.range_constexpr(4):
                         if w[q] >= threshold:
                             rWords[half, v] = rWords[half, v] | Uint32(1 << (8 * q + plane))
+
+    @cute.jit
+    def post_block(self, mX, mU, sX, sU, bulk, full, posted, ids, block: Int32, stage: Int32,
+                   num_rows: Int32, num_blocks: Int32, row_bytes: cutlass.Constexpr):
+        """Thread 0: the block's number into the stage's slot (any number >= num_blocks
+        ends the readers' loop), then its loads when it exists."""
+        ids[stage] = block
+        cute.arch.mbarrier_arrive(posted + stage)
+        if block < num_blocks:
+            self.load_block(mX, mU, sX, sU, bulk, full, block, stage, num_rows, row_bytes)
 
     @cute.jit
     def load_block(self, mX, mU, sX, sU, bulk, full, block: Int32, stage: Int32,

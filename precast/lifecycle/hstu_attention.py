@@ -14,8 +14,8 @@ import torch
 from ..reference.hstu_attention import FUNC_PAD_COLUMNS, PAGE_SIZE
 from ..reference.hstu_attention import _check_window as check_window
 from .cache import KernelBuilder
-from .launch import (device_guard, sm_count, stream_handle, stream_is_capturing,
-                     stream_workspace, torch_stream)
+from .launch import (SCHEDULER_COUNTER_SHAPE, device_guard, own_scheduler_counter, sm_count,
+                     stream_handle)
 from .op import Op
 from .tensor_desc import TensorDesc, dtype_name, parse_dtype
 from .validation import (FLOAT32_MAX, INT32_MAX, check_bool, check_finite, check_int,
@@ -32,9 +32,8 @@ QUERY_TILE_ROWS = 128  # query rows of a kernel work tile
 KV_GROUP_BYTES = 32 << 20
 # The persistent kernel numbers its work tiles (heads x query tiles x sequences) in int32.
 MAX_WORK_TILES = INT32_MAX
-# Scheduler workspace: int32 (next tile, finished CTAs), zero before a launch and left zero
-# by it (the last CTA resets it), so one buffer serves every launch on one stream.
-WORKSPACE_SHAPE = (2,)
+# Scheduler workspace: the persistent kernel's claim counter.
+WORKSPACE_SHAPE = SCHEDULER_COUNTER_SHAPE
 # Windows wider than any sequence act as unbounded on that side; capping them keeps the
 # kernel's int32 bound arithmetic (row + offset + window) from overflowing.
 WINDOW_CAP = 2**30
@@ -455,18 +454,8 @@ class HSTUFwdSm90(_AttentionRules, Op):
         return WORKSPACE_SHAPE
 
     def _own_workspace(self, index: int, handle: int) -> torch.Tensor:
-        """This op's workspace for (device, stream), made on the first execute there
-        (launch.stream_workspace)."""
-        def make(_):
-            with torch.cuda.stream(torch_stream(handle, index)):
-                return torch.zeros(WORKSPACE_SHAPE, dtype=torch.int32, device=f"cuda:{index}")
-        return stream_workspace(
-            self._workspaces, [], (index, handle), None, make,
-            lambda: stream_is_capturing(handle),
-            lambda: "HSTUFwdSm90.execute: the stream is capturing a CUDA graph and this op "
-                    "has no workspace for it yet; pass workspace= (int32, shape "
-                    f"{WORKSPACE_SHAPE}, zeroed) or execute once on this stream before "
-                    "capturing")
+        """This op's workspace for (device, stream), made on the first execute there."""
+        return own_scheduler_counter(self._workspaces, index, handle, "HSTUFwdSm90")
 
     def execute(self, q, k, v, o, cu_seqlens_q, cu_seqlens_k, func_tensor=None, paged_kv=None,
                 page_ids=None, page_indptrs=None, stream=None, *, alpha: Optional[float] = None,

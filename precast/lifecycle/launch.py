@@ -208,3 +208,26 @@ def stream_workspace(cache: dict, outgrown: list, key, rows: Optional[int], make
         ws = make(rows if ws is None or rows is None else max(rows, 2 * have))
         cache[key] = ws
     return ws
+
+
+# A persistent kernel's claim counter: int32 (next work item, CTAs finished), zero before a
+# launch and left zero by it (its last CTA resets it), so one buffer serves every launch on
+# one stream; launches that may overlap (other streams) need their own.
+SCHEDULER_COUNTER_SHAPE = (2,)
+
+
+def own_scheduler_counter(cache: dict, device_index: int, handle: int, owner: str):
+    """An op's own scheduler counter for (device, stream) in ``cache``, zeroed on the stream
+    the first time (stream_workspace: never made while the stream captures a graph)."""
+    import torch
+
+    def make(_):
+        with torch.cuda.stream(torch_stream(handle, device_index)):
+            return torch.zeros(SCHEDULER_COUNTER_SHAPE, dtype=torch.int32,
+                               device=f"cuda:{device_index}")
+    return stream_workspace(
+        cache, [], (device_index, handle), None, make, lambda: stream_is_capturing(handle),
+        lambda: f"{owner}.execute: the stream is capturing a CUDA graph and this op has no "
+                f"workspace for it yet; pass workspace= (int32, shape "
+                f"{SCHEDULER_COUNTER_SHAPE}, zeroed) or execute once on this stream before "
+                "capturing")

@@ -10,7 +10,8 @@ import torch
 from ..reference.lmsd import segment_count
 from ..reference.philox import keep_threshold
 from .cache import KernelBuilder
-from .launch import device_guard, sm_count, stream_handle
+from .launch import (SCHEDULER_COUNTER_SHAPE, device_guard, own_scheduler_counter, sm_count,
+                     stream_handle)
 from .op import Op
 from .tensor_desc import TensorDesc, dtype_name, parse_dtype
 from .validation import (check_bool, check_finite, check_int64, check_no_overlap,
@@ -159,7 +160,7 @@ class HstuLmsdFwdSm90(_LmsdBase):
     """
 
     kernel_sources = ("precast.kernels.lmsd_fwd_sm90",) + _SM90_SOURCES
-    OUTPUTS = ("y", "mean", "rstd", "mask")
+    OUTPUTS = ("y", "mean", "rstd", "mask", "workspace")
 
     def __init__(self, sample_x, sample_u, sample_weight, sample_bias, sample_y=None,
                  sample_mean=None, sample_rstd=None, sample_mask=None, *, eps: float = 1e-5,
@@ -182,8 +183,11 @@ class HstuLmsdFwdSm90(_LmsdBase):
         if self.mask is None and self.use_dropout and sample_mask is None:
             self.mask = TensorDesc(torch.int8, (n, self.dim))
         self.eps = eps
+        # Scheduler counters this op made, per (device, stream): see execute().
+        self._workspaces: Dict[Tuple[int, int], torch.Tensor] = {}
         self._samples = dict(x=sample_x, u=sample_u, weight=sample_weight, bias=sample_bias,
-                             y=sample_y, mean=sample_mean, rstd=sample_rstd, mask=sample_mask)
+                             y=sample_y, mean=sample_mean, rstd=sample_rstd, mask=sample_mask,
+                             workspace=None)
 
     def static_config(self) -> Dict[str, object]:
         return {"dtype": dtype_name(self.dtype), "dim": self.dim, "apply_u_silu": self.apply_u_silu,
@@ -243,6 +247,7 @@ class HstuLmsdFwdSm90(_LmsdBase):
                     fake_vector(dt, self.dim), fake_vector(dt, self.dim),
                     fake_rows(dt, n, self.segments * self.dim),
                     fake_vector(cutlass.Float32, n, align=4), fake_vector(cutlass.Float32, n, align=4), mask,
+                    fake_vector(cutlass.Int32, SCHEDULER_COUNTER_SHAPE[0], align=4),
                     scalar(cutlass.Float32, 1e-5), scalar(cutlass.Int64, 0),
                     scalar(cutlass.Float32, 1.0), scalar(cutlass.Int64, 0),
                     scalar(cutlass.Int32, 1), fake_stream())
@@ -254,18 +259,31 @@ class HstuLmsdFwdSm90(_LmsdBase):
         """CTAs per SM of the persistent forward grid."""
         return self.min_ctas_per_sm or max(1, FWD_THREADS_PER_SM // self.tiling.num_threads)
 
+    @staticmethod
+    def workspace_shape() -> Tuple[int, ...]:
+        """Shape of the int32 scheduler counter ``execute(workspace=...)`` takes: zero it
+        once; every launch leaves it zero. Launches that may run concurrently (different
+        streams) need different workspaces."""
+        return SCHEDULER_COUNTER_SHAPE
+
     def execute(self, x, u, weight, bias, y, mean, rstd, mask=None, *, seed: int = 0,
-                eps: Optional[float] = None, dropout_ratio: Optional[float] = None, stream=None):
-        """Writes y, mean, rstd (and mask) for these inputs. Allocates nothing."""
+                eps: Optional[float] = None, dropout_ratio: Optional[float] = None, stream=None,
+                workspace: Optional[torch.Tensor] = None):
+        """Writes y, mean, rstd (and mask) for these inputs. Allocates nothing when
+        ``workspace`` is given (else the op keeps one per device and stream, made on the
+        first execute there: execute once on a stream before capturing a graph on it)."""
         if not self._checked:
             self.check_support()
         def validate():
             count = self._validate(x, u, weight, bias, y, mean, rstd, mask)
+            if workspace is not None:
+                check_tensor("workspace", workspace, dtypes=(torch.int32,),
+                             shape=SCHEDULER_COUNTER_SHAPE, align=4, contiguous=True)
             self._check_relations(dict(x=x, u=u, weight=weight, bias=bias, y=y, mean=mean,
-                                       rstd=rstd, mask=mask))
+                                       rstd=rstd, mask=mask, workspace=workspace))
             return count
 
-        n = self._validated((x, u, weight, bias, y, mean, rstd, mask), validate)
+        n = self._validated((x, u, weight, bias, y, mean, rstd, mask, workspace), validate)
         eps = self.eps if eps is None else eps
         check_finite("eps", eps, positive=True)
         threshold, scale = self._runtime_dropout(dropout_ratio)
@@ -274,11 +292,15 @@ class HstuLmsdFwdSm90(_LmsdBase):
         if n == 0:
             return
         index = x.device.index
+        handle = stream_handle(stream, index)
+        if workspace is None:
+            workspace = own_scheduler_counter(self._workspaces, index, handle,
+                                              "HstuLmsdFwdSm90")
         rows_per_cta = self.tiling.rows_per_cta
         num_ctas = min(sm_count(index) * self.ctas_per_sm, -(-n // rows_per_cta))
         with device_guard(index):
-            kernels["fwd"](x, u, weight, bias, y, mean, rstd, mask, float(eps), threshold, scale,
-                           seed, num_ctas, stream_handle(stream, index))
+            kernels["fwd"](x, u, weight, bias, y, mean, rstd, mask, workspace, float(eps),
+                           threshold, scale, seed, num_ctas, handle)
 
 
 class HstuLmsdBwdSm90(_LmsdBase):
