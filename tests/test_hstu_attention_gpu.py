@@ -554,6 +554,26 @@ def test_cuda_graph_capture_and_replay():
     graph.close()
 
 
+def test_torch_graph_capture_without_a_workspace():
+    """torch.cuda.graph captures on a stream of its own, where the op has no counter yet: it
+    takes one from the graph's memory pool, zeroed by the graph before every replay."""
+    d = 128
+    b = make_batch(RAGGED_Q, RAGGED_K, d, BF, seed=95)
+    op = get_op(BF, d, window=(-1, 0))
+    o = poisoned(b)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(op, b, o=o, sync=False)
+    for step in range(2):
+        b.q.copy_(torch.randn_like(b.q) * (step + 1))
+        o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o, launch(op, b)), f"step {step}: replay differs from eager"
+        check(o, b, (-1, 0), what=f"replay step {step}")
+
+
 def test_capture_without_workspace_on_a_new_stream_is_refused():
     """The op cannot allocate its per-stream workspace during capture: it says so."""
     from precast.graphs import CudaGraph

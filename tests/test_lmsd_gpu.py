@@ -253,6 +253,27 @@ def test_cuda_graph_capture_and_replay():
     graph.close()
 
 
+def test_torch_graph_capture_without_a_workspace():
+    """torch.cuda.graph (and torch.compile's CUDA graphs) capture on a stream of their own,
+    where the op has no counter yet: it takes one from the graph's memory pool, zeroed by
+    the graph before every replay (enough rows that CTAs claim blocks)."""
+    n, d, p = 20011, 512, 0.1
+    x, u, w, b = make_inputs(n, d, torch.bfloat16, seed=6)
+    fwd = HstuLmsdFwdSm90(x, u, w, b, dropout_ratio=p, concat_u=True, concat_x=True).compile()
+    y, mean, rstd, mask = poisoned_forward_outputs(n, d, 3, torch.bfloat16, True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd.execute(x, u, w, b, y, mean, rstd, mask, seed=5)
+    for step in range(2):
+        x.copy_(torch.randn_like(x) * (step + 1))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = hstu_lmsd_forward(x, u, w, b, 1e-5, p, 5, True, True, True)
+        assert torch.equal(y, eager.y_tensor) and torch.equal(mask, eager.mask_tensor)
+
+
 def test_capture_without_workspace_on_a_new_stream_is_refused():
     from precast.graphs import CudaGraph
     n, d = 64, 512

@@ -218,8 +218,17 @@ SCHEDULER_COUNTER_SHAPE = (2,)
 
 def own_scheduler_counter(cache: dict, device_index: int, handle: int, owner: str):
     """An op's own scheduler counter for (device, stream) in ``cache``, zeroed on the stream
-    the first time (stream_workspace: never made while the stream captures a graph)."""
+    the first time (stream_workspace: never made while the stream captures a graph).
+
+    One exception: while torch itself captures this stream (torch.cuda.graph, and so
+    torch.compile's CUDA graphs, which capture on a stream of their own), a stream with no
+    counter yet gets a fresh one from torch's graph memory pool, not kept: the graph owns
+    it, and its memset node zeroes it before every replay."""
     import torch
+
+    if (device_index, handle) not in cache and _torch_captures(device_index, handle):
+        return torch.zeros(SCHEDULER_COUNTER_SHAPE, dtype=torch.int32,
+                           device=f"cuda:{device_index}")
 
     def make(_):
         with torch.cuda.stream(torch_stream(handle, device_index)):
@@ -231,3 +240,13 @@ def own_scheduler_counter(cache: dict, device_index: int, handle: int, owner: st
                 f"workspace for it yet; pass workspace= (int32, shape "
                 f"{SCHEDULER_COUNTER_SHAPE}, zeroed) or execute once on this stream before "
                 "capturing")
+
+
+def _torch_captures(device_index: int, handle: int) -> bool:
+    """Whether torch is capturing a CUDA graph on raw stream ``handle`` (its current stream)."""
+    import torch
+    if not torch.cuda.is_available():
+        return False
+    with device_guard(device_index):
+        return (torch.cuda.is_current_stream_capturing()
+                and torch.cuda.current_stream().cuda_stream == handle)
