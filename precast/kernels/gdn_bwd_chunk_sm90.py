@@ -225,7 +225,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         batch, chunk = self.find_chunk(packed, mCuSeqlens, num_batches, mSeqTable)
         if batch < num_batches:
             lay_k, lay_v, lay_c, lay_s = layouts
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(self.storage)
             tiles = tuple(s.get_tensor(layout.outer, swizzle=layout.inner) for s, layout in (
                 (storage.sQ, lay_k), (storage.sK, lay_k), (storage.sV, lay_v),

@@ -238,7 +238,7 @@ class GdnChunkPrepareSm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         batch, chunk = self.find_chunk(packed, mCuSeqlens, num_batches, mSeqTable)
         if batch < num_batches:
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(self.storage)
             sQ = storage.sQ.get_tensor(sQK_layout.outer, swizzle=sQK_layout.inner)
             sK = storage.sK.get_tensor(sQK_layout.outer, swizzle=sQK_layout.inner)

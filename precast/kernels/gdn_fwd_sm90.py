@@ -117,7 +117,7 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
         tidx, _, _ = cute.arch.thread_idx()
         head, batch, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.storage)
         raw_full = storage.raw_full.data_ptr()
         prepared = storage.prepared.data_ptr()

@@ -290,7 +290,7 @@ class GdnChunkRecurrenceSm90:
         else:
             head, batch, split = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.storage)
         pipe = tma_pipeline(storage.bars.data_ptr(), STAGES, self.stage_bytes,
                             self.nwg * THREADS_PER_WG)

@@ -82,7 +82,7 @@ class GdnSeqTableSm90:
         warp = tidx // 32
         lane = cute.arch.lane_idx()
         n = mCuSeqlens.shape[0] - 1
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.storage)
         totals = storage.totals.get_tensor(cute.make_layout((2, WARPS), stride=(WARPS, 1)))
         carry_chunks = Int32(0)

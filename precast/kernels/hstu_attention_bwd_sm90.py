@@ -277,7 +277,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             if warp_idx == 4:  # the first consumer warp issues the reduce-adds
                 cpasync.prefetch_descriptor(tma_dq)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.storage)
         consumers = self.nwg * THREADS_PER_WG
         pipe_fixed = tma_pipeline(storage.fixed_bars.data_ptr(), 1, self.fixed_bytes, consumers)
@@ -952,7 +952,7 @@ class DqFinishSm90:
             convert: cute.struct.Align[cute.struct.MemRange[Float32,
                                                             FINISH_WARPS * SLICE_ROWS * D], 128]
 
-        storage = cutlass.utils.SmemAllocator().allocate(Staging)
+        storage = cutlass.memory.SmemAllocator().allocate(Staging)
         staging = storage.convert.data_ptr() + warp * SLICE_ROWS * D
         n_groups = (pairs + pair_group - 1) // pair_group
         group_slices = pair_group * q_chunks  # of a full group (every group but the last)

@@ -37,6 +37,7 @@ from cutlass.utils import LayoutEnum
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
                              copy_rows_out, select_modes, store_stmatrix, tma_pipeline,
                              warp_inclusive_sum, wgmma)
+from .scheduler import claim_work, count_out
 
 TILE_M = 128  # query rows of a work tile (two consumer warpgroups of 64)
 WG_ROWS = 64
@@ -177,7 +178,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.storage)
         consumers = 2 * THREADS_PER_WG
         pipe_q = tma_pipeline(storage.q_bars.data_ptr(), self.q_stages, self.q_bytes, consumers)
@@ -349,14 +350,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                 work[field, q_state.count % self.work_slots] = (
                     num_batches if field == W_BATCH else Int32(0))
             cute.arch.mbarrier_arrive(pipe_q.sync_object_full.get_barrier(q_state.index))
-        # The last CTA out resets the counter for the next launch on this stream: every CTA
-        # has made its final claim before it counts itself out.
         if lane == 0:
-            cute.arch.fence_acq_rel_gpu()
-            finished = cute.arch.atomic_add(mTileCounter.iterator + 1, Int32(1))
-            if finished == ctas - 1:
-                mTileCounter[0] = Int32(0)
-                mTileCounter[1] = Int32(0)
+            count_out(mTileCounter, ctas)
 
     @cute.jit
     def post_tile(self, mQ, tma_q, sQ, work, pipe_q, q_state, batch: Int32, m_block: Int32,
@@ -396,7 +391,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         posts it."""
         claimed = Int32(0)
         if cute.arch.lane_idx() == 0:
-            claimed = cute.arch.atomic_add(mTileCounter.iterator, Int32(1))
+            claimed = claim_work(mTileCounter)
         ctas, _, _ = cute.arch.grid_dim()
         batch, m_block, head, group, base = self.find_tile(
             ctas + cute.arch.shuffle_sync(claimed, 0), group, base, mCuSeqlensQ, num_batches,

@@ -67,7 +67,7 @@ class LmsdBackwardSm90:
 
         sbuf = None
         if const_expr(t.warps_per_row > 1):
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             sbuf = smem.allocate_tensor(
                 Float32, cute.make_layout((t.rows_per_cta, t.warps_per_row, 2)), byte_alignment=16)
 
@@ -227,7 +227,7 @@ class LmsdParamGradReduceSm90:
         bidx, _, _ = cute.arch.block_idx()
         col = bidx * REDUCE_COLS + tidx % REDUCE_COLS
         part = tidx // REDUCE_COLS
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sdata = smem.allocate_tensor(
             Float32, cute.make_layout((REDUCE_COLS, REDUCE_SLICES, 2),
                                       stride=(1, REDUCE_COLS + 1, (REDUCE_COLS + 1) * REDUCE_SLICES)),

@@ -29,6 +29,7 @@ from cutlass.cute.nvgpu import cpasync
 from .activation import tanh_approx
 from .philox import philox4x32_10
 from .rowwise import row_sum, vector_copy_atom
+from .scheduler import claim_work, count_out
 from .tiling import VEC, WARP, RowTiling
 
 MAIN_BIT, X_BIT, A_BIT = 0, 1, 2
@@ -120,7 +121,7 @@ class LmsdForwardSm90:
         num_rows = mX.shape[0]
         num_blocks = (num_rows + t.rows_per_cta - 1) // t.rows_per_cta
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.storage)
         full = storage.full.data_ptr()
         empty = storage.empty.data_ptr()
@@ -154,7 +155,7 @@ class LmsdForwardSm90:
                                 num_rows, num_blocks, row_bytes)
             claiming = bidx + (stages - 2) * nctas < num_blocks
             if claiming:
-                claim = cute.arch.atomic_add(mCounter.iterator, Int32(1))
+                claim = claim_work(mCounter)
 
         atom = vector_copy_atom(self.dtype, VEC)
         mask_atom = vector_copy_atom(Int8, VEC)
@@ -198,7 +199,7 @@ class LmsdForwardSm90:
                     ahead_block = claimed_from + claim
                     claiming = ahead_block < num_blocks
                     if claiming:
-                        claim = cute.arch.atomic_add(mCounter.iterator, Int32(1))
+                        claim = claim_work(mCounter)
                     prev = (i + stages - 1) % stages
                     if i > 0:
                         cute.arch.mbarrier_wait(empty + prev, ((i - 1) // stages) % 2)
@@ -266,14 +267,8 @@ class LmsdForwardSm90:
                            keep_scale, row_c, row_ok, lane)
             block = next_block
             i = i + 1
-        # The last CTA out resets the counter for the next launch: every CTA has made its
-        # final claim (the one past the end) before it counts itself out.
         if tidx == 0:
-            cute.arch.fence_acq_rel_gpu()
-            finished = cute.arch.atomic_add(mCounter.iterator + 1, Int32(1))
-            if finished == nctas - 1:
-                mCounter[0] = Int32(0)
-                mCounter[1] = Int32(0)
+            count_out(mCounter, nctas)
 
     @cute.jit
     def dropout_words(self, rWords, row: Int32, num_rows: Int32, lane: Int32, seed: Int64,

@@ -159,7 +159,7 @@ class HstuLmsdFwdSm90(_LmsdBase):
     (0: FWD_THREADS_PER_SM threads' worth; the launch bounds cap registers to fit them).
     """
 
-    kernel_sources = ("precast.kernels.lmsd_fwd_sm90",) + _SM90_SOURCES
+    kernel_sources = ("precast.kernels.lmsd_fwd_sm90", "precast.kernels.scheduler") + _SM90_SOURCES
     OUTPUTS = ("y", "mean", "rstd", "mask", "workspace")
 
     def __init__(self, sample_x, sample_u, sample_weight, sample_bias, sample_y=None,
