@@ -3,6 +3,7 @@ machine without a GPU (the slowest CPU test: about 230 kernels, LMSD, HSTU atten
 Gated DeltaNet forward and backward)."""
 import io
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from precast.lifecycle.cache import ArtifactCache
 from precast.lifecycle.gdn_bwd import GdnBwdSm90
 from precast.lifecycle.gdn_bwd import kernel_modes as backward_modes
 from precast.lifecycle.gdn_fwd import kernel_modes
-from precast.plan import load_plan, precompile
+from precast.plan import build_entry, load_plan, precompile
 
 GPU_PLAN = Path(__file__).parent / "gpu_plan.toml"
 
@@ -57,6 +58,23 @@ def test_all_planned_kernels_cross_compile(tmp_path_factory):
         assert kernels == expected, manifest["key"]
         assert manifest["key"]["arch"] == "sm_90a"
     assert not list(root.rglob(".tmp-*"))
+
+
+@pytest.mark.compile
+def test_kernels_use_no_deprecated_dsl_api(tmp_path):
+    """A DSL release removes what an earlier one deprecated: tracing one kernel family of
+    each op (in this process, so its warnings reach us) warns of no deprecated DSL API."""
+    first = {}
+    for entry in load_plan(DEFAULT_PLAN):
+        first.setdefault(entry.op, entry)
+    assert len(first) == 6
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for entry in first.values():
+            assert build_entry(entry, "sm_90a", str(tmp_path)) > 0
+    assert len(list(ArtifactCache(tmp_path).entries())) == len(first)  # all were traced
+    deprecated = {str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)}
+    assert not deprecated, "\n".join(sorted(deprecated))
 
 
 def test_backward_sync_words_are_the_kernels():

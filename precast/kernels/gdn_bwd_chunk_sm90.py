@@ -52,7 +52,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 from .attention_sm90 import (acc_as_operand_a, load_ldmatrix, select_modes, store_stmatrix,
                              tma_load_tile, tma_store_tile, transposed, wgmma)
@@ -159,7 +159,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.first_bytes = size(lay_s) + size(lay_v)
         self.rest_bytes = size(lay_v)
         self.late_bytes = size(lay_s)
-        k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
 
         rmem = warpgroup.OperandSource.RMEM
 

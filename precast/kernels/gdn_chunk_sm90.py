@@ -37,7 +37,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import MmaTF32Op
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 from .attention_sm90 import (find_in_sequences, select_modes, store_stmatrix, tma_load_tile,
                              tma_store_tile, transposed, warp_inclusive_sum, wgmma)
@@ -213,7 +213,7 @@ class GdnChunkPrepareSm90:
                               if const_expr(self.store_wu) else 0))
         # Scores: 64 x 64 from K-major Q / K tiles. Factors: 64 x D from T (K-major A) and
         # the K / V tiles read transposed (MN-major B).
-        k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         mma_s = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, Float32,
                                                   (1, 1, 1), (C, C))
         mma_wk = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, Float32,

@@ -21,7 +21,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 from .gdn_chunk_sm90 import A_ROW_STRIDE, ROW_VALUES, GdnChunkPrepareSm90
 from .gdn_layout import CHUNK, FACTOR_COLS
@@ -69,7 +69,7 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
         tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma = loads
         mma_s, mma_wk, mma_wv = mmas
         sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, STAGES)
-        k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         rmem = warpgroup.OperandSource.RMEM
         mma_tok = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, Float32,
                                                     (self.nwg, 1, 1), (64, C), rmem)

@@ -40,7 +40,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Boolean, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
                              copy_rows_out, find_in_sequences, select_modes, store_stmatrix,
@@ -144,10 +144,10 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         else:
             mX, mY, mU, mW = mQ, mdO, mK, mV
         mma_s = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             (self.nwg, 1, 1), (WG_ROWS, C))
         mma_g = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
             (self.nwg, 1, 1), (WG_ROWS, D), warpgroup.OperandSource.RMEM)
         sX_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (R, C, D), dt, 1)
         sU_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (R, C, D), dt,
@@ -165,7 +165,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         # fused: dQ = dS K with dS^T (keys x queries) double-buffered in shared memory, the two
         # warpgroups splitting D; A = dS (MN-major view), B = K^T (MN-major view of sX).
         mma_dq = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN, Float32,
+            dt, dt, cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.MN, Float32,
             (1, self.nwg, 1), (WG_ROWS, D // self.nwg))
         sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (R, C, C), dt, 2)
         sdQ_layout = sm90_utils.make_smem_layout_epi(Float32, LayoutEnum.ROW_MAJOR,

@@ -32,7 +32,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
                              copy_rows_out, select_modes, store_stmatrix, tma_pipeline,
@@ -113,14 +113,14 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             mVt = select_modes(mV, [2, 0, 1])  # (D, T_k, H_kv): V^T, MN-major B operand
 
         mma_qk = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             (TILE_M // WG_ROWS, 1, 1), (WG_ROWS, tn))
         # The same S = Q K^T over the first half of the key tile only.
         mma_qk_half = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             (TILE_M // WG_ROWS, 1, 1), (WG_ROWS, tn // 2))
         mma_pv = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
             (TILE_M // WG_ROWS, 1, 1), (WG_ROWS, D), warpgroup.OperandSource.RMEM)
 
         sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, tn, D), dt,
