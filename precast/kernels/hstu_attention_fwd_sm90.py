@@ -7,9 +7,10 @@ Work tiles are (sequence, head, 128 query rows). Persistent CTAs (one per SM) cl
 from an int32 counter in global memory, the heaviest query tiles of a sequence first (they
 see the most keys under a causal mask); a warp prefix sum over cu_seqlens_q maps a tile
 number to its sequence on the device, so no host ever reads the metadata. Ragged batches
-visit their sequences longest first (the order SequenceOrderSm90 writes beside the counter). Dense batches
-(the host passes seq_group) run the heaviest tiles of groups of sequences first instead,
-decoded by arithmetic. The last CTA to finish resets the counter for the next launch.
+visit their sequences longest first (the order SequenceOrderSm90 writes beside the
+counter). Dense batches (the host passes seq_group) run the heaviest tiles of groups of
+sequences first instead, decoded by arithmetic. The last CTA to finish resets the counter
+for the next launch.
 - warp 0 (producer; the other three warps of its warpgroup give their registers back)
   claims a tile, posts it with its Q into one of two Q buffers, and streams the tile's
   visible K and V tiles through TMA into separate multi-stage rings;
@@ -260,7 +261,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             if b < num_batches:
                 if sorted_order != 0:
                     seq = mTileCounter[COUNTER_WORDS + b]
-                count = (mCuSeqlensQ[seq + 1] - mCuSeqlensQ[seq] + TILE_M - 1) // TILE_M * heads
+                count = (mCuSeqlensQ[seq + 1] - mCuSeqlensQ[seq] + TILE_M - 1) // TILE_M
+                count = count * heads
             ends = warp_inclusive_sum(count)
             total = cute.arch.shuffle_sync(ends, 31)
             if tile < base + total:
