@@ -54,7 +54,7 @@ def test_all_planned_kernels_cross_compile(tmp_path_factory):
             expected = set(backward_modes(op.shapes))
         else:
             expected = {"HstuLmsdFwdSm90": {"fwd"}, "HstuLmsdBwdSm90": {"rows", "reduce"},
-                        "HSTUFwdSm90": {"fwd"}}[key["op"]]
+                        "HSTUFwdSm90": {"fwd", "order"}}[key["op"]]
         assert kernels == expected, manifest["key"]
         assert manifest["key"]["arch"] == "sm_90a"
     assert not list(root.rglob(".tmp-*"))
@@ -86,3 +86,14 @@ def test_backward_sync_words_are_the_kernels():
     for groups in (1, 7, 1000):
         words = kernel.extra_at(groups, kernel.SYNC_EXTRA_WORDS)
         assert words == 2 * groups + SYNC_EXTRA_WORDS and sync_group_capacity(words) == groups
+
+
+def test_workspace_layout_is_the_kernels():
+    """The lifecycle sizes the scheduler workspaces (it cannot import the kernels): the
+    counter's words and the sequence order's room after them are the kernels'."""
+    from precast.kernels import scheduler, sequence_order_sm90
+    from precast.lifecycle.hstu_attention import ORDER_MAX_SEQUENCES, WORKSPACE_SHAPE
+    from precast.lifecycle.launch import SCHEDULER_COUNTER_SHAPE
+    assert SCHEDULER_COUNTER_SHAPE == (scheduler.COUNTER_WORDS,)
+    assert ORDER_MAX_SEQUENCES == sequence_order_sm90.MAX_SEQUENCES
+    assert WORKSPACE_SHAPE == (scheduler.COUNTER_WORDS + sequence_order_sm90.MAX_SEQUENCES,)

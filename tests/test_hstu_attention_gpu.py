@@ -21,6 +21,7 @@ from precast import HSTUFwdSm90, TensorDesc, hstu_attention_forward
 from precast.reference.hstu_attention import (FUNC_PAD_COLUMNS, PAGE_SIZE, gather_paged_kv,
                                               hstu_attention_reference, random_func_tensor,
                                               visible_mask)
+from precast.lifecycle.launch import SCHEDULER_COUNTER_SHAPE
 from precast.reference.offsets import offsets_from_lengths
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp32_matmuls")]
@@ -439,9 +440,39 @@ def test_one_compile_serves_batches_alphas_and_scalings():
     assert op._kernels is kernels
 
 
+def test_longest_first_order(monkeypatch):
+    """Ragged batches run their sequences longest first: the order kernel writes the
+    permutation after the counter (by key length, then query length, descending; ties in
+    batch order), and the output is bitwise the batch order's (every tile is computed alone).
+    Batches of more than ORDER_MAX_SEQUENCES sequences keep the batch order."""
+    import precast.lifecycle.hstu_attention as lifecycle
+    lens_q = [1, 700, 0, 130, 1500, 17, 700, 129, 2049, 128]
+    lens_k = [1, 700, 0, 130, 1500, 17, 700, 300, 2049, 128]
+    b = make_batch(lens_q, lens_k, 128, BF, seed=61)
+    counter = SCHEDULER_COUNTER_SHAPE[0]
+    for window in ((-1, 0), (-1, -1)):
+        op = get_op(BF, 128, window=window)
+        ws = torch.zeros(HSTUFwdSm90.workspace_shape(), dtype=torch.int32, device=DEV)
+        o = launch(op, b, workspace=ws)
+        check(o, b, window, what=f"longest first {window}")
+        expected = sorted(range(len(lens_q)), key=lambda i: (-lens_k[i], -lens_q[i], i))
+        assert ws[counter:counter + len(lens_q)].tolist() == expected
+        assert torch.count_nonzero(ws[:counter]) == 0
+        with monkeypatch.context() as m:
+            m.setattr(lifecycle, "longest_first", lambda *args: False)
+            o_batch_order = launch(op, b)
+        assert torch.equal(o, o_batch_order)
+    # past the order kernel's limit: batch order (and a correct result)
+    many = [0, 1, 200] * 350
+    mb = make_batch(many, many, 64, BF, seed=62)
+    assert not lifecycle.longest_first(len(many), mb.max_q, 0)
+    check(launch(get_op(BF, 64, window=(-1, 0)), mb), mb, (-1, 0), what="1050 sequences")
+
+
 def test_workspace_is_left_zero():
-    """A caller-owned scheduler workspace is zero after every launch, so one buffer serves
-    every launch on one stream (different ops included)."""
+    """A caller-owned scheduler workspace's counter is zero after every launch, so one buffer
+    serves every launch on one stream (different ops included)."""
+    counter = SCHEDULER_COUNTER_SHAPE[0]
     ws = torch.zeros(HSTUFwdSm90.workspace_shape(), dtype=torch.int32, device=DEV)
     cases = [(get_op(BF, 128, window=(-1, 0)), make_batch(RAGGED_Q, RAGGED_K, 128, BF, seed=51),
               (-1, 0)),
@@ -450,13 +481,13 @@ def test_workspace_is_left_zero():
               (7, 33))]
     for op, b, window in cases * 2:
         o = launch(op, b, workspace=ws)
-        assert torch.count_nonzero(ws) == 0, f"workspace left {ws.tolist()}"
+        assert torch.count_nonzero(ws[:counter]) == 0, f"counter left {ws[:counter].tolist()}"
         check(o, b, window)
     fb = with_func(make_batch(RAGGED_Q, RAGGED_K, 32, BF, seed=54), 3, seed=54)
     check(launch(get_op(BF, 32, window=(-1, -1), func=3), fb, workspace=ws), fb, (-1, -1))
     pb = with_pages(make_batch(RAGGED_Q, RAGGED_K, 256, FP, hkv=1, seed=55), seed=55)
     check(launch(get_op(FP, 256, hkv=1, paged=True), pb, workspace=ws), pb, (-1, 0))
-    assert torch.count_nonzero(ws) == 0
+    assert torch.count_nonzero(ws[:counter]) == 0
 
 
 def test_two_ops_on_two_streams_concurrently():
@@ -485,7 +516,8 @@ def test_two_ops_on_two_streams_concurrently():
     assert all(torch.equal(o, expect1) for o in outs1)
     assert all(torch.equal(o, expect2) for o in outs2)
     assert all(torch.equal(o, expect1) for o in outs3)
-    assert torch.count_nonzero(ws1) == 0 and torch.count_nonzero(ws2) == 0
+    counter = SCHEDULER_COUNTER_SHAPE[0]
+    assert torch.count_nonzero(ws1[:counter]) == 0 and torch.count_nonzero(ws2[:counter]) == 0
 
 
 def test_streams_of_every_kind():
@@ -530,7 +562,7 @@ def test_cuda_graph_capture_and_replay():
         launch(op_f, b, o=o_f, alpha=alpha, stream=s, workspace=ws, sync=False)
         launch(op_w, bw, o=o_w, alpha=alpha, stream=s, workspace=ws, sync=False)
     assert torch.cuda.memory_allocated() == before, "capture allocated device memory"
-    assert graph.num_nodes() == 2
+    assert graph.num_nodes() == 4  # each op: its sequence order, then the forward
     assert torch.isnan(o_f).all(), "capture ran the kernel"
     g = torch.Generator(device=DEV).manual_seed(82)
     previous = None
@@ -544,7 +576,7 @@ def test_cuda_graph_capture_and_replay():
         torch.cuda.synchronize()
         graph.replay()
         graph.synchronize()
-        assert torch.count_nonzero(ws) == 0
+        assert torch.count_nonzero(ws[:SCHEDULER_COUNTER_SHAPE[0]]) == 0
         assert torch.equal(o_f, launch(op_f, b)), f"step {step}: replay differs from eager"
         assert torch.equal(o_w, launch(op_w, bw)), f"step {step}: replay differs from eager"
         check(o_f, b, (-1, -1), what=f"replay step {step}")

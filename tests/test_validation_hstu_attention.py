@@ -10,9 +10,11 @@ import torch
 from conftest import isolate_from_kernels, key_of
 
 from precast import HSTUFwdSm90, TensorDesc, hstu_attention_forward
-from precast.lifecycle.hstu_attention import (KV_GROUP_BYTES, QUERY_TILE_ROWS, TMA_SPAN_LIMIT,
+from precast.lifecycle.hstu_attention import (KV_GROUP_BYTES, ORDER_MAX_SEQUENCES,
+                                              QUERY_TILE_ROWS, TMA_SPAN_LIMIT,
                                               WORKSPACE_SHAPE, dense_seq_group,
-                                              kernel_scalars)
+                                              kernel_scalars, longest_first)
+from precast.lifecycle.launch import SCHEDULER_COUNTER_SHAPE
 from precast.lifecycle.op import Op
 from precast.lifecycle.validation import INT32_MAX
 from precast.plan import expand
@@ -551,10 +553,11 @@ OWN_WORKSPACE = torch.zeros(WORKSPACE_SHAPE, dtype=I32, device="meta")
 def launches(monkeypatch):
     """Stands in for the loaded kernels, the device's SM count and the op's own workspace:
     records each launch's arguments."""
-    recorder = types.SimpleNamespace(calls=[])
+    recorder = types.SimpleNamespace(calls=[], orders=[])
 
     def ready(self, device_index):
-        return {"fwd": lambda *args: recorder.calls.append(args)}
+        return {"fwd": lambda *args: recorder.calls.append(args),
+                "order": lambda *args: recorder.orders.append(args)}
     monkeypatch.setattr(Op, "_ready", ready)
     monkeypatch.setattr("precast.lifecycle.hstu_attention.sm_count", lambda index: 132)
     monkeypatch.setattr(HSTUFwdSm90, "_own_workspace", lambda self, index, handle: OWN_WORKSPACE)
@@ -569,21 +572,47 @@ def test_execute_launch_arguments(launches):
     assert call[:11] == (args["q"], args["k"], args["v"], args["o"], args["cu_seqlens_q"],
                          args["cu_seqlens_k"], None, None, None, None, OWN_WORKSPACE)
     # (T_q = B x max_seqlen_q: the dense tile order, all B sequences in one group)
-    assert call[11:] == (MAXS, 16, 0, 0.25, 1 / MAXS, 132, B, 7)
+    assert call[11:] == (MAXS, 16, 0, 0.25, 1 / MAXS, 132, B, 0, 7)
     # runtime values: another batch, alpha, scaling and max_seqlen, without a new op
     args = meta_args(t_q=3 * T, t_k=5 * T, batch=2 * B)
     op.execute(**args, stream=7, alpha=-3.0, scaling_seqlen=4.0, max_seqlen_q=40,
                max_seqlen_k=80)
-    assert launches.calls[1][11:] == (40, 16, 0, -1.5, 0.25, 132, 0, 7)
+    assert launches.calls[1][11:] == (40, 16, 0, -1.5, 0.25, 132, 0, 0, 7)
     # an omitted scaling_seqlen follows this call's max_seqlen_q
     op.execute(**args, stream=7, max_seqlen_q=48, max_seqlen_k=80)
-    assert launches.calls[2][11:] == (48, 16, 0, 0.25, 1 / 48, 132, 0, 7)
+    assert launches.calls[2][11:] == (48, 16, 0, 0.25, 1 / 48, 132, 0, 0, 7)
     # a caller's workspace replaces the op's own
     ws = torch.zeros(WORKSPACE_SHAPE, dtype=I32, device="meta")
     op.execute(**args, stream=7, max_seqlen_q=48, max_seqlen_k=80, workspace=ws)
     assert launches.calls[3][10] is ws
     op.execute(**args, stream=7, max_seqlen_q=3 * T // (2 * B), max_seqlen_k=80)
     assert launches.calls[4][17] == 2 * B  # dense again: 2 B sequences of 3 T / 2 B
+    assert launches.orders == []  # every sequence fits one query tile
+
+
+def test_execute_orders_ragged_batches_longest_first(launches):
+    """A batch not in the dense order whose sequences may span several query tiles first
+    runs the order kernel into the workspace (after the counter), then the forward with
+    sorted_order = 1; dense and one-tile (decoding) batches, one sequence, and batches
+    beyond ORDER_MAX_SEQUENCES keep the batch order."""
+    op = attn(window_size=(-1, 0)).check_support()
+    ws = torch.zeros(WORKSPACE_SHAPE, dtype=I32, device="meta")
+    args = meta_args(t_q=3 * T, t_k=3 * T)
+    op.execute(**args, stream=5, max_seqlen_q=3 * T - 8, max_seqlen_k=3 * T - 8,
+               workspace=ws)
+    assert launches.orders == [(args["cu_seqlens_q"], args["cu_seqlens_k"], ws,
+                                SCHEDULER_COUNTER_SHAPE[0], 5)]
+    assert launches.calls[-1][17:] == (0, 1, 5)
+    for kw in (dict(max_seqlen_q=3 * T // B, max_seqlen_k=3 * T // B),  # dense
+               dict(max_seqlen_q=QUERY_TILE_ROWS, max_seqlen_k=3 * T)):  # one tile each
+        op.execute(**args, stream=5, workspace=ws, **kw)
+        assert launches.calls[-1][18] == 0 and len(launches.orders) == 1
+    assert longest_first(2, QUERY_TILE_ROWS + 1, 0)
+    assert longest_first(ORDER_MAX_SEQUENCES, QUERY_TILE_ROWS + 1, 0)
+    assert not longest_first(ORDER_MAX_SEQUENCES + 1, 4096, 0)
+    assert not longest_first(1, 4096, 0)
+    assert not longest_first(8, 4096, 2)
+    assert WORKSPACE_SHAPE == (SCHEDULER_COUNTER_SHAPE[0] + ORDER_MAX_SEQUENCES,)
 
 
 def test_execute_caps_wide_windows(launches):
@@ -593,8 +622,8 @@ def test_execute_caps_wide_windows(launches):
 
 @pytest.mark.parametrize("workspace, error, match", [
     (torch.zeros(3, dtype=I32, device="meta"), ValueError, r"workspace: extent 3 on axis 0"),
-    (torch.zeros(2, dtype=I64, device="meta"), TypeError, "workspace: dtype int64"),
-    (torch.zeros(4, dtype=I32, device="meta")[::2], ValueError,
+    (torch.zeros(WORKSPACE_SHAPE, dtype=I64, device="meta"), TypeError, "workspace: dtype int64"),
+    (torch.zeros(2 * WORKSPACE_SHAPE[0], dtype=I32, device="meta")[::2], ValueError,
      "workspace: the last dimension must be contiguous"),
 ])
 def test_execute_rejects_bad_workspaces(launches, workspace, error, match):
@@ -621,7 +650,7 @@ def test_own_workspace_refused_while_capturing(monkeypatch):
 
 def test_execute_constructor_scaling_and_unbounded_windows(launches):
     attn(scaling_seqlen=10.0).check_support().execute(**meta_args(), stream=1)
-    assert launches.calls[-1][11:] == (MAXS, -1, -1, 0.5, 0.1, 132, 0, 1)
+    assert launches.calls[-1][11:] == (MAXS, -1, -1, 0.5, 0.1, 132, 0, 0, 1)
     op = attn(**PAGED).check_support()
     args = paged_meta_args()
     op.execute(**args, stream=2)
@@ -682,14 +711,14 @@ def stub_kernel(monkeypatch):
 def test_kernel_builder_arguments(stub_kernel, config, none_args):
     import cutlass
     op = HSTUFwdSm90.from_config(dtype="float16", head_dim=64, **config).check_support()
-    (name, build), = op._kernel_builders().items()
-    assert name == "fwd"
-    kernel, args = build()
+    builders = op._kernel_builders()
+    assert set(builders) == {"fwd", "order"}
+    kernel, args = builders["fwd"]()
     cfg = op.static_config()
     assert stub_kernel == [(cutlass.Float16, 64, 4, cfg["num_kv_heads"],
                             cfg["window_left_bounded"], cfg["window_right_bounded"],
                             cfg["func_intervals"], cfg["paged"])]
-    assert len(args) == 18
+    assert len(args) == 19
     assert tuple(args[10].shape) == WORKSPACE_SHAPE and args[10].element_type == cutlass.Int32
     assert tuple(i for i, a in enumerate(args) if a is None) == none_args
     q, o = args[0], args[3]
@@ -717,11 +746,11 @@ def test_allocating_function_allocates_o_and_reuses_one_op(no_compile):
     assert r.o_tensor is o and r["o_tensor"] is o
     assert o.shape == (T, H, D) and o.dtype == BF and o.is_contiguous()
     call = no_compile.calls[-1]
-    assert call[3] is o and call[11:] == (MAXS, -1, 0, 1.0, 1 / MAXS, 132, B, 0)  # causal
+    assert call[3] is o and call[11:] == (MAXS, -1, 0, 1.0, 1 / MAXS, 132, B, 0, 0)  # causal
     # runtime values reuse the op; another window makes another instance (same kernel)
     hstu_attention_forward(**forward_args(alpha=0.5, scaling_seqlen=2.0, max_seqlen_q=20,
                                           max_seqlen_k=20))
-    assert no_compile.calls[-1][11:] == (20, -1, 0, 0.25, 0.5, 132, 0, 0)
+    assert no_compile.calls[-1][11:] == (20, -1, 0, 0.25, 0.5, 132, 0, 0, 0)
     hstu_attention_forward(**forward_args(q=meta(2 * T, H, D), max_seqlen_q=32, max_seqlen_k=32))
     assert len(COMPILED_OPS._ops) == 1
     hstu_attention_forward(**forward_args(window_size=(4, 0)))

@@ -6,9 +6,11 @@ For each packed sequence and query head h (kv head h // (H / H_kv)):
 Work tiles are (sequence, head, 128 query rows). Persistent CTAs (one per SM) claim them
 from an int32 counter in global memory, the heaviest query tiles of a sequence first (they
 see the most keys under a causal mask); a warp prefix sum over cu_seqlens_q maps a tile
-number to its sequence on the device, so no host ever reads the metadata. Dense batches
-(the host passes seq_group) run the heaviest tiles of groups of sequences first instead,
-decoded by arithmetic. The last CTA to finish resets the counter for the next launch.
+number to its sequence on the device, so no host ever reads the metadata. Ragged batches
+visit their sequences longest first (the order SequenceOrderSm90 writes beside the
+counter). Dense batches (the host passes seq_group) run the heaviest tiles of groups of
+sequences first instead, decoded by arithmetic. The last CTA to finish resets the counter
+for the next launch.
 - warp 0 (producer; the other three warps of its warpgroup give their registers back)
   claims a tile, posts it with its Q into one of two Q buffers, and streams the tile's
   visible K and V tiles through TMA into separate multi-stage rings;
@@ -37,7 +39,7 @@ from cutlass.tensor_utils import LayoutEnum
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
                              copy_rows_out, select_modes, store_stmatrix, tma_pipeline,
                              warp_inclusive_sum, wgmma)
-from .scheduler import claim_work, count_out
+from .scheduler import COUNTER_WORDS, claim_work, count_out
 
 TILE_M = 128  # query rows of a work tile (two consumer warpgroups of 64)
 WG_ROWS = 64
@@ -94,12 +96,13 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                  mPagedKV: cute.Tensor, mPageIds: cute.Tensor, mPageIndptrs: cute.Tensor,
                  mTileCounter: cute.Tensor, max_seqlen_q: Int32, window_left: Int32,
                  window_right: Int32, half_alpha: Float32, out_scale: Float32, num_ctas: Int32,
-                 seq_group: Int32, stream: cuda.CUstream):
+                 seq_group: Int32, sorted_order: Int32, stream: cuda.CUstream):
         """seq_group > 0: every sequence has max_seqlen_q queries (the host knows it from the
         token count), and the tiles run by rank from the end of their sequence across groups
         of seq_group sequences (the last group takes the remainder): the heaviest tiles of
         the whole batch start first while a group's K/V stays in L2. 0: sequence by
-        sequence, each heaviest first."""
+        sequence, each heaviest first: in batch order, or with sorted_order = 1 in the order
+        that SequenceOrderSm90 wrote after the counter's words of mTileCounter."""
         dt = self.dtype
         D, tn = self.head_dim, self.tile_n
         # (T, H, D) -> (T, D, H): rows and head dim first, as TMA tiles them.
@@ -158,7 +161,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         self.kernel(mma_qk, mma_qk_half, mma_pv, mQ_tma, mK_tma, mVt_tma, mO, tma_q, tma_k,
                     tma_v, sQ_layout, sK_layout, sVt_layout, mCuSeqlensQ, mCuSeqlensK, mFunc,
                     mPageIds, mPageIndptrs, mTileCounter, num_batches, window_left,
-                    window_right, half_alpha, out_scale, seq_group, m_blocks).launch(
+                    window_right, half_alpha, out_scale, seq_group, m_blocks,
+                    sorted_order).launch(
             grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -171,7 +175,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor,
                mPageIds: cute.Tensor, mPageIndptrs: cute.Tensor, mTileCounter: cute.Tensor,
                num_batches: Int32, window_left: Int32, window_right: Int32, half_alpha: Float32,
-               out_scale: Float32, seq_group: Int32, m_blocks: Int32):
+               out_scale: Float32, seq_group: Int32, m_blocks: Int32, sorted_order: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -197,7 +201,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             self.produce(mQ, mK, mVt, tma_q, tma_k, tma_v, sQ, sK, sVt, work, pipe_q, pipe_k,
                          pipe_v, mCuSeqlensQ, mCuSeqlensK, mTileCounter, num_batches,
                          window_left, window_right, mPageIds, mPageIndptrs,
-                         (seq_group, m_blocks))
+                         (seq_group, m_blocks, sorted_order))
         elif warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
         else:
@@ -219,20 +223,22 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         return m0, q_start, len_q, k_start, len_k, n_min, n_max
 
     @cute.jit
-    def find_tile(self, tile: Int32, group: Int32, base: Int32, mCuSeqlensQ,
+    def find_tile(self, tile: Int32, group: Int32, base: Int32, mCuSeqlensQ, mTileCounter,
                   num_batches: Int32, order):
         """Maps a work-tile number to (batch, m_block, head), scanning the sequences 32 at a
         time from (group, base): the first sequence of the current group and the number of
         tiles before it. Tiles count only query rows that exist: sequence b has
         H * ceil(len_q / 128) of them, its heaviest (last) query tiles first. Returns
-        batch == num_batches past the last tile. order = (seq_group, m_blocks): with
-        seq_group > 0 (a dense batch, see __call__) the tile is decoded by arithmetic."""
+        batch == num_batches past the last tile. order = (seq_group, m_blocks, sorted_order):
+        with seq_group > 0 (a dense batch, see __call__) the tile is decoded by arithmetic;
+        with sorted_order = 1 the scan visits the sequences in the order after the counter's
+        words of mTileCounter."""
         lane = cute.arch.lane_idx()
         heads = self.num_heads
         batch = num_batches
         m_block = Int32(0)
         head = Int32(0)
-        seq_group, m_blocks = order
+        seq_group, m_blocks, sorted_order = order
         searching = seq_group == 0
         if seq_group > 0:
             group_tiles = seq_group * m_blocks * heads
@@ -250,16 +256,20 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                 m_block = m_blocks - 1 - rank
         while searching:
             b = group + lane
+            seq = b
             count = Int32(0)
             if b < num_batches:
-                count = (mCuSeqlensQ[b + 1] - mCuSeqlensQ[b] + TILE_M - 1) // TILE_M * heads
+                if sorted_order != 0:
+                    seq = mTileCounter[COUNTER_WORDS + b]
+                count = (mCuSeqlensQ[seq + 1] - mCuSeqlensQ[seq] + TILE_M - 1) // TILE_M
+                count = count * heads
             ends = warp_inclusive_sum(count)
             total = cute.arch.shuffle_sync(ends, 31)
             if tile < base + total:
                 owner = cute.arch.popc(cute.arch.vote_ballot_sync(tile >= base + ends))
                 start = base + cute.arch.shuffle_sync(ends - count, owner)
                 local = tile - start
-                batch = group + owner
+                batch = cute.arch.shuffle_sync(seq, owner)
                 m_blocks = (mCuSeqlensQ[batch + 1] - mCuSeqlensQ[batch] + TILE_M - 1) // TILE_M
                 m_block = m_blocks - 1 - local // heads
                 head = local % heads
@@ -308,7 +318,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         group = Int32(0)
         base = Int32(0)
         batch, m_block, head, group, base = self.find_tile(cta, group, base, mCuSeqlensQ,
-                                                          num_batches, order)
+                                                          mTileCounter, num_batches, order)
         if batch < num_batches:
             q_state = self.post_tile(mQ, tma_q, sQ, work, pipe_q, q_state, batch, m_block,
                                      head, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
@@ -394,8 +404,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             claimed = claim_work(mTileCounter)
         ctas, _, _ = cute.arch.grid_dim()
         batch, m_block, head, group, base = self.find_tile(
-            ctas + cute.arch.shuffle_sync(claimed, 0), group, base, mCuSeqlensQ, num_batches,
-            order)
+            ctas + cute.arch.shuffle_sync(claimed, 0), group, base, mCuSeqlensQ, mTileCounter,
+            num_batches, order)
         if const_expr(self.q_stages > 1):
             if batch < num_batches:
                 q_state = self.post_tile(mQ, tma_q, sQ, work, pipe_q, q_state, batch, m_block,

@@ -9,6 +9,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 CLAIM_WORD, FINISHED_WORD = 0, 1
+COUNTER_WORDS = 2  # a workspace may hold more after them (lifecycle.launch's shape agrees)
 
 
 @cute.jit

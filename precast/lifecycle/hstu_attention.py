@@ -32,8 +32,11 @@ QUERY_TILE_ROWS = 128  # query rows of a kernel work tile
 KV_GROUP_BYTES = 32 << 20
 # The persistent kernel numbers its work tiles (heads x query tiles x sequences) in int32.
 MAX_WORK_TILES = INT32_MAX
-# Scheduler workspace: the persistent kernel's claim counter.
-WORKSPACE_SHAPE = SCHEDULER_COUNTER_SHAPE
+# Batches of 2 .. ORDER_MAX_SEQUENCES sequences (kernels.sequence_order_sm90's limit: one CTA
+# ranks them) may run longest sequence first.
+ORDER_MAX_SEQUENCES = 1024
+# Scheduler workspace: the persistent kernel's claim counter, then room for the order.
+WORKSPACE_SHAPE = (SCHEDULER_COUNTER_SHAPE[0] + ORDER_MAX_SEQUENCES,)
 # Windows wider than any sequence act as unbounded on that side; capping them keeps the
 # kernel's int32 bound arithmetic (row + offset + window) from overflowing.
 WINDOW_CAP = 2**30
@@ -41,7 +44,8 @@ KV_REQUIRED = "k and v are required (or paged_kv, page_ids and page_indptrs for 
 # Everything the compiled code depends on besides this module (fingerprinted into the cache
 # key); extend it when the kernel imports more of precast.kernels.
 KERNEL_SOURCES = ("precast.kernels.hstu_attention_fwd_sm90", "precast.kernels.attention_sm90",
-                  "precast.kernels.scheduler", "precast.kernels.fake")
+                  "precast.kernels.scheduler", "precast.kernels.sequence_order_sm90",
+                  "precast.kernels.fake")
 
 
 def _stride(t) -> Tuple[int, ...]:
@@ -98,6 +102,15 @@ def dense_seq_group(t_q: int, batch: int, max_seqlen_q: int, max_seqlen_k: int,
         return 0
     kv_bytes = 2 * max_seqlen_k * kv_heads * head_dim * elem_bytes  # > 0: max_k >= max_q
     return min(max(KV_GROUP_BYTES // kv_bytes, 1), batch)
+
+
+def longest_first(batch: int, max_seqlen_q: int, seq_group: int) -> bool:
+    """Whether a call first orders its sequences longest first on the device (one small
+    kernel): batches not run in the dense order whose sequences can span several query
+    tiles, so lengths, and with them the sequences' work, can differ (the bench's
+    heavy-tailed batch: +6 % over its batch order, run 31b). Decoding batches (every
+    sequence within one query tile) keep their order and save the launch."""
+    return seq_group == 0 and 2 <= batch <= ORDER_MAX_SEQUENCES and max_seqlen_q > QUERY_TILE_ROWS
 
 
 def default_scaling_seqlen(max_seqlen_q: int) -> float:
@@ -441,21 +454,35 @@ class HSTUFwdSm90(_AttentionRules, Op):
                     scalar(cutlass.Int32, 0), scalar(cutlass.Int32, -1),
                     scalar(cutlass.Int32, -1), scalar(cutlass.Float32, 0.5),
                     scalar(cutlass.Float32, 1.0), scalar(cutlass.Int32, 132),
-                    scalar(cutlass.Int32, 0), fake_stream())
+                    scalar(cutlass.Int32, 0), scalar(cutlass.Int32, 0), fake_stream())
             return kernel, args
-        return {"fwd": build}
+
+        def build_order():
+            import cutlass
+            import cutlass.cute as cute
+            from ..kernels.fake import fake_packed, fake_stream, scalar
+            from ..kernels.sequence_order_sm90 import SequenceOrderSm90
+            entries = cute.sym_int()
+            offsets = fake_packed(cutlass.Int32, (entries,), INDEX_ALIGN)
+            return SequenceOrderSm90(), (
+                offsets, fake_packed(cutlass.Int32, (entries,), INDEX_ALIGN),
+                fake_packed(cutlass.Int32, WORKSPACE_SHAPE, INDEX_ALIGN),
+                scalar(cutlass.Int32, SCHEDULER_COUNTER_SHAPE[0]), fake_stream())
+        return {"fwd": build, "order": build_order}
 
     # --- run ----------------------------------------------------------------------------------
     @staticmethod
     def workspace_shape() -> Tuple[int, ...]:
         """Shape of the int32 scheduler workspace ``execute(workspace=...)`` takes: zero it
-        once; every launch leaves it zero. Launches that may run concurrently (different
+        once; every launch leaves its first words (the claim counter) zero, and a ragged
+        batch's sequence order in the rest. Launches that may run concurrently (different
         streams) need different workspaces."""
         return WORKSPACE_SHAPE
 
     def _own_workspace(self, index: int, handle: int) -> torch.Tensor:
         """This op's workspace for (device, stream), made on the first execute there."""
-        return own_scheduler_counter(self._workspaces, index, handle, "HSTUFwdSm90")
+        return own_scheduler_counter(self._workspaces, index, handle, "HSTUFwdSm90",
+                                     WORKSPACE_SHAPE)
 
     def execute(self, q, k, v, o, cu_seqlens_q, cu_seqlens_k, func_tensor=None, paged_kv=None,
                 page_ids=None, page_indptrs=None, stream=None, *, alpha: Optional[float] = None,
@@ -493,10 +520,14 @@ class HSTUFwdSm90(_AttentionRules, Op):
         handle = stream_handle(stream, index)
         if workspace is None:
             workspace = self._own_workspace(index, handle)
+        seq_group = dense_seq_group(t_q, entries - 1, max_q, max_k, self.num_kv_heads,
+                                    self.head_dim, q.element_size(), right >= 0)
+        sort = longest_first(entries - 1, max_q, seq_group)
         with device_guard(index):
+            if sort:
+                kernels["order"](cu_seqlens_q, cu_seqlens_k, workspace,
+                                 SCHEDULER_COUNTER_SHAPE[0], handle)
             kernels["fwd"](q, k, v, o, cu_seqlens_q, cu_seqlens_k, func_tensor, paged_kv,
                            page_ids, page_indptrs, workspace, max_q, min(left, WINDOW_CAP),
                            min(right, WINDOW_CAP), half_alpha, out_scale, sm_count(index),
-                           dense_seq_group(t_q, entries - 1, max_q, max_k, self.num_kv_heads,
-                                           self.head_dim, q.element_size(), right >= 0),
-                           handle)
+                           seq_group, int(sort), handle)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 _RUNTIME_LIB = "libcute_dsl_runtime.so"
 _runtime_loaded = False
@@ -216,9 +216,11 @@ def stream_workspace(cache: dict, outgrown: list, key, rows: Optional[int], make
 SCHEDULER_COUNTER_SHAPE = (2,)
 
 
-def own_scheduler_counter(cache: dict, device_index: int, handle: int, owner: str):
+def own_scheduler_counter(cache: dict, device_index: int, handle: int, owner: str,
+                          shape: Tuple[int, ...] = SCHEDULER_COUNTER_SHAPE):
     """An op's own scheduler counter for (device, stream) in ``cache``, zeroed on the stream
     the first time (stream_workspace: never made while the stream captures a graph).
+    ``shape``: the counter's words and whatever the op keeps after them.
 
     One exception: while torch itself captures this stream (torch.cuda.graph, and so
     torch.compile's CUDA graphs, which capture on a stream of their own), a stream with no
@@ -227,19 +229,16 @@ def own_scheduler_counter(cache: dict, device_index: int, handle: int, owner: st
     import torch
 
     if (device_index, handle) not in cache and _torch_captures(device_index, handle):
-        return torch.zeros(SCHEDULER_COUNTER_SHAPE, dtype=torch.int32,
-                           device=f"cuda:{device_index}")
+        return torch.zeros(shape, dtype=torch.int32, device=f"cuda:{device_index}")
 
     def make(_):
         with torch.cuda.stream(torch_stream(handle, device_index)):
-            return torch.zeros(SCHEDULER_COUNTER_SHAPE, dtype=torch.int32,
-                               device=f"cuda:{device_index}")
+            return torch.zeros(shape, dtype=torch.int32, device=f"cuda:{device_index}")
     return stream_workspace(
         cache, [], (device_index, handle), None, make, lambda: stream_is_capturing(handle),
         lambda: f"{owner}.execute: the stream is capturing a CUDA graph and this op has no "
-                f"workspace for it yet; pass workspace= (int32, shape "
-                f"{SCHEDULER_COUNTER_SHAPE}, zeroed) or execute once on this stream before "
-                "capturing")
+                f"workspace for it yet; pass workspace= (int32, shape {shape}, zeroed) or "
+                "execute once on this stream before capturing")
 
 
 def _torch_captures(device_index: int, handle: int) -> bool:
