@@ -600,8 +600,7 @@ def test_execute_orders_ragged_batches_longest_first(launches):
     args = meta_args(t_q=3 * T, t_k=3 * T)
     op.execute(**args, stream=5, max_seqlen_q=3 * T - 8, max_seqlen_k=3 * T - 8,
                workspace=ws)
-    assert launches.orders == [(args["cu_seqlens_q"], args["cu_seqlens_k"], ws,
-                                SCHEDULER_COUNTER_SHAPE[0], 5)]
+    assert launches.orders == [(args["cu_seqlens_q"], args["cu_seqlens_k"], ws, 5)]
     assert launches.calls[-1][17:] == (0, 1, 5)
     for kw in (dict(max_seqlen_q=3 * T // B, max_seqlen_k=3 * T // B),  # dense
                dict(max_seqlen_q=QUERY_TILE_ROWS, max_seqlen_k=3 * T)):  # one tile each

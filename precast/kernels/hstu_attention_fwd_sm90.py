@@ -94,7 +94,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor,
                  mPagedKV: cute.Tensor, mPageIds: cute.Tensor, mPageIndptrs: cute.Tensor,
-                 mTileCounter: cute.Tensor, max_seqlen_q: Int32, window_left: Int32,
+                 mScheduler: cute.Tensor, max_seqlen_q: Int32, window_left: Int32,
                  window_right: Int32, half_alpha: Float32, out_scale: Float32, num_ctas: Int32,
                  seq_group: Int32, sorted_order: Int32, stream: cuda.CUstream):
         """seq_group > 0: every sequence has max_seqlen_q queries (the host knows it from the
@@ -102,7 +102,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         of seq_group sequences (the last group takes the remainder): the heaviest tiles of
         the whole batch start first while a group's K/V stays in L2. 0: sequence by
         sequence, each heaviest first: in batch order, or with sorted_order = 1 in the order
-        that SequenceOrderSm90 wrote after the counter's words of mTileCounter."""
+        that SequenceOrderSm90 wrote after the claim counter in mScheduler."""
         dt = self.dtype
         D, tn = self.head_dim, self.tile_n
         # (T, H, D) -> (T, D, H): rows and head dim first, as TMA tiles them.
@@ -160,7 +160,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         grid = cutlass.max(cutlass.min(tile_bound, num_ctas), 1)
         self.kernel(mma_qk, mma_qk_half, mma_pv, mQ_tma, mK_tma, mVt_tma, mO, tma_q, tma_k,
                     tma_v, sQ_layout, sK_layout, sVt_layout, mCuSeqlensQ, mCuSeqlensK, mFunc,
-                    mPageIds, mPageIndptrs, mTileCounter, num_batches, window_left,
+                    mPageIds, mPageIndptrs, mScheduler, num_batches, window_left,
                     window_right, half_alpha, out_scale, seq_group, m_blocks,
                     sorted_order).launch(
             grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
@@ -173,7 +173,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sVt_layout: cute.ComposedLayout,
                mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mFunc: cute.Tensor,
-               mPageIds: cute.Tensor, mPageIndptrs: cute.Tensor, mTileCounter: cute.Tensor,
+               mPageIds: cute.Tensor, mPageIndptrs: cute.Tensor, mScheduler: cute.Tensor,
                num_batches: Int32, window_left: Int32, window_right: Int32, half_alpha: Float32,
                out_scale: Float32, seq_group: Int32, m_blocks: Int32, sorted_order: Int32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -199,7 +199,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         if warp_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mQ, mK, mVt, tma_q, tma_k, tma_v, sQ, sK, sVt, work, pipe_q, pipe_k,
-                         pipe_v, mCuSeqlensQ, mCuSeqlensK, mTileCounter, num_batches,
+                         pipe_v, mCuSeqlensQ, mCuSeqlensK, mScheduler, num_batches,
                          window_left, window_right, mPageIds, mPageIndptrs,
                          (seq_group, m_blocks, sorted_order))
         elif warp_idx < 4:
@@ -223,7 +223,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         return m0, q_start, len_q, k_start, len_k, n_min, n_max
 
     @cute.jit
-    def find_tile(self, tile: Int32, group: Int32, base: Int32, mCuSeqlensQ, mTileCounter,
+    def find_tile(self, tile: Int32, group: Int32, base: Int32, mCuSeqlensQ, mScheduler,
                   num_batches: Int32, order):
         """Maps a work-tile number to (batch, m_block, head), scanning the sequences 32 at a
         time from (group, base): the first sequence of the current group and the number of
@@ -232,7 +232,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         batch == num_batches past the last tile. order = (seq_group, m_blocks, sorted_order):
         with seq_group > 0 (a dense batch, see __call__) the tile is decoded by arithmetic;
         with sorted_order = 1 the scan visits the sequences in the order after the counter's
-        words of mTileCounter."""
+        words in mScheduler."""
         lane = cute.arch.lane_idx()
         heads = self.num_heads
         batch = num_batches
@@ -260,7 +260,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             count = Int32(0)
             if b < num_batches:
                 if sorted_order != 0:
-                    seq = mTileCounter[COUNTER_WORDS + b]
+                    seq = mScheduler[COUNTER_WORDS + b]
                 count = (mCuSeqlensQ[seq + 1] - mCuSeqlensQ[seq] + TILE_M - 1) // TILE_M
                 count = count * heads
             ends = warp_inclusive_sum(count)
@@ -302,7 +302,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
 
     @cute.jit
     def produce(self, mQ, mK, mVt, tma_q, tma_k, tma_v, sQ, sK, sVt, work, pipe_q, pipe_k,
-                pipe_v, mCuSeqlensQ, mCuSeqlensK, mTileCounter, num_batches: Int32,
+                pipe_v, mCuSeqlensQ, mCuSeqlensK, mScheduler, num_batches: Int32,
                 window_left: Int32, window_right: Int32, mPageIds, mPageIndptrs, order):
         """Warp 0: claims work tiles (dynamically, so the heaviest finish first), posts each
         to the consumers beside its Q, and streams the tile's K/V. With two Q buffers the
@@ -318,7 +318,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         group = Int32(0)
         base = Int32(0)
         batch, m_block, head, group, base = self.find_tile(cta, group, base, mCuSeqlensQ,
-                                                          mTileCounter, num_batches, order)
+                                                          mScheduler, num_batches, order)
         if batch < num_batches:
             q_state = self.post_tile(mQ, tma_q, sQ, work, pipe_q, q_state, batch, m_block,
                                      head, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
@@ -338,12 +338,12 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                                              page_base, mPageIds)
                 if i == claim_at:
                     next_batch, next_m_block, next_head, group, base, q_state = self.claim_next(
-                        mQ, tma_q, sQ, work, pipe_q, q_state, mTileCounter, group, base,
+                        mQ, tma_q, sQ, work, pipe_q, q_state, mScheduler, group, base,
                         mCuSeqlensQ, mCuSeqlensK, num_batches, window_left, window_right,
                         order)
             if claim_at < 0:  # no visible key tile
                 next_batch, next_m_block, next_head, group, base, q_state = self.claim_next(
-                    mQ, tma_q, sQ, work, pipe_q, q_state, mTileCounter, group, base,
+                    mQ, tma_q, sQ, work, pipe_q, q_state, mScheduler, group, base,
                     mCuSeqlensQ, mCuSeqlensK, num_batches, window_left, window_right, order)
             if const_expr(self.q_stages == 1):
                 # One Q buffer: it frees only after this tile's last Q K^T, which needs the
@@ -361,7 +361,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                     num_batches if field == W_BATCH else Int32(0))
             cute.arch.mbarrier_arrive(pipe_q.sync_object_full.get_barrier(q_state.index))
         if lane == 0:
-            count_out(mTileCounter, ctas)
+            count_out(mScheduler, ctas)
 
     @cute.jit
     def post_tile(self, mQ, tma_q, sQ, work, pipe_q, q_state, batch: Int32, m_block: Int32,
@@ -394,17 +394,17 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         return advanced(q_state)
 
     @cute.jit
-    def claim_next(self, mQ, tma_q, sQ, work, pipe_q, q_state, mTileCounter, group: Int32,
+    def claim_next(self, mQ, tma_q, sQ, work, pipe_q, q_state, mScheduler, group: Int32,
                    base: Int32, mCuSeqlensQ, mCuSeqlensK, num_batches: Int32,
                    window_left: Int32, window_right: Int32, order):
         """Claims the next tile (one atomic, lane 0 for the warp); with two Q buffers also
         posts it."""
         claimed = Int32(0)
         if cute.arch.lane_idx() == 0:
-            claimed = claim_work(mTileCounter)
+            claimed = claim_work(mScheduler)
         ctas, _, _ = cute.arch.grid_dim()
         batch, m_block, head, group, base = self.find_tile(
-            ctas + cute.arch.shuffle_sync(claimed, 0), group, base, mCuSeqlensQ, mTileCounter,
+            ctas + cute.arch.shuffle_sync(claimed, 0), group, base, mCuSeqlensQ, mScheduler,
             num_batches, order)
         if const_expr(self.q_stages > 1):
             if batch < num_batches:

@@ -4,9 +4,10 @@ A persistent kernel that claims work tiles in batch order starts a long sequence
 tiles wherever the sequence sits in the batch: one late in the batch leaves most SMs idle
 while a few finish it (the heavy-tailed batch of bench_hstu_attention: 529-563 TFLOP/s over
 batch orders, 576-584 with its longest sequence first). This kernel writes the order
-(a permutation of 0 .. N - 1) into ``mOrder[first ...]``: by key length, then query length,
-descending; equal sequences keep their batch order. One CTA ranks every sequence against
-all others from shared memory, so N is at most THREADS.
+(a permutation of 0 .. N - 1) into the scheduler workspace after the claim counter's
+words: by key length, then query length, descending; equal sequences keep their batch
+order. One CTA ranks every sequence against all others from shared memory, so N is at
+most THREADS.
 """
 import cuda.bindings.driver as cuda
 
@@ -14,28 +15,30 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from .scheduler import COUNTER_WORDS
+
 THREADS = 1024
 MAX_SEQUENCES = THREADS  # one sequence per thread
 
 
 class SequenceOrderSm90:
-    """mOrder[first + rank] = b for each sequence b of cu_seqlens_q / cu_seqlens_k."""
+    """mWorkspace[COUNTER_WORDS + rank] = b for each sequence b of cu_seqlens_q / cu_seqlens_k."""
 
     @cute.jit
-    def __call__(self, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mOrder: cute.Tensor,
-                 first: Int32, stream: cuda.CUstream):
+    def __call__(self, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                 mWorkspace: cute.Tensor, stream: cuda.CUstream):
         @cute.struct
         class SharedStorage:
             len_q: cute.struct.MemRange[Int32, THREADS]
             len_k: cute.struct.MemRange[Int32, THREADS]
 
         self.storage = SharedStorage
-        self.kernel(mCuSeqlensQ, mCuSeqlensK, mOrder, first).launch(
+        self.kernel(mCuSeqlensQ, mCuSeqlensK, mWorkspace).launch(
             grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mOrder: cute.Tensor,
-               first: Int32):
+    def kernel(self, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+               mWorkspace: cute.Tensor):
         b, _, _ = cute.arch.thread_idx()
         n = mCuSeqlensQ.shape[0] - 1
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
@@ -57,4 +60,4 @@ class SequenceOrderSm90:
                 before = (other_k > len_k) or (other_k == len_k and (
                     other_q > len_q or (other_q == len_q and j < b)))
                 rank = rank + Int32(before)
-            mOrder[first + rank] = b
+            mWorkspace[COUNTER_WORDS + rank] = b

@@ -461,14 +461,13 @@ class HSTUFwdSm90(_AttentionRules, Op):
         def build_order():
             import cutlass
             import cutlass.cute as cute
-            from ..kernels.fake import fake_packed, fake_stream, scalar
+            from ..kernels.fake import fake_packed, fake_stream
             from ..kernels.sequence_order_sm90 import SequenceOrderSm90
             entries = cute.sym_int()
             offsets = fake_packed(cutlass.Int32, (entries,), INDEX_ALIGN)
             return SequenceOrderSm90(), (
                 offsets, fake_packed(cutlass.Int32, (entries,), INDEX_ALIGN),
-                fake_packed(cutlass.Int32, WORKSPACE_SHAPE, INDEX_ALIGN),
-                scalar(cutlass.Int32, SCHEDULER_COUNTER_SHAPE[0]), fake_stream())
+                fake_packed(cutlass.Int32, WORKSPACE_SHAPE, INDEX_ALIGN), fake_stream())
         return {"fwd": build, "order": build_order}
 
     # --- run ----------------------------------------------------------------------------------
@@ -526,8 +525,7 @@ class HSTUFwdSm90(_AttentionRules, Op):
         sort = longest_first(entries - 1, max_q, seq_group)
         with device_guard(index):
             if sort:
-                kernels["order"](cu_seqlens_q, cu_seqlens_k, workspace,
-                                 SCHEDULER_COUNTER_SHAPE[0], handle)
+                kernels["order"](cu_seqlens_q, cu_seqlens_k, workspace, handle)
             kernels["fwd"](q, k, v, o, cu_seqlens_q, cu_seqlens_k, func_tensor, paged_kv,
                            page_ids, page_indptrs, workspace, max_q, min(left, WINDOW_CAP),
                            min(right, WINDOW_CAP), half_alpha, out_scale, sm_count(index),
