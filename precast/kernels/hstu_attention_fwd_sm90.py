@@ -19,7 +19,8 @@ for the next launch.
   while P V runs; P feeds the second wgmma as a register operand, so S never touches shared
   memory. The warpgroups take turns issuing (ping-pong), so one's SiLU overlaps the other's
   matmuls.
-SiLU(z) = s + s * tanh(s) with s = z / 2: one MUFU.TANH per score. Masks (window edges, the
+SiLU(z) = s + s * tanh(s) with s = z / 2: one MUFU.TANH per score; alpha / 2 is multiplied
+into each tile's Q in shared memory (prescale_q), so S leaves the wgmma as s. Masks (window edges, the
 sequence end, func intervals) are applied only on key tiles that need them, as one bit per
 column of the thread's packed 16-bit P pairs: a few integer ops per row, exact zeros. Key
 tiles outside the window are never loaded; they run from the last to the first. The first of
@@ -527,11 +528,12 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                     for r in cutlass.range_constexpr(rows):
                         for t in cutlass.range_constexpr(nf):
                             func[r, t] = mFunc[0, t, q_start + row_i[r]]
+                self.prescale_q(sQ[None, None, q_state.index], tidx, half_alpha)
                 kv_state = self.attend(mma_qk, mma_pv, tSrQ[None, None, None, q_state.index],
                                        tSrK, half, tOrVt, sVt, acc_s, acc_o, p_regs, tOrP,
                                        thr_qk, tidx, row_i, func, pipe_q, pipe_k, pipe_v, q_state,
                                        kv_state, m0 + wg * WG_ROWS, len_q, len_k, n_min, n_max,
-                                       window_left, window_right, half_alpha)
+                                       window_left, window_right)
                 if const_expr(self.staged_output):
                     self.store_output_staged(mO, acc_o, mma_pv, sQ[None, None, q_state.index],
                                              tidx, head, m0, q_start, len_q, out_scale)
@@ -551,7 +553,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
     def attend(self, mma_qk, mma_pv, tSrQ, tSrK, half, tOrVt, sVt, acc_s, acc_o, p_regs, tOrP,
                thr_qk, consumer_tidx: Int32, row_i, func, pipe_q, pipe_k, pipe_v, q_state,
                kv_state, m0_wg: Int32, len_q: Int32, len_k: Int32, n_min: Int32, n_max: Int32,
-               window_left: Int32, window_right: Int32, half_alpha: Float32):
+               window_left: Int32, window_right: Int32):
         """acc_o = sum over key tiles n_max-1 .. n_min of P_n V_n; returns the K/V state."""
         off = len_k - len_q
         # The thread's first key column in a tile (its others are + 8 g + e).
@@ -583,11 +585,11 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                 pipe_k.consumer_release(k_state)
                 # Registers 0 .. 4 g + 3 of either accumulator hold columns 0 .. 8 g + 7.
                 for e in cutlass.range_constexpr(cute.size(acc_half)):
-                    acc_s[e] = self.silu_half(acc_half[e], half_alpha)
+                    acc_s[e] = self.silu_half(acc_half[e])
             else:
-                self.first_s(mma_qk, acc_s, tSrQ, tSrK, pipe_k, k_state, half_alpha)
+                self.first_s(mma_qk, acc_s, tSrQ, tSrK, pipe_k, k_state)
         else:
-            self.first_s(mma_qk, acc_s, tSrQ, tSrK, pipe_k, k_state, half_alpha)
+            self.first_s(mma_qk, acc_s, tSrQ, tSrK, pipe_k, k_state)
         p_regs.store(acc_s.load().to(self.dtype))
         self.mask_p(p_regs, row_i, func, n * self.tile_n + first_col, len_k, off, window_left,
                     window_right)
@@ -613,7 +615,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             self.pass_turn()
             warpgroup.wait_group(1)
             pipe_k.consumer_release(k_state)
-            self.silu(acc_s, half_alpha)
+            self.silu(acc_s)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(v_state)
             p_regs.store(acc_s.load().to(self.dtype))
@@ -636,13 +638,13 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         return v_state
 
     @cute.jit
-    def first_s(self, mma_qk, acc_s, tSrQ, tSrK, pipe_k, k_state, half_alpha: Float32):
+    def first_s(self, mma_qk, acc_s, tSrQ, tSrK, pipe_k, k_state):
         """The first key tile's S = Q K^T (the turn taken), then its SiLU."""
         self.gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index], accumulate=False)
         self.pass_turn()
         warpgroup.wait_group(0)
         pipe_k.consumer_release(k_state)
-        self.silu(acc_s, half_alpha)
+        self.silu(acc_s)
 
     @cute.jit
     def gemm_pv(self, mma_pv, acc_o, tOrP, tOrVt, first_half: Boolean):
@@ -713,10 +715,10 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                               len_k, off, window_left, window_right)
 
     @cute.jit
-    def silu(self, acc_s, half_alpha: Float32):
-        """S -> SiLU(alpha S) in place (fp32)."""
+    def silu(self, acc_s):
+        """alpha S / 2 -> SiLU(alpha S) in place (fp32)."""
         for e in cutlass.range_constexpr(cute.size(acc_s)):
-            acc_s[e] = self.silu_half(acc_s[e], half_alpha)
+            acc_s[e] = self.silu_half(acc_s[e])
 
     @cute.jit
     def mask_p(self, p_regs, row_i, func, first: Int32, len_k: Int32, off: Int32,
@@ -733,9 +735,34 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         return cute.make_tensor(c_s.iterator, acc_mn_layout(c_s.layout))
 
     @cute.jit
-    def silu_half(self, acc: Float32, half_alpha: Float32) -> Float32:
-        # SiLU(z) = s + s * tanh(s), s = z / 2 (the 1 / scaling_seqlen goes on O).
-        s = acc * half_alpha
+    def prescale_q(self, sQ_tile, consumer_tidx: Int32, half_alpha: Float32):
+        """This warpgroup's 64 rows of the tile's Q times alpha / 2, in place, once per work
+        tile: S then leaves the wgmma as the tanh's argument, one FMUL per score fewer
+        (+2.5-3.5 % at causal 4k, D = 64 and 128, run 32c). Exact when alpha / 2 is a power
+        of two (1 / sqrt(D) for D = 64, 256); otherwise Q is rounded once more to 16 bits,
+        as a model that scales q before attention does."""
+        D = self.head_dim
+        wg = consumer_tidx // THREADS_PER_WG
+        rows = cute.local_tile(sQ_tile, (WG_ROWS, D), (wg, 0))
+        vec = 128 // self.dtype.width
+        per_row = D // vec
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                   num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout((THREADS_PER_WG // per_row, per_row), order=(1, 0)),
+            cute.make_layout((1, vec)))
+        t_s = tiled.get_slice(consumer_tidx % THREADS_PER_WG).partition_S(rows)
+        regs = cute.make_rmem_tensor_like(t_s)
+        cute.autovec_copy(t_s, regs)
+        regs.store((regs.load().to(Float32) * half_alpha).to(self.dtype))
+        cute.autovec_copy(regs, t_s)
+        # Generic-proxy stores, read next by this warpgroup's wgmma (async proxy).
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=THREADS_PER_WG)
+
+    @cute.jit
+    def silu_half(self, s: Float32) -> Float32:
+        # SiLU(z) = s + s * tanh(s), s = z / 2 (alpha / 2 is in Q; 1 / scaling_seqlen on O).
         t = cute.arch.inline_ptx("tanh.approx.f32 {$w0}, {$r0};", write_only_types=[Float32],
                                  read_only_args=[s])
         return s + s * t
