@@ -19,8 +19,8 @@ for the next launch.
   while P V runs; P feeds the second wgmma as a register operand, so S never touches shared
   memory. The warpgroups take turns issuing (ping-pong), so one's SiLU overlaps the other's
   matmuls.
-SiLU(z) = s + s * tanh(s) with s = z / 2: one MUFU.TANH per score; alpha / 2 is multiplied
-into each tile's Q in shared memory (prescale_q), so S leaves the wgmma as s. Masks (window edges, the
+SiLU(z) = s + s * tanh(s) with s = z / 2: one MUFU.TANH per score; at D = 128 alpha / 2 is
+multiplied into each tile's Q in shared memory (prescale_q), so S leaves the wgmma as s. Masks (window edges, the
 sequence end, func intervals) are applied only on key tiles that need them, as one bit per
 column of the thread's packed 16-bit P pairs: a few integer ops per row, exact zeros. Key
 tiles outside the window are never loaded; they run from the last to the first. The first of
@@ -50,6 +50,10 @@ PAGE_SIZE = 128
 TILE_N = {32: 128, 64: 128, 128: 128, 256: 64}
 STAGES = {32: 4, 64: 4, 128: 2, 256: 2}
 PRODUCER_REGS, CONSUMER_REGS = 24, 240
+# Whether alpha / 2 goes into each tile's Q (prescale_q) instead of an FMUL per score: D = 128
+# only for now; at D = 32, 64 and 256 ptxas then spills 24-36 bytes (64: +3.3 % measured
+# with the spills, run 32d; fp16 and the local families spill).
+PRESCALE_Q = {32: False, 64: False, 128: True, 256: False}
 # A posted work tile, as the consumers read it from shared memory (no global loads on their
 # critical path): sequence (num_batches = stop), head, first query row, query and key
 # lengths, query start, visible key tiles [n_min, n_max).
@@ -78,6 +82,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         # work tile can be such a tile (see half_tile_hidden).
         self.half_n = self.tile_n // 2 if self.tile_n == 128 else 0
         self.stages = STAGES[head_dim]
+        self.prescale = PRESCALE_Q[head_dim]
         # A second Q buffer lets the producer load the next tile's Q during this tile
         # (shared memory allows it up to D = 128).
         self.q_stages = 2 if head_dim <= 128 else 1
@@ -519,6 +524,10 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             n_min = work[W_N_MIN, slot]
             n_max = work[W_N_MAX, slot]
             if n_max > n_min:
+                tanh_scale = half_alpha
+                if const_expr(self.prescale):
+                    self.prescale_q(sQ[None, None, q_state.index], tidx, half_alpha)
+                    tanh_scale = Float32(1.0)  # a constant: the FMUL folds away
                 acc_o.fill(0.0)
                 # Per-row mask data: local query index, func intervals.
                 coords = self.score_coords(thr_qk)
@@ -528,12 +537,11 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                     for r in cutlass.range_constexpr(rows):
                         for t in cutlass.range_constexpr(nf):
                             func[r, t] = mFunc[0, t, q_start + row_i[r]]
-                self.prescale_q(sQ[None, None, q_state.index], tidx, half_alpha)
                 kv_state = self.attend(mma_qk, mma_pv, tSrQ[None, None, None, q_state.index],
                                        tSrK, half, tOrVt, sVt, acc_s, acc_o, p_regs, tOrP,
                                        thr_qk, tidx, row_i, func, pipe_q, pipe_k, pipe_v, q_state,
                                        kv_state, m0 + wg * WG_ROWS, len_q, len_k, n_min, n_max,
-                                       window_left, window_right)
+                                       window_left, window_right, tanh_scale)
                 if const_expr(self.staged_output):
                     self.store_output_staged(mO, acc_o, mma_pv, sQ[None, None, q_state.index],
                                              tidx, head, m0, q_start, len_q, out_scale)
@@ -553,7 +561,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
     def attend(self, mma_qk, mma_pv, tSrQ, tSrK, half, tOrVt, sVt, acc_s, acc_o, p_regs, tOrP,
                thr_qk, consumer_tidx: Int32, row_i, func, pipe_q, pipe_k, pipe_v, q_state,
                kv_state, m0_wg: Int32, len_q: Int32, len_k: Int32, n_min: Int32, n_max: Int32,
-               window_left: Int32, window_right: Int32):
+               window_left: Int32, window_right: Int32, half_alpha: Float32):
         """acc_o = sum over key tiles n_max-1 .. n_min of P_n V_n; returns the K/V state."""
         off = len_k - len_q
         # The thread's first key column in a tile (its others are + 8 g + e).
@@ -585,11 +593,11 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                 pipe_k.consumer_release(k_state)
                 # Registers 0 .. 4 g + 3 of either accumulator hold columns 0 .. 8 g + 7.
                 for e in cutlass.range_constexpr(cute.size(acc_half)):
-                    acc_s[e] = self.silu_half(acc_half[e])
+                    acc_s[e] = self.silu_half(acc_half[e], half_alpha)
             else:
-                self.first_s(mma_qk, acc_s, tSrQ, tSrK, pipe_k, k_state)
+                self.first_s(mma_qk, acc_s, tSrQ, tSrK, pipe_k, k_state, half_alpha)
         else:
-            self.first_s(mma_qk, acc_s, tSrQ, tSrK, pipe_k, k_state)
+            self.first_s(mma_qk, acc_s, tSrQ, tSrK, pipe_k, k_state, half_alpha)
         p_regs.store(acc_s.load().to(self.dtype))
         self.mask_p(p_regs, row_i, func, n * self.tile_n + first_col, len_k, off, window_left,
                     window_right)
@@ -615,7 +623,7 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             self.pass_turn()
             warpgroup.wait_group(1)
             pipe_k.consumer_release(k_state)
-            self.silu(acc_s)
+            self.silu(acc_s, half_alpha)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(v_state)
             p_regs.store(acc_s.load().to(self.dtype))
@@ -638,13 +646,13 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         return v_state
 
     @cute.jit
-    def first_s(self, mma_qk, acc_s, tSrQ, tSrK, pipe_k, k_state):
+    def first_s(self, mma_qk, acc_s, tSrQ, tSrK, pipe_k, k_state, half_alpha: Float32):
         """The first key tile's S = Q K^T (the turn taken), then its SiLU."""
         self.gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index], accumulate=False)
         self.pass_turn()
         warpgroup.wait_group(0)
         pipe_k.consumer_release(k_state)
-        self.silu(acc_s)
+        self.silu(acc_s, half_alpha)
 
     @cute.jit
     def gemm_pv(self, mma_pv, acc_o, tOrP, tOrVt, first_half: Boolean):
@@ -715,10 +723,10 @@ class HstuAttentionForwardSm90(AttentionTileOps):
                               len_k, off, window_left, window_right)
 
     @cute.jit
-    def silu(self, acc_s):
-        """alpha S / 2 -> SiLU(alpha S) in place (fp32)."""
+    def silu(self, acc_s, half_alpha: Float32):
+        """S -> SiLU(alpha S) in place (fp32)."""
         for e in cutlass.range_constexpr(cute.size(acc_s)):
-            acc_s[e] = self.silu_half(acc_s[e])
+            acc_s[e] = self.silu_half(acc_s[e], half_alpha)
 
     @cute.jit
     def mask_p(self, p_regs, row_i, func, first: Int32, len_k: Int32, off: Int32,
@@ -752,17 +760,21 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             atom, cute.make_ordered_layout((THREADS_PER_WG // per_row, per_row), order=(1, 0)),
             cute.make_layout((1, vec)))
         t_s = tiled.get_slice(consumer_tidx % THREADS_PER_WG).partition_S(rows)
-        regs = cute.make_rmem_tensor_like(t_s)
-        cute.autovec_copy(t_s, regs)
-        regs.store((regs.load().to(Float32) * half_alpha).to(self.dtype))
-        cute.autovec_copy(regs, t_s)
+        # One 16-byte vector at a time (a rolled loop): the whole slice in registers made
+        # ptxas spill beside the live accumulators (D = 32, 64, 256 families).
+        for m in cutlass.range_constexpr(cute.size(t_s.shape[1])):
+            piece = cute.make_rmem_tensor_like(t_s[None, m, None])
+            cute.autovec_copy(t_s[None, m, None], piece)
+            piece.store((piece.load().to(Float32) * half_alpha).to(self.dtype))
+            cute.autovec_copy(piece, t_s[None, m, None])
         # Generic-proxy stores, read next by this warpgroup's wgmma (async proxy).
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=THREADS_PER_WG)
 
     @cute.jit
-    def silu_half(self, s: Float32) -> Float32:
-        # SiLU(z) = s + s * tanh(s), s = z / 2 (alpha / 2 is in Q; 1 / scaling_seqlen on O).
+    def silu_half(self, acc: Float32, half_alpha: Float32) -> Float32:
+        # SiLU(z) = s + s * tanh(s), s = z / 2 (the 1 / scaling_seqlen goes on O).
+        s = acc * half_alpha
         t = cute.arch.inline_ptx("tanh.approx.f32 {$w0}, {$r0};", write_only_types=[Float32],
                                  read_only_args=[s])
         return s + s * t
