@@ -98,12 +98,10 @@ def store_stmatrix(vals, tiled_mma, tile, tidx: Int32):
     cute.copy(atom, st.retile(vals), st.partition_D(tile))
 
 
-@cute.jit
-def copy_rows_out(sRows: cute.Tensor, gRows: cute.Tensor, first_row: Int32, limit: Int32,
-                  wg_tidx: Int32):
-    """A warpgroup's staged (rows, D) 16-bit tile ``sRows`` -> ``gRows`` as coalesced 16-byte
-    stores (128 threads; ``wg_tidx`` the thread's index in the warpgroup). Row r is written
-    only when first_row + r < limit: rows past a sequence's end belong to the next one."""
+def row_vectors(sRows: cute.Tensor, wg_tidx: Int32):
+    """A warpgroup's (rows, D) 16-bit tile ``sRows`` as 16-byte vectors, each row's vectors
+    on consecutive threads (128 threads; ``wg_tidx`` the thread's index in the warpgroup):
+    (the copy atom, the thread's slice of the tiled copy)."""
     dtype = sRows.element_type
     vec = 128 // dtype.width
     per_row = cute.size(sRows, mode=[1]) // vec
@@ -111,7 +109,16 @@ def copy_rows_out(sRows: cute.Tensor, gRows: cute.Tensor, first_row: Int32, limi
     rows_copy = cute.make_tiled_copy_tv(
         copy_atom, cute.make_ordered_layout((128 // per_row, per_row), order=(1, 0)),
         cute.make_layout((1, vec)))
-    thr = rows_copy.get_slice(wg_tidx)
+    return copy_atom, rows_copy.get_slice(wg_tidx)
+
+
+@cute.jit
+def copy_rows_out(sRows: cute.Tensor, gRows: cute.Tensor, first_row: Int32, limit: Int32,
+                  wg_tidx: Int32):
+    """A warpgroup's staged (rows, D) 16-bit tile ``sRows`` -> ``gRows`` as coalesced 16-byte
+    stores (128 threads; ``wg_tidx`` the thread's index in the warpgroup). Row r is written
+    only when first_row + r < limit: rows past a sequence's end belong to the next one."""
+    copy_atom, thr = row_vectors(sRows, wg_tidx)
     t_s = thr.partition_S(sRows)
     t_g = thr.partition_D(gRows)
     t_c = thr.partition_S(cute.make_identity_tensor(sRows.shape))

@@ -20,12 +20,13 @@ for the next launch.
   memory. The warpgroups take turns issuing (ping-pong), so one's SiLU overlaps the other's
   matmuls.
 SiLU(z) = s + s * tanh(s) with s = z / 2: one MUFU.TANH per score; at D = 128 alpha / 2 is
-multiplied into each tile's Q in shared memory (prescale_q), so S leaves the wgmma as s. Masks (window edges, the
-sequence end, func intervals) are applied only on key tiles that need them, as one bit per
-column of the thread's packed 16-bit P pairs: a few integer ops per row, exact zeros. Key
-tiles outside the window are never loaded; they run from the last to the first. The first of
-them may hide its second half from all 64 rows of a warpgroup (warpgroup 0 on the causal
-diagonal, the sequence end): that warpgroup then computes S and P V over its first half only.
+multiplied into each tile's Q in shared memory (prescale_q), so S leaves the wgmma as s.
+Masks (window edges, the sequence end, func intervals) are applied only on key tiles that
+need them, as one bit per column of the thread's packed 16-bit P pairs: a few integer ops
+per row, exact zeros. Key tiles outside the window are never loaded; they run from the last
+to the first. The first of them may hide its second half from all 64 rows of a warpgroup
+(warpgroup 0 on the causal diagonal, the sequence end): that warpgroup then computes S and
+P V over its first half only.
 """
 import cuda.bindings.driver as cuda
 
@@ -38,7 +39,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
-                             copy_rows_out, select_modes, store_stmatrix, tma_pipeline,
+                             copy_rows_out, row_vectors, select_modes, store_stmatrix, tma_pipeline,
                              warp_inclusive_sum, wgmma)
 from .scheduler import COUNTER_WORDS, claim_work, count_out
 
@@ -512,6 +513,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             if wg == 1:  # warpgroup 0 issues first
                 cute.arch.barrier_arrive(barrier_id=TURN_BARRIER,
                                          number_of_threads=2 * THREADS_PER_WG)
+        # With Q prescaled S is already the tanh's argument; a constant 1 lets the FMUL fold.
+        tanh_scale = Float32(1.0) if const_expr(self.prescale) else half_alpha
         pipe_q.consumer_wait(q_state)
         batch = work[W_BATCH, q_state.count % self.work_slots]
         while batch < num_batches:
@@ -524,10 +527,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
             n_min = work[W_N_MIN, slot]
             n_max = work[W_N_MAX, slot]
             if n_max > n_min:
-                tanh_scale = half_alpha
                 if const_expr(self.prescale):
                     self.prescale_q(sQ[None, None, q_state.index], tidx, half_alpha)
-                    tanh_scale = Float32(1.0)  # a constant: the FMUL folds away
                 acc_o.fill(0.0)
                 # Per-row mask data: local query index, func intervals.
                 coords = self.score_coords(thr_qk)
@@ -746,22 +747,14 @@ class HstuAttentionForwardSm90(AttentionTileOps):
     def prescale_q(self, sQ_tile, consumer_tidx: Int32, half_alpha: Float32):
         """This warpgroup's 64 rows of the tile's Q times alpha / 2, in place, once per work
         tile: S then leaves the wgmma as the tanh's argument, one FMUL per score fewer
-        (+2.5-3.5 % at causal 4k, D = 64 and 128, run 32c). Exact when alpha / 2 is a power
-        of two (1 / sqrt(D) for D = 64, 256); otherwise Q is rounded once more to 16 bits,
-        as a model that scales q before attention does."""
-        D = self.head_dim
+        (causal 4k +2.6 % at D = 128, run 32f). Exact when alpha / 2 is a power of two;
+        otherwise Q is rounded once more to 16 bits, as a model that scales q before
+        attention does."""
         wg = consumer_tidx // THREADS_PER_WG
-        rows = cute.local_tile(sQ_tile, (WG_ROWS, D), (wg, 0))
-        vec = 128 // self.dtype.width
-        per_row = D // vec
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                   num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(
-            atom, cute.make_ordered_layout((THREADS_PER_WG // per_row, per_row), order=(1, 0)),
-            cute.make_layout((1, vec)))
-        t_s = tiled.get_slice(consumer_tidx % THREADS_PER_WG).partition_S(rows)
-        # One 16-byte vector at a time (a rolled loop): the whole slice in registers made
-        # ptxas spill beside the live accumulators (D = 32, 64, 256 families).
+        rows = cute.local_tile(sQ_tile, (WG_ROWS, self.head_dim), (wg, 0))
+        _, thr = row_vectors(rows, consumer_tidx % THREADS_PER_WG)
+        t_s = thr.partition_S(rows)
+        # One 16-byte vector at a time.
         for m in cutlass.range_constexpr(cute.size(t_s.shape[1])):
             piece = cute.make_rmem_tensor_like(t_s[None, m, None])
             cute.autovec_copy(t_s[None, m, None], piece)
