@@ -435,6 +435,11 @@ class GdnChunkRecurrenceSm90:
         # the checkpoints' staging tile: the o tile's in states_only, their own beside o (io
         # dtype); fp32 checkpoints are stored element by element (checkpoint)
         ckpt_stage = staged_o if const_expr(self.states_only) else ckpt_tile
+        # With o, chunk c's O^T leaves during chunk c + 1 (after its first products are
+        # issued) through o16, off the state's chain; the last chunk's after the loop.
+        o16 = None
+        if const_expr(not self.states_only):
+            o16 = cute.make_rmem_tensor(parts.acc_o.layout, self.dtype)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for c in cutlass.range(updates, unroll=1):
             if const_expr(ckpt_stage is not None):
@@ -445,13 +450,20 @@ class GdnChunkRecurrenceSm90:
                 self.checkpoint(parts, mCkpt, ckpt_every, ckpt_row, c, head)
             pipe.consumer_wait(state)
             cute.arch.mbarrier_wait(unpacked + state.index, state.phase)
+            store_previous = None
+            if const_expr(not self.states_only):
+                store_previous = lambda: self.store_previous_o(  # noqa: E731
+                    parts, staged_o, start, c, head, o16)
             self.chunk_update(parts, sU[None, None, state.index], state.index,
-                              sF[0, None, state.index], sF[1, None, state.index], frag_t)
+                              sF[0, None, state.index], sF[1, None, state.index], frag_t,
+                              o16, store_previous)
             cute.arch.sync_warp()
             pipe.consumer_release(state)
             state = advanced(state)
-            if const_expr(not self.states_only):
-                self.store_o(parts, mO, start, length, c, head, staged_o)
+        if const_expr(not self.states_only):
+            if updates > 0:
+                o16.store(parts.acc_o.load().to(self.dtype))
+                self.store_o(parts, mO, start, length, updates - 1, head, staged_o, o16)
         if const_expr(self.from_checkpoints):
             if chunks > 0:  # the state entering the segment's last chunk
                 self.save_state_staged(parts, ckpt_stage, ckpt_row + updates, head)
@@ -519,11 +531,14 @@ class GdnChunkRecurrenceSm90:
                 self.save_state(parts, mCkpt, ckpt_row + (c * CHUNK) // ckpt_every, head)
 
     @cute.jit
-    def chunk_update(self, parts, sU, s, factors, scales=None, frag_t=None):
+    def chunk_update(self, parts, sU, s, factors, scales=None, frag_t=None,
+                     o16=None, after_issue=None):
         """One chunk (its tiles in stage s, U (from_inverse: v's columns) as the 2-D view
         ``sU``, its factor rows [q_f | k_f | G_L] and (from_inverse) [t_w | t_u] as the 1-D
         views ``factors``, ``scales``; with o and from_inverse T's B fragment ``frag_t``):
-        O^T into acc_o, the state advanced; every wgmma waited for."""
+        O^T into acc_o, the state advanced; every wgmma waited for. With o and
+        from_inverse, ``o16`` receives the previous chunk's O^T (acc_o as it came in, 16-bit)
+        once Y^T is issued, and ``after_issue()`` runs once S^T Q^T is too (it stores o16)."""
         mma_tok, mma_state, acc_state = parts.mma_tok, parts.mma_state, parts.acc_state
         acc_x, acc_o, state16, thr_tok = parts.acc_x, parts.acc_o, parts.state16, parts.thr_tok
         delta16, delta_k16 = parts.deltas
@@ -555,16 +570,20 @@ class GdnChunkRecurrenceSm90:
         elif const_expr(self.from_inverse):
             decay = cute.math.exp(factors[G_LAST], fastmath=True)
             acc_d = cute.make_rmem_tensor(acc_x.layout, Float32)
+            if const_expr(o16 is not None):
+                o16.store(acc_o.load().to(self.dtype))  # the previous chunk's O^T
             wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)  # beside Y^T
+            if const_expr(after_issue is not None):
+                after_issue()  # the previous chunk's o leaves while Y^T and S^T Q^T run
+            # the decay while Delta^T runs (acc_state is no wgmma's operand until the update)
             self.delta_from_inverse(parts, acc_d, u_t, t_w, t_u, frag_t[None, None, None, s],
-                                    1)
+                                    1, acc_state, decay)
             for e in cutlass.range_constexpr(cute.size(acc_x)):
                 delta16[e] = acc_d[e].to(self.dtype)
                 delta_k16[e] = (acc_d[e] * t_kf[e]).to(self.dtype)
-            for e in cutlass.range_constexpr(cute.size(acc_state)):
-                acc_state[e] = acc_state[e] * decay
             wgmma(mma_state, acc_state, tSrDk, tSrK[None, None, None, s], True)
-            warpgroup.wait_group(0)
+            # O^T's scaling and product queue behind the update instead of waiting for it:
+            # the next chunk needs only the state
             for e in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[e] = acc_o[e] * t_qf[e]
             wgmma(mma_tok, acc_o, tSrD, tOrM[None, None, None, s], True)
@@ -613,11 +632,13 @@ class GdnChunkRecurrenceSm90:
         warpgroup.wait_group(0)
 
     @cute.jit
-    def delta_from_inverse(self, parts, acc_d, v_t, t_w, t_u, tYrT, after_y: int):
+    def delta_from_inverse(self, parts, acc_d, v_t, t_w, t_u, tYrT, after_y: int,
+                           decayed=None, decay=None):
         """Delta^T = Z^T T^T into acc_d, Z^T = V^T diag(t_u) - Y^T diag(t_w) (16-bit, in
         deltas[0]'s registers), waited for; Y^T = S^T Kc^T was issued into acc_x with
         ``after_y`` wgmma groups after it. V^T as ``v_t`` (the accumulator's partition of
-        v's tile), T as the B fragment ``tYrT``."""
+        v's tile), T as the B fragment ``tYrT``. With ``decayed`` (an accumulator no
+        pending wgmma touches), decayed *= decay while Delta^T runs."""
         acc_x, z16 = parts.acc_x, parts.deltas[0]
         warpgroup.wait_group(after_y)  # Y^T
         for e in cutlass.range_constexpr(cute.size(acc_x)):
@@ -625,33 +646,47 @@ class GdnChunkRecurrenceSm90:
         wgmma(parts.mma_tok, acc_d, cute.make_tensor(z16.iterator,
                                                      acc_as_operand_a(acc_x.layout)),
               tYrT, False)
+        if const_expr(decayed is not None):
+            for e in cutlass.range_constexpr(cute.size(decayed)):
+                decayed[e] = decayed[e] * decay
         warpgroup.wait_group(0)
 
     @cute.jit
     def store_o(self, parts, mO, start: Int32, length: Int32, c: Int32, head: Int32,
-                staged_o=None):
-        """acc_o (O^T of chunk c) -> o rows of the sequence (none past its end). With
-        ``staged_o`` = (sO, TMA store atom, its view of o), a whole chunk goes through the
-        (64, V) staging tile and one TMA store issued by the first consumer warp; a partial
-        last chunk (and the fused kernel, without staged_o) stores element by element."""
+                staged_o=None, values=None):
+        """``values`` (acc_o when not given: O^T of chunk c, in accumulator order) -> o rows
+        of the sequence (none past its end). With ``staged_o`` = (sO, TMA store atom, its
+        view of o), a whole chunk goes through the (64, V) staging tile and one TMA store
+        issued by the first consumer warp; a partial last chunk (and the fused kernel,
+        without staged_o) stores element by element."""
+        if const_expr(values is None):
+            values = parts.acc_o
         rows = cutlass.min(length - c * CHUNK, CHUNK)
         if const_expr(staged_o is None):
-            self.store_o_rows(parts, mO, start, rows, c, head)
+            self.store_o_rows(parts, mO, start, rows, c, head, values)
         else:
             if rows == CHUNK:
-                self.store_o_staged(parts, staged_o, start, c, head)
+                self.store_o_staged(parts, staged_o, start, c, head, values)
             else:
-                self.store_o_rows(parts, mO, start, rows, c, head)
+                self.store_o_rows(parts, mO, start, rows, c, head, values)
 
     @cute.jit
-    def store_o_staged(self, parts, staged_o, start: Int32, c: Int32, head: Int32):
+    def store_previous_o(self, parts, staged_o, start: Int32, c: Int32, head: Int32, o16):
+        """During chunk c > 0: chunk c - 1's O^T (o16), a whole chunk since c follows it.
+        At c = 0 only the TMA store is left out: a branch around the whole store, between
+        wgmma issues, made ptxas serialize the split recurrence's wgmmas."""
+        self.store_o_staged(parts, staged_o, start, c - 1, head, o16, c > 0)
+
+    @cute.jit
+    def store_o_staged(self, parts, staged_o, start: Int32, c: Int32, head: Int32, values,
+                       send=None):
         sO, store_o, mO_t = staged_o
         V, C = 64 * self.nwg, CHUNK
         s_t = parts.thr_tok.partition_C(cute.composition(
             sO[None, None, 0], cute.make_ordered_layout((V, C), order=(1, 0))))
-        self.store_staged(parts, parts.acc_o, s_t, store_o, sO, lambda: cute.local_tile(
+        self.store_staged(parts, values, s_t, store_o, sO, lambda: cute.local_tile(
             cute.domain_offset((start + c * C, 0), mO_t[None, None, head]), (C, V),
-            (0, parts.split)))
+            (0, parts.split)), send)
 
     @cute.jit
     def save_state_staged(self, parts, staged, row: Int32, head: Int32):
@@ -663,25 +698,30 @@ class GdnChunkRecurrenceSm90:
                               (parts.split, 0)))
 
     @cute.jit
-    def store_staged(self, parts, values, t_stage, atom, s_tile, global_tile):
+    def store_staged(self, parts, values, t_stage, atom, s_tile, global_tile, send=None):
         """A consumer thread's ``values`` into its elements ``t_stage`` of the 16-bit staging
         tile ``s_tile`` (once the previous store from it has read it), then one TMA store
-        of the tile to ``global_tile()`` issued by the first consumer warp."""
+        of the tile to ``global_tile()`` issued by the first consumer warp (if ``send``,
+        when given, holds)."""
         issuer = parts.consumer_tidx < cute.arch.WARP_SIZE
-        if issuer:  # the previous store has read the tile
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # the previous store has read the tile (a no-op in threads that issued none: no
+        # branch, which ptxas would have to fence between wgmma issues)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
         for e in cutlass.range_constexpr(cute.size(values)):
             t_stage[e] = values[e].to(self.dtype)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
+        if const_expr(send is not None):
+            issuer = issuer & send
         if issuer:  # the whole warp: the TMA copy elects its issuing lane itself
             tma_store_tile(atom, s_tile, global_tile())
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
-    def store_o_rows(self, parts, mO, start: Int32, rows: Int32, c: Int32, head: Int32):
-        acc_o, thr_tok, split = parts.acc_o, parts.thr_tok, parts.split
+    def store_o_rows(self, parts, mO, start: Int32, rows: Int32, c: Int32, head: Int32,
+                     values):
+        thr_tok, split = parts.thr_tok, parts.split
         V, C = 64 * self.nwg, CHUNK
         # o rows of the chunk as (V, tokens), partitioned like the accumulator. (A
         # composition with a (V, 64):(64, 1) layout, as for the shared-memory tiles, would
@@ -689,9 +729,9 @@ class GdnChunkRecurrenceSm90:
         g_o = cute.domain_offset((start + c * C, split * V), mO[None, head, None])  # (T, V)
         g_t = thr_tok.partition_C(cute.local_tile(select_modes(g_o, [1, 0]), (V, C), (0, 0)))
         c_tok = thr_tok.partition_C(cute.make_identity_tensor((V, C)))
-        for e in cutlass.range_constexpr(cute.size(acc_o)):
+        for e in cutlass.range_constexpr(cute.size(values)):
             if c_tok[e][1] < rows:
-                g_t[e] = acc_o[e].to(mO.element_type)
+                g_t[e] = values[e].to(mO.element_type)
 
     @cute.jit
     def store_state(self, parts, mState0, mFinal, state_row: Int32, batch: Int32,
