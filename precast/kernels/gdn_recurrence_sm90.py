@@ -435,10 +435,14 @@ class GdnChunkRecurrenceSm90:
         # the checkpoints' staging tile: the o tile's in states_only, their own beside o (io
         # dtype); fp32 checkpoints are stored element by element (checkpoint)
         ckpt_stage = staged_o if const_expr(self.states_only) else ckpt_tile
-        # With o, chunk c's O^T leaves during chunk c + 1 (after its first products are
-        # issued) through o16, off the state's chain; the last chunk's after the loop.
+        # With o (one CTA per (sequence, head)), chunk c's O^T leaves during chunk c + 1,
+        # once its first products are issued, through o16: off the state's chain (4 x 8192:
+        # recurrence -4 %). The split recurrence stores each chunk's after it: it gained
+        # nothing (latency-bound, 64 CTAs) and in one variant (fp16, initial state) ptxas
+        # serialized its wgmmas around the store's single-warp TMA issue.
+        behind = not self.states_only and self.v_splits == 1
         o16 = None
-        if const_expr(not self.states_only):
+        if const_expr(behind):
             o16 = cute.make_rmem_tensor(parts.acc_o.layout, self.dtype)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         for c in cutlass.range(updates, unroll=1):
@@ -451,7 +455,7 @@ class GdnChunkRecurrenceSm90:
             pipe.consumer_wait(state)
             cute.arch.mbarrier_wait(unpacked + state.index, state.phase)
             store_previous = None
-            if const_expr(not self.states_only):
+            if const_expr(behind):
                 store_previous = lambda: self.store_previous_o(  # noqa: E731
                     parts, staged_o, start, c, head, o16)
             self.chunk_update(parts, sU[None, None, state.index], state.index,
@@ -460,7 +464,9 @@ class GdnChunkRecurrenceSm90:
             cute.arch.sync_warp()
             pipe.consumer_release(state)
             state = advanced(state)
-        if const_expr(not self.states_only):
+            if const_expr(not self.states_only and not behind):
+                self.store_o(parts, mO, start, length, c, head, staged_o)
+        if const_expr(behind):
             if updates > 0:
                 o16.store(parts.acc_o.load().to(self.dtype))
                 self.store_o(parts, mO, start, length, updates - 1, head, staged_o, o16)
@@ -623,11 +629,9 @@ class GdnChunkRecurrenceSm90:
         acc_x, acc_state, delta_k16 = parts.acc_x, parts.acc_state, parts.deltas[1]
         acc_d = parts.acc_o  # (free in states_only)
         decay = cute.math.exp(factors[G_LAST], fastmath=True)
-        self.delta_from_inverse(parts, acc_d, v_t, t_w, t_u, tYrT, 0)
+        self.delta_from_inverse(parts, acc_d, v_t, t_w, t_u, tYrT, 0, acc_state, decay)
         for e in cutlass.range_constexpr(cute.size(acc_x)):
             delta_k16[e] = (acc_d[e] * t_kf[e]).to(self.dtype)
-        for e in cutlass.range_constexpr(cute.size(acc_state)):
-            acc_state[e] = acc_state[e] * decay
         wgmma(parts.mma_state, acc_state, tSrDk, tSrK, True)
         warpgroup.wait_group(0)
 
