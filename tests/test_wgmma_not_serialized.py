@@ -95,3 +95,29 @@ def test_attention_backward_wgmma_is_not_serialized(needles, fused):
         assert verdict["serialized"] == [], verdict["serialized"]
         assert verdict["spill_bytes"] <= BACKWARD_SPILL_LIMIT, verdict["spill_bytes"]
         assert 0 < verdict["registers"] <= 255
+
+
+GDN_FORWARD_VARIANTS = [  # the recurrence's o leaves behind the next chunk's first products
+    ("dtype=bfloat16", "state_dtype=none", "use_qk_l2norm_in_kernel=True", "k_heads=4,"),
+    # fp16 with an initial state: its split recurrence serialized with the o store there
+    ("dtype=float16", "state_dtype=float32", "k_heads=4,"),
+    # io checkpoints beside o: the most registers live
+    ("checkpoint_dtype=io", "dtype=bfloat16", "state_dtype=float32", "k_heads=4,"),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(_ptxas() is None, reason="no local ptxas")
+@pytest.mark.parametrize("needles", GDN_FORWARD_VARIANTS, ids=lambda n: "-".join(n))
+def test_gdn_forward_wgmma_is_not_serialized(needles):
+    entries = [e for e in ptxas_report.load_plan(ptxas_report.DEFAULT_PLAN)
+               if e.op == "GdnFwdSm90" and all(n in e.describe() + "," for n in needles)]
+    assert entries, needles
+    ptxs = ptxas_report.compile_ptx(entries[0], ptxas_report.DUMP_DIR)
+    names = [p.parent.name for p in ptxs]
+    assert "recurrence" in names and "recurrence_split" in names, names
+    for ptx in ptxs:
+        verdict = ptxas_report.ptxas_verdict(_ptxas(), ptx)
+        assert not verdict["error"], verdict["error"][:2000]
+        assert verdict["serialized"] == [], (ptx.parent.name, verdict["serialized"])
+        assert 0 < verdict["registers"] <= 255
