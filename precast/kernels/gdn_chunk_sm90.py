@@ -412,11 +412,26 @@ class GdnChunkPrepareSm90:
         acc_qk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
         coords = thr.partition_C(cute.make_identity_tensor((C, C)))
         wgmma(mma_s, acc_kk, tSrKa, tSrKb, False)
+        wgmma(mma_s, acc_qk, tSrQa, tSrKb, False)
         if tidx < cute.arch.WARP_SIZE:  # G, while the tensor cores work
             self.cumulative_gates(sGate)
         if const_expr(self.l2norm):
-            acc_qq = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
-            wgmma(mma_s, acc_qq, tSrQa, tSrQb, False)
+            # r_q from the rows of Q on the CUDA cores while both products run (a Q Q^T
+            # for its diagonal was a third of the products, on the chain): two threads a
+            # row, 16-byte loads; r_k from K K^T's diagonal below.
+            row = tidx // 2
+            half = self.k_dim // 2
+            vals = cute.make_rmem_tensor(cute.make_layout(8), self.dtype)
+            sums = [Float32(0.0), Float32(0.0)]
+            for v in cutlass.range_constexpr(half // 8):
+                cute.autovec_copy(cute.local_tile(sQ[row, None, stage], (8,),
+                                                  (tidx % 2 * (half // 8) + v,)), vals)
+                for e in cutlass.range_constexpr(8):
+                    x = vals[e].to(Float32)
+                    sums[e % 2] = sums[e % 2] + x * x
+            total = sums[0] + sums[1]
+            total = total + cute.arch.shuffle_sync_bfly(total, 1)
+            sRows[R_Q, row] = cute.math.rsqrt(cutlass.max(total, Float32(L2NORM_EPS)))
             warpgroup.wait_group(0)
             # The diagonal: warp w's rows 16 w .. are in column slots 4 w .. 4 w + 3, its
             # elements e = 4 (2 w + h) + 2 h + p (row half h, column parity p): 4 of the
@@ -430,9 +445,7 @@ class GdnChunkPrepareSm90:
                             e = 4 * (2 * w + h) + 2 * h + p
                             if coords[e][0] == coords[e][1]:
                                 i = coords[e][0]
-                                sRows[R_Q, i] = cute.math.rsqrt(cutlass.max(acc_qq[e], eps))
                                 sRows[R_K, i] = cute.math.rsqrt(cutlass.max(acc_kk[e], eps))
-        wgmma(mma_s, acc_qk, tSrQa, tSrKb, False)
         warpgroup.wait_group(0)
         self.sync()  # G and the row scales
         # A = diag(beta r_k) (Gamma * K K^T) diag(r_k), M = scale diag(r_q) (Gamma * Q K^T)
