@@ -3,8 +3,8 @@
 Verified on an H200 (2026-11-30) by tests/test_gdn_stages_gpu.py and tests/test_gdn_fwd_gpu.py.
 
 One CTA (one warpgroup) per (64-token chunk, output head). With the chunk's raw rows Qc, Kc,
-Vc, the row scales r_q, r_k of the L2 norm (ones without it; computed from the diagonals of
-Qc Qc^T and Kc Kc^T, so q and k are never rewritten), in-chunk cumulative log gates G
+Vc, the row scales r_q, r_k of the L2 norm (ones without it; r_q from Qc's rows, r_k from
+the diagonal of Kc Kc^T, so q and k are never rewritten), in-chunk cumulative log gates G
 (fp32), gamma = exp(G), beta, and the notation of precast/reference/gated_delta_net.py:
 
     A  = strict_tril(diag(beta r_k) (Gamma * Kc Kc^T) diag(r_k))   (fp32, shared memory)
@@ -400,7 +400,7 @@ class GdnChunkPrepareSm90:
         (gated, strictly lower, fp32 in shared memory); Q K^T -> M (gated,
         causal with the diagonal, scaled; 16-bit into ``t_m``, this thread's elements in
         accumulator order); with the L2 norm, r_q and
-        r_k from the diagonals of Q Q^T and K K^T into sRows first. Ends with the
+        r_k (Q's row norms, K K^T's diagonal) into sRows first. Ends with the
         warpgroup synchronized (sGate written before is read here)."""
         C = CHUNK
         thr = mma_s.get_slice(tidx)
