@@ -405,7 +405,6 @@ class GdnChunkPrepareSm90:
         C = CHUNK
         thr = mma_s.get_slice(tidx)
         tSrQa = thr.make_fragment_A(thr.partition_A(sQ))[None, None, None, stage]
-        tSrQb = thr.make_fragment_B(thr.partition_B(sQ))[None, None, None, stage]
         tSrKa = thr.make_fragment_A(thr.partition_A(sK))[None, None, None, stage]
         tSrKb = thr.make_fragment_B(thr.partition_B(sK))[None, None, None, stage]
         acc_kk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
@@ -431,13 +430,13 @@ class GdnChunkPrepareSm90:
                     sums[e % 2] = sums[e % 2] + x * x
             total = sums[0] + sums[1]
             total = total + cute.arch.shuffle_sync_bfly(total, 1)
-            sRows[R_Q, row] = cute.math.rsqrt(cutlass.max(total, Float32(L2NORM_EPS)))
+            eps = Float32(L2NORM_EPS)
+            sRows[R_Q, row] = cute.math.rsqrt(cutlass.max(total, eps))
             warpgroup.wait_group(0)
             # The diagonal: warp w's rows 16 w .. are in column slots 4 w .. 4 w + 3, its
             # elements e = 4 (2 w + h) + 2 h + p (row half h, column parity p): 4 of the
             # thread's 32 can be diagonal ones (a branch per warp keeps e static).
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
-            eps = Float32(L2NORM_EPS)
             for w in cutlass.range_constexpr(4):
                 if warp == w:
                     for h in cutlass.range_constexpr(2):

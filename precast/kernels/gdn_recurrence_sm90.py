@@ -577,7 +577,7 @@ class GdnChunkRecurrenceSm90:
             decay = cute.math.exp(factors[G_LAST], fastmath=True)
             acc_d = cute.make_rmem_tensor(acc_x.layout, Float32)
             if const_expr(o16 is not None):
-                o16.store(acc_o.load().to(self.dtype))  # the previous chunk's O^T
+                o16.store(acc_o.load().to(self.dtype))  # the previous chunk's O^T (c > 0)
             wgmma(mma_tok, acc_o, tXrS, tXrQ[None, None, None, s], False)  # beside Y^T
             if const_expr(after_issue is not None):
                 after_issue()  # the previous chunk's o leaves while Y^T and S^T Q^T run
@@ -677,8 +677,9 @@ class GdnChunkRecurrenceSm90:
     @cute.jit
     def store_previous_o(self, parts, staged_o, start: Int32, c: Int32, head: Int32, o16):
         """During chunk c > 0: chunk c - 1's O^T (o16), a whole chunk since c follows it.
-        At c = 0 only the TMA store is left out: a branch around the whole store, between
-        wgmma issues, made ptxas serialize the split recurrence's wgmmas."""
+        At c = 0 (o16 holds no chunk's values) only the TMA issue is left out: the fewer
+        branches between wgmma issue and wait, the less ptxas serializes (a branch around
+        the whole store did, in the split recurrence, before it stopped storing behind)."""
         self.store_o_staged(parts, staged_o, start, c - 1, head, o16, c > 0)
 
     @cute.jit
