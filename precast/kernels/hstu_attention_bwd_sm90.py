@@ -4,7 +4,10 @@ With z = alpha q.k, h = z / 2, t = tanh(h), L = scaling_seqlen and M the mask:
     P = M SiLU(z) = M h (1 + t);   dP = dO V^T;   dS = M dP (1 + t) (1 + h (1 - t)) / 2
     dV = P^T dO / L;   dK = alpha dS^T Q / L;   dQ = alpha dS K / L
 (SiLU'(z) = sigma(z) (1 + z (1 - sigma(z))) with sigma(z) = (1 + t) / 2.) One MUFU.TANH per
-score; no row statistics are saved by the forward.
+score; no row statistics are saved by the forward. The kernel makes 2 dS = M dP ((1 + t) +
+h (1 + t) (1 - t)) from the unmasked P and halves the gradients' scales instead; the fixed tile
+X is multiplied by alpha / 2 in shared memory once per CTA (prescale), so S leaves the wgmma
+as h (fused: dQ = 2 dS (alpha K / 2) / L then).
 
 Every mode is one pattern. A CTA owns a *fixed* tile of 64 rows per consumer warpgroup and
 streams 64-row tiles of the other side through a TMA ring:
@@ -42,9 +45,10 @@ from cutlass import Boolean, Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from .activation import tanh_approx
 from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, advanced,
-                             copy_rows_out, find_in_sequences, select_modes, store_stmatrix,
-                             tma_pipeline)
+                             copy_rows_out, find_in_sequences, row_vectors, select_modes,
+                             store_stmatrix, tma_pipeline)
 from .hstu_attention_fwd_sm90 import PRODUCER_REGS, THREADS_PER_WG, WG_ROWS
 
 STREAM_ROWS = 64
@@ -85,6 +89,11 @@ def consumer_warpgroups(head_dim: int) -> int:
     return 2 if head_dim <= 128 else 1
 
 
+# Whether alpha / 2 goes into the fixed tile in shared memory (prescale_fixed) instead of an
+# FMUL per score.
+PRESCALE_FIXED = {32: True, 64: True, 128: True, 256: True}
+
+
 def stream_stages(head_dim: int, fused: bool) -> int:
     # fused: dS (2 x 16 KB) and dQ (32 KB) buffers take a stage's room at D = 128.
     return {32: 4, 64: 4, 128: 2 if fused else 3, 256: 2}[head_dim]
@@ -115,6 +124,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         # D = 64: spill slots 88 -> 56 B, +4.5 % on the H200), except in the fused D = 128
         # kernel, where that order ran 1 % slower (104 -> 88 B).
         self.mask_between_gemms = not (self.fused and head_dim > 64)
+        self.prescale = PRESCALE_FIXED[head_dim]
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -422,6 +432,9 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         q_start, len_q, k_start, len_k, s_min, s_max = span
         D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
         wg = consumer_tidx // THREADS_PER_WG
+        # The loop makes 2 dS; fused with the prescale, dQ's B operand is alpha K / 2.
+        scale_ds = scale_ds * Float32(0.5)
+        scale_dq = scale_p if const_expr(self.prescale) else scale_ds
         wg_s = mma_s.get_slice(wg * THREADS_PER_WG)
         wg_g = mma_g.get_slice(wg * THREADS_PER_WG)
         thr_s = mma_s.get_slice(consumer_tidx)
@@ -472,10 +485,13 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         if s_max > s_min:
             fixed_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_fixed.consumer_wait(fixed_state)
-            if const_expr(self.fused):
+            # fused: dQ sums dS K over the tile's keys: K rows past the sequence (another
+            # sequence's, maybe NaN) must be zeros, not just multiplied by zero.
+            if const_expr(self.prescale):
+                self.prescale_fixed(sX[None, None, 0], len_fixed - r0, consumer_tidx,
+                                    half_alpha)
+            elif const_expr(self.fused):
                 if r0 + R > len_k:
-                    # dQ sums dS K over the tile's keys: K rows past the sequence (another
-                    # sequence's, maybe NaN) must be zeros, not just multiplied by zero.
                     self.zero_fixed_rows(sX[None, None, 0], len_k - r0, consumer_tidx)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             tiles = s_max - s_min
@@ -488,7 +504,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             ops = (mma_s, mma_g, mma_dq, acc_s, acc_dp, acc_a, acc_b, p_regs, ds_regs, tGrP,
                    tGrdS, tGrUt, tGrWt, tSrX, tSrY, tSrU, tSrW, dq_parts)
             where = (row_i, first_col, func, mFunc, q_start, len_q, len_k, off, window_left,
-                     window_right, half_alpha, scale_ds, s_min, tiles, len_stream, head)
+                     window_right, half_alpha, scale_dq, s_min, tiles, len_stream, head)
             for i in cutlass.range(count - 1, unroll=1):
                 state = self.stream_step(i, state, ops, where, sU, sW, sdS, sdQ, pipe_stream,
                                          mdQacc, tma_dq, consumer_tidx, True)
@@ -546,7 +562,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         (mma_s, mma_g, mma_dq, acc_s, acc_dp, acc_a, acc_b, p_regs, ds_regs, tGrP, tGrdS,
          tGrUt, tGrWt, tSrX, tSrY, tSrU, tSrW, dq_parts) = ops
         (row_i, first_col, func, mFunc, q_start, len_q, len_k, off, window_left, window_right,
-         half_alpha, scale_ds, s_min, tiles, len_stream, head) = where
+         half_alpha, scale_dq, s_min, tiles, len_stream, head) = where
         C = STREAM_ROWS
         s = s_min + i % tiles
         warpgroup.wait_group(0)
@@ -584,7 +600,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         pipe_stream.consumer_release(state)
         state = advanced(state)
         if const_expr(self.fused):
-            self.stage_dq(dq_parts, i % self.dq_buffers, scale_ds, consumer_tidx)
+            self.stage_dq(dq_parts, i % self.dq_buffers, scale_dq, consumer_tidx)
         if const_expr(issue_next):
             self.issue_scores(mma_s, acc_s, acc_dp, tSrX, tSrY, tSrU, tSrW, sU, sW,
                               pipe_stream, state, s_min + (i + 1) % tiles, len_stream,
@@ -635,6 +651,39 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         cute.arch.barrier(barrier_id=ZERO_BARRIER, number_of_threads=threads)
 
     @cute.jit
+    def prescale_fixed(self, sX_tile, first_zero_row: Int32, consumer_tidx: Int32,
+                       half_alpha: Float32):
+        """This warpgroup's 64 rows of the fixed tile times alpha / 2, in place, once per CTA:
+        S then leaves the wgmma as the tanh's argument, one FMUL per score fewer. Exact when
+        alpha / 2 is a power of two; otherwise X is rounded once more to 16 bits, as a model
+        that scales it before attention does. fused: rows first_zero_row.. become zeros (dQ
+        reads every row of K)."""
+        D = self.head_dim
+        wg = consumer_tidx // THREADS_PER_WG
+        rows = cute.local_tile(sX_tile, (WG_ROWS, D), (wg, 0))
+        _, thr = row_vectors(rows, consumer_tidx % THREADS_PER_WG)
+        t_s = thr.partition_S(rows)
+        t_c = thr.partition_S(cute.make_identity_tensor(rows.shape))
+        # One 16-byte vector at a time.
+        for m in cutlass.range_constexpr(cute.size(t_s.shape[1])):
+            piece = cute.make_rmem_tensor_like(t_s[None, m, None])
+            cute.autovec_copy(t_s[None, m, None], piece)
+            piece.store((piece.load().to(Float32) * half_alpha).to(self.dtype))
+            if const_expr(self.fused):
+                if wg * WG_ROWS + t_c[0, m, 0][0] >= first_zero_row:
+                    piece.fill(0.0)
+            cute.autovec_copy(piece, t_s[None, m, None])
+        # Generic-proxy stores read next by wgmma (async proxy): fused, both warpgroups'
+        # dQ products read every row.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        if const_expr(self.fused):
+            cute.arch.barrier(barrier_id=ZERO_BARRIER,
+                              number_of_threads=self.nwg * THREADS_PER_WG)
+        else:
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg,
+                              number_of_threads=THREADS_PER_WG)
+
+    @cute.jit
     def zero_fixed_rows(self, sX, first_row: Int32, consumer_tidx: Int32):
         """fused: zeroes rows first_row.. of the fixed K tile (all consumer warpgroups)."""
         D, R = self.head_dim, self.fixed_rows
@@ -649,15 +698,19 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
 
     @cute.jit
     def scores_to_operands(self, acc_s, acc_dp, p_regs, ds_regs, half_alpha: Float32):
-        """S, dP (fp32) -> P = SiLU(alpha S) and dS = dP SiLU'(alpha S) (16-bit)."""
+        """S, dP (fp32) -> P = SiLU(alpha S) and 2 dS = 2 dP SiLU'(alpha S) (16-bit)."""
         for e in cutlass.range_constexpr(cute.size(acc_s)):
-            h = acc_s[e] * half_alpha
-            t = cute.arch.inline_ptx("tanh.approx.f32 {$w0}, {$r0};",
-                                     write_only_types=[Float32], read_only_args=[h])
+            h = acc_s[e]
+            if const_expr(not self.prescale):
+                h = h * half_alpha
+            t = tanh_approx(h)
             one_t = 1.0 + t
             acc_s[e] = h * one_t
             if const_expr(self.want_ds):
-                acc_dp[e] = acc_dp[e] * (0.5 * one_t) * (1.0 + h * (1.0 - t))
+                # (1 + t) (1 + h (1 - t)) = (1 + t) + P (1 - t): an FADD and an FFMA. From P,
+                # not h: with the prescale h is the S wgmma's own register, and reading it
+                # here (ptxas sinks this past the next gemm's issue) serializes every wgmma.
+                acc_dp[e] = acc_dp[e] * (acc_s[e] * (1.0 - t) + one_t)
         if const_expr(self.want_p):
             p_regs.store(acc_s.load().to(self.dtype))
         if const_expr(self.want_ds):
@@ -747,8 +800,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                           number_of_threads=self.nwg * THREADS_PER_WG)
 
     @cute.jit
-    def stage_dq(self, dq_parts, buf: Int32, scale_ds: Float32, consumer_tidx: Int32):
-        """alpha / L * (dS K)[:, this warpgroup's half of D] -> staging buffer ``buf``, once
+    def stage_dq(self, dq_parts, buf: Int32, scale_dq: Float32, consumer_tidx: Int32):
+        """scale_dq * (2 dS K)[:, this warpgroup's half of D] -> staging buffer ``buf``, once
         the reduce that last read it is done (the accumulator registers are free after)."""
         acc_dq, tQrdSt, tQrKt, tQsdQ = dq_parts
         wg = consumer_tidx // THREADS_PER_WG
@@ -759,7 +812,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         for b in cutlass.range_constexpr(self.dq_buffers):
             if buf == b:
                 for e in cutlass.range_constexpr(cute.size(acc_dq)):
-                    tQsdQ[b][e] = acc_dq[e] * scale_ds
+                    tQsdQ[b][e] = acc_dq[e] * scale_dq
         cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
