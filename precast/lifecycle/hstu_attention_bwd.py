@@ -39,6 +39,7 @@ from .validation import (check_bool, check_int, check_no_overlap, check_same_dev
 
 KERNEL_SOURCES = ("precast.kernels.hstu_attention_bwd_sm90",
                   "precast.kernels.hstu_attention_fwd_sm90", "precast.kernels.attention_sm90",
+                  "precast.kernels.activation",
                   "precast.kernels.scheduler", "precast.kernels.fake")
 GRADIENTS = ("dq", "dk", "dv")
 L2_GROUP_BYTES = 32 << 20  # streamed data of the (sequence, head) pairs scheduled together
