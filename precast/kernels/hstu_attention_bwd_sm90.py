@@ -255,8 +255,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         # CTAs run in groups of (sequence, head) pairs, heaviest tiles first within a group:
         # the CTAs in flight share few pairs, so the tiles they stream and the fp32 dQ rows
         # they add into stay in L2. (All pairs in flight at once, the fused kernel's dQ
-        # reduce-adds missed L2: 396 -> 437 TFLOP/s at causal 16 x 4096 on the H200.) A group
-        # holds about 32 MB of streamed data (the host's l2_pair_group).
+        # reduce-adds missed L2: 396 -> 437 TFLOP/s at causal 16 x 4096 on the H200.) The
+        # host sizes the groups (Launch.plan: L2_GROUP_BYTES of streamed data each).
         head = Int32(0)
         batch = Int32(0)
         block = Int32(0)
