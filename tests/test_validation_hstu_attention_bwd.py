@@ -257,11 +257,11 @@ def l2_pair_group(head_dim, tiles, pairs):
     ((64, HKV, T, B, MAXS, BIG), (0, 8)),      # one tile per sequence: dense, one group
     ((64, H, T, B, MAXS, BIG), (0, 16)),
     ((64, HKV, T, B, JAGGED, BIG), (1, 8)),    # 8 tiles per sequence, T / 128 + B = 4 exist
-    # causal 16 x 4096, H_kv = 8: dense, 256 tiles of 128 x 128 per group: 8 pairs
-    ((128, 8, 16 * 4096, 16, 4096, BIG), (0, 8)),
-    ((64, 8, 16 * 4096, 16, 4096, BIG), (0, 16)),   # 512 tiles of 128 x 64
-    ((32, 8, 16 * 4096, 16, 4096, BIG), (0, 32)),   # 1024 tiles of 128 x 32
-    ((256, 8, 16 * 4096, 16, 4096, BIG), (0, 4)),   # 64-row tiles: 256 of 64 x 256, 64 each
+    # causal 16 x 4096, H_kv = 8: dense, 128 tiles of 128 x 128 per 16 MB group: 4 pairs
+    ((128, 8, 16 * 4096, 16, 4096, BIG), (0, 4)),
+    ((64, 8, 16 * 4096, 16, 4096, BIG), (0, 8)),    # 256 tiles of 128 x 64
+    ((32, 8, 16 * 4096, 16, 4096, BIG), (0, 16)),   # 512 tiles of 128 x 32
+    ((256, 8, 16 * 4096, 16, 4096, BIG), (0, 2)),   # 64-row tiles: 128 of 64 x 256, 64 each
     # one sequence longer than a group's budget: one pair a group
     ((128, 2, 65536, 1, 65536, BIG), (0, 1)),
     # the compact rule at its boundary: (T // 128 + B) x 2 <= tiles x B; 4 x 4 tiles
@@ -273,12 +273,12 @@ def l2_pair_group(head_dim, tiles, pairs):
     ((64, 2, 0, 4, 0, BIG), (0, 8)),
     ((64, 2, 0, 0, 0, BIG), (1, 2)),
     # many short sequences: never compact (2 B > B), groups as large as the budget allows
-    ((128, 1, 100, 100000, 1, BIG), (0, 256)),
+    ((128, 1, 100, 100000, 1, BIG), (0, 128)),
     # ... unless that makes more groups than max_groups: ceil(pairs / max_groups) pairs each
     ((128, 1, 100, 100000, 1, 63), (0, 1588)),   # ceil(100000 / 63)
     ((128, 2, 65536, 1, 65536, 1), (0, 2)),      # one group
     ((128, 2, 65536, 1, 65536, 2), (0, 1)),      # the L2 choice already fits
-    ((64, 3, 3 * 4096, 3, 4096, 4), (0, 9)),     # 9 pairs, L2 choice 512 // 32 = 16 -> 9
+    ((64, 3, 3 * 4096, 3, 4096, 4), (0, 8)),     # 9 pairs, L2 choice 256 // 32 = 8
     ((64, 3, 3 * 65536, 3, 65536, 4), (0, 3)),   # L2 choice 1 (9 groups), ceil(9 / 4) = 3
 ])
 def test_launch_plan_values(args, plan):

@@ -20,7 +20,10 @@ streams 64-row tiles of the other side through a TMA ring:
 - "fused" (D <= 128): "dkdv" plus dQ in the same pass: dS goes to shared memory, both
   warpgroups multiply it by K (each its half of D) and the 64 x D/2 fp32 partial is added
   into a (T_q, H, D) fp32 workspace by a TMA reduce-add. One pass instead of two, but the
-  order of the additions varies from run to run (not bitwise reproducible). The next
+  order of the additions varies from run to run (not bitwise reproducible). dQ runs one
+  streamed tile behind dK and dV (step i multiplies tile i - 1's dS), so a warpgroup waits
+  only for the other's previous tile, not its current one, and the two drift apart: one's
+  scores overlap the other's products. The next
   streamed tile's S and dP are issued before a tile's dQ partial is staged and sent, and
   CTAs are scheduled a few (sequence, head) pairs at a time (an L2 group) so the reduce-adds
   hit L2. Once every CTA of a group has counted its reduce-adds in, the idle warps of the
@@ -54,7 +57,10 @@ from .hstu_attention_fwd_sm90 import PRODUCER_REGS, THREADS_PER_WG, WG_ROWS
 STREAM_ROWS = 64
 CONSUMER_REGS = 240
 ZERO_BARRIER = 1  # the consumer warpgroups cleared the streamed rows past a sequence's end
-DS_READY_BARRIER = 2  # fused: both warpgroups' dS^T of this tile are in shared memory
+# fused: warpgroup w's dS^T of tile p is in shared memory and its dQ product of tile p - 1
+# is done: barrier DS_STAGED_BARRIER + 2 w + p % 2 (arrived by w, waited on by the other;
+# two parities, as w may arrive for p + 1 before the other has waited for p).
+DS_STAGED_BARRIER = 5  # 5 .. 8
 DQ_STAGED_BARRIER = 3  # 3 and 4: a warpgroup's dQ buffer is free / staged (fused)
 EPILOGUE_BARRIER = DQ_STAGED_BARRIER  # 3 and 4 again: a warpgroup's gradients are staged
 K_FREE_BARRIER = ZERO_BARRIER  # 1 again (fused): no warpgroup reads K (sX) any more
@@ -249,8 +255,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         # CTAs run in groups of (sequence, head) pairs, heaviest tiles first within a group:
         # the CTAs in flight share few pairs, so the tiles they stream and the fp32 dQ rows
         # they add into stay in L2. (All pairs in flight at once, the fused kernel's dQ
-        # reduce-adds missed L2: 396 -> 437 TFLOP/s at causal 16 x 4096 on the H200.) A group
-        # holds about 32 MB of streamed data (the host's l2_pair_group).
+        # reduce-adds missed L2: 396 -> 437 TFLOP/s at causal 16 x 4096 on the H200.) The
+        # host sizes the groups (Launch.plan: L2_GROUP_BYTES of streamed data each).
         head = Int32(0)
         batch = Int32(0)
         block = Int32(0)
@@ -493,6 +499,9 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             elif const_expr(self.fused):
                 if r0 + R > len_k:
                     self.zero_fixed_rows(sX[None, None, 0], len_k - r0, consumer_tidx)
+            if const_expr(self.fused):
+                # tile -1: no dS, and dS buffer 1 is free for the other warpgroup's tile 1
+                self.ds_staged_arrive(-1, consumer_tidx)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             tiles = s_max - s_min
             count = tiles * self.stream_heads()
@@ -511,6 +520,17 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             state = self.stream_step(count - 1, state, ops, where, sU, sW, sdS, sdQ,
                                      pipe_stream, mdQacc, tma_dq, consumer_tidx, False)
             if const_expr(self.fused):
+                # the last tile's dQ (each step multiplies the previous tile's)
+                self.ds_staged_wait(count - 1, consumer_tidx)
+                acc_dq, tQrdSt, tQrKt, _ = dq_parts
+                self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (count - 1) % 2],
+                          tQrKt[None, None, None, 0], accumulate=False)
+                warpgroup.wait_group(0)
+                self.stage_dq(dq_parts, (count - 1) % self.dq_buffers, scale_dq,
+                              consumer_tidx)
+                self.send_dq(mdQacc, tma_dq, sdQ, (count - 1) % self.dq_buffers,
+                             head * self.group + (count - 1) // tiles, q_start,
+                             s_min + (count - 1) % tiles, consumer_tidx)
                 # The staging buffer must outlive the last reduce's read of it (the adds
                 # themselves complete without us).
                 if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:
@@ -590,24 +610,34 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             self.gemm(mma_g, acc_a, tGrdS, tGrUt[None, None, None, state.index],
                       accumulate=True)
         if const_expr(self.fused):
-            # dV and dK run while dS is staged for dQ (which needs both warpgroups' halves).
-            self.stage_ds(ds_regs, mma_s, sdS[None, None, i % 2], consumer_tidx)
+            # dV and dK run while dS is staged; the dQ product is one tile behind (the
+            # previous tile's, from both warpgroups' halves), so neither warpgroup waits for
+            # the other's current tile: one's scores can overlap the other's products.
+            # (Tile 0 multiplies buffer 1 for nothing: its product is not sent.)
+            self.ds_staged_wait(i - 1, consumer_tidx)
+            store_stmatrix(ds_regs, mma_s, sdS[None, None, i % 2], consumer_tidx)
+            cute.arch.fence_proxy("async.shared", space="cta")
             acc_dq, tQrdSt, tQrKt, tQsdQ = dq_parts
-            self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, i % 2],
+            self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (i + 1) % 2],
                       tQrKt[None, None, None, 0], accumulate=False)
         warpgroup.wait_group(0)
         cute.arch.sync_warp()
+        if const_expr(self.fused):
+            self.ds_staged_arrive(i, consumer_tidx)
         pipe_stream.consumer_release(state)
         state = advanced(state)
         if const_expr(self.fused):
-            self.stage_dq(dq_parts, i % self.dq_buffers, scale_dq, consumer_tidx)
+            if i > 0:
+                self.stage_dq(dq_parts, (i - 1) % self.dq_buffers, scale_dq, consumer_tidx)
         if const_expr(issue_next):
             self.issue_scores(mma_s, acc_s, acc_dp, tSrX, tSrY, tSrU, tSrW, sU, sW,
                               pipe_stream, state, s_min + (i + 1) % tiles, len_stream,
                               consumer_tidx)
         if const_expr(self.fused):
-            self.send_dq(mdQacc, tma_dq, sdQ, i % self.dq_buffers,
-                         head * self.group + i // tiles, q_start, s, consumer_tidx)
+            if i > 0:
+                self.send_dq(mdQacc, tma_dq, sdQ, (i - 1) % self.dq_buffers,
+                             head * self.group + (i - 1) // tiles, q_start,
+                             s_min + (i - 1) % tiles, consumer_tidx)
         return state
 
     @cute.jit
@@ -791,12 +821,18 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         return acc_dq, tQrdSt, tQrKt, tQsdQ
 
     @cute.jit
-    def stage_ds(self, ds_regs, mma_s, sdS, consumer_tidx: Int32):
-        """This warpgroup's dS^T rows -> shared memory (stmatrix); then both warpgroups'
-        halves must be there before either multiplies."""
-        store_stmatrix(ds_regs, mma_s, sdS, consumer_tidx)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=DS_READY_BARRIER,
+    def ds_staged_arrive(self, p: Int32, consumer_tidx: Int32):
+        """This warpgroup staged dS^T of tile p and finished its dQ product of tile p - 1."""
+        wg = consumer_tidx // THREADS_PER_WG
+        cute.arch.barrier_arrive(barrier_id=DS_STAGED_BARRIER + 2 * wg + (p + 2) % 2,
+                                 number_of_threads=self.nwg * THREADS_PER_WG)
+
+    @cute.jit
+    def ds_staged_wait(self, p: Int32, consumer_tidx: Int32):
+        """Until the other warpgroup has arrived for tile p (p >= -1): its dS^T half of tile
+        p is in shared memory and dS buffer (p + 1) % 2 is free of its dQ product."""
+        other = 1 - consumer_tidx // THREADS_PER_WG
+        cute.arch.barrier(barrier_id=DS_STAGED_BARRIER + 2 * other + (p + 2) % 2,
                           number_of_threads=self.nwg * THREADS_PER_WG)
 
     @cute.jit
