@@ -7,11 +7,15 @@ toolkit's; the PTX `.version` line is lowered to 9.0, what CUDA 13.0 ptxas accep
 warns when it serializes wgmma ("insufficient register resources" and similar): every
 HGMMA then waits for the previous one, which costs Hopper kernels 20-30 %. Exit status 1 when
 any entry serializes or spills.
+
+--hash also prints a digest of each kernel's PTX (without its .loc / .file / comment lines):
+run it before and after a refactor and diff the outputs to see whether the code moved.
 """
 from __future__ import annotations
 
 import argparse
 import atexit
+import hashlib
 import os
 import re
 import shutil
@@ -69,11 +73,22 @@ def ptxas_verdict(ptxas: str, ptx: Path) -> dict:
             "serialized": sorted(set(serialized)), "error": "" if result.returncode == 0 else log}
 
 
+def ptx_digest(ptx: Path) -> str:
+    """sha256 (16 hex digits) of the PTX without its source-position and comment lines:
+    equal for edits that give ptxas the same input. (Not the cubin's: ptxas 13.0 made two
+    different cubins of one fused backward PTX in repeated runs.)"""
+    lines = ptx.read_text().splitlines()
+    kept = "\n".join(line for line in lines
+                     if not line.lstrip().startswith((".loc", ".file", "//")))
+    return hashlib.sha256(kept.encode()).hexdigest()[:16]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("substrings", nargs="*", help="keep entries whose description contains these")
     ap.add_argument("--plan", default=str(DEFAULT_PLAN))
     ap.add_argument("--ptxas")
+    ap.add_argument("--hash", action="store_true", help="also print each kernel's PTX digest")
     args = ap.parse_args(argv)
     ptxas = find_ptxas(args.ptxas)
     entries = [e for e in dict.fromkeys(load_plan(args.plan))
@@ -89,8 +104,9 @@ def main(argv=None) -> int:
                 "SERIALIZED: " + "; ".join(v["serialized"]) if v["serialized"] else
                 f"{v['spill_bytes']} spill bytes" if v["spill_bytes"] else "ok")
             bad += flag != "ok"
+            digest = f" ptx {ptx_digest(ptx)}" if args.hash else ""
             print(f"{entry.describe()} [{ptx.parent.name}]: {v['registers']} registers, "
-                  f"{flag}", flush=True)
+                  f"{flag}{digest}", flush=True)
     return 1 if bad else 0
 
 
