@@ -22,8 +22,9 @@ streams 64-row tiles of the other side through a TMA ring:
   into a (T_q, H, D) fp32 workspace by a TMA reduce-add. One pass instead of two, but the
   order of the additions varies from run to run (not bitwise reproducible). dQ runs one
   streamed tile behind dK and dV (step i multiplies tile i - 1's dS), so a warpgroup waits
-  only for the other's previous tile, not its current one, and the two drift apart: one's
-  scores overlap the other's products. The next
+  only for the other's previous tile, not its current one, and the two may drift apart
+  (one's scores beside the other's products; not observed directly, the gain came with
+  smaller L2 groups: bench/RESULTS.md run 35c). The next
   streamed tile's S and dP are issued before a tile's dQ partial is staged and sent, and
   CTAs are scheduled a few (sequence, head) pairs at a time (an L2 group) so the reduce-adds
   hit L2. Once every CTA of a group has counted its reduce-adds in, the idle warps of the
@@ -57,13 +58,13 @@ from .hstu_attention_fwd_sm90 import PRODUCER_REGS, THREADS_PER_WG, WG_ROWS
 STREAM_ROWS = 64
 CONSUMER_REGS = 240
 ZERO_BARRIER = 1  # the consumer warpgroups cleared the streamed rows past a sequence's end
+K_FREE_BARRIER = ZERO_BARRIER  # 1 again (fused): no warpgroup reads K (sX) any more
+DQ_STAGED_BARRIER = 3  # 3 and 4: a warpgroup's dQ buffer is free / staged (fused)
+EPILOGUE_BARRIER = DQ_STAGED_BARRIER  # 3 and 4 again: a warpgroup's gradients are staged
 # fused: warpgroup w's dS^T of tile p is in shared memory and its dQ product of tile p - 1
 # is done: barrier DS_STAGED_BARRIER + 2 w + p % 2 (arrived by w, waited on by the other;
 # two parities, as w may arrive for p + 1 before the other has waited for p).
 DS_STAGED_BARRIER = 5  # 5 .. 8
-DQ_STAGED_BARRIER = 3  # 3 and 4: a warpgroup's dQ buffer is free / staged (fused)
-EPILOGUE_BARRIER = DQ_STAGED_BARRIER  # 3 and 4 again: a warpgroup's gradients are staged
-K_FREE_BARRIER = ZERO_BARRIER  # 1 again (fused): no warpgroup reads K (sX) any more
 MODES = ("dq", "dkdv", "dk", "dv", "fused")
 # fused, dense numbering: the producer warpgroup's idle warps convert finished groups' dQ.
 SLICE_ROWS = 16  # query rows (x the kv head's query heads x D) a warp converts at a time
@@ -528,9 +529,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                 warpgroup.wait_group(0)
                 self.stage_dq(dq_parts, (count - 1) % self.dq_buffers, scale_dq,
                               consumer_tidx)
-                self.send_dq(mdQacc, tma_dq, sdQ, (count - 1) % self.dq_buffers,
-                             head * self.group + (count - 1) // tiles, q_start,
-                             s_min + (count - 1) % tiles, consumer_tidx)
+                self.send_dq(mdQacc, tma_dq, sdQ, count - 1, tiles, s_min, head, q_start,
+                             consumer_tidx)
                 # The staging buffer must outlive the last reduce's read of it (the adds
                 # themselves complete without us).
                 if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:
@@ -635,9 +635,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                               consumer_tidx)
         if const_expr(self.fused):
             if i > 0:
-                self.send_dq(mdQacc, tma_dq, sdQ, (i - 1) % self.dq_buffers,
-                             head * self.group + (i - 1) // tiles, q_start,
-                             s_min + (i - 1) % tiles, consumer_tidx)
+                self.send_dq(mdQacc, tma_dq, sdQ, i - 1, tiles, s_min, head, q_start,
+                             consumer_tidx)
         return state
 
     @cute.jit
@@ -852,12 +851,16 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
-    def send_dq(self, mdQacc, tma_dq, sdQ, buf: Int32, stream_head: Int32, q_start: Int32,
-                s: Int32, consumer_tidx: Int32):
-        """The staged partial -> TMA reduce-add into the fp32 accumulator rows of query
-        tile s. Rows past the sequence add exact zeros (their dS columns are masked and K
-        has no NaN)."""
+    def send_dq(self, mdQacc, tma_dq, sdQ, p: Int32, tiles: Int32, s_min: Int32, head: Int32,
+                q_start: Int32, consumer_tidx: Int32):
+        """Stream step p's staged partial (staging buffer p % dq_buffers) -> TMA reduce-add
+        into the fp32 accumulator rows of its query tile (s_min + p % tiles of query head
+        head x group + p // tiles). Rows past the sequence add exact zeros (their dS
+        columns are masked and K has no NaN)."""
         D, C = self.head_dim, STREAM_ROWS
+        buf = p % self.dq_buffers
+        stream_head = head * self.group + p // tiles
+        s = s_min + p % tiles
         wg = consumer_tidx // THREADS_PER_WG
         cute.arch.barrier(barrier_id=DQ_STAGED_BARRIER + wg, number_of_threads=THREADS_PER_WG)
         if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:

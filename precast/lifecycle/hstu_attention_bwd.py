@@ -42,9 +42,10 @@ KERNEL_SOURCES = ("precast.kernels.hstu_attention_bwd_sm90",
                   "precast.kernels.activation",
                   "precast.kernels.scheduler", "precast.kernels.fake")
 GRADIENTS = ("dq", "dk", "dv")
-# Streamed data of the (sequence, head) pairs scheduled together. 16 MB: the fused kernel's
-# idle warps convert a finished group's dQ while later groups run, and smaller groups leave
-# less for dq_finish after the kernel (run 35a: +1.7 % at causal 4k against 32 MB).
+# Streamed data of the (sequence, head) pairs scheduled together. 16 MB with the fused
+# kernel's dQ one tile behind: causal 1k-16k +1.6-3.7 % against 32 MB (bench/RESULTS.md
+# runs 35b-35c; the best size is not monotonic in L, and 16 MB lost 6 % at 1k without the
+# lag).
 L2_GROUP_BYTES = 16 << 20
 SYNC_ROWS_PER = 32768  # query tokens per workspace row of sync words (at least one row)
 
