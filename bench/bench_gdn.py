@@ -9,7 +9,8 @@ takes them):
 
 Times ``gated_delta_net`` (the allocating function: the compiled op is made on the first call,
 outputs are allocated each call) with triton.testing.do_bench (median) and prints per case:
-- us;
+- us (and "burst": 10 back-to-back calls from rest, burst_ms; under do_bench's sustained
+  load the H200 runs at its 700 W limit);
 - TFLOP/s of the chunked algorithm's matmuls (reference.gated_delta_net.forward_flops);
 - GB/s of the bytes a forward must move (q, k, v, g, beta read; o and the final state
   written) as a fraction of the copy bandwidth measured in the same run, and what the
@@ -26,8 +27,8 @@ import sys
 
 import torch
 
-from common import (copy_bandwidth, do_bench, environment, gdn_inputs, kernel_times,
-                    write_json)
+from common import (burst_ms, copy_bandwidth, do_bench, environment, gdn_inputs,
+                    kernel_times, write_json)
 
 from precast import GdnFwdSm90, gated_delta_net
 from precast.reference.gated_delta_net import forward_flops, rms_error_ratio
@@ -92,6 +93,7 @@ def run_case(name: str, peer, copy_bw: float, stages: bool = False) -> dict:
     o, _ = run()  # compiles (or loads) the op
     torch.cuda.synchronize()
     ms = do_bench(run)
+    burst = burst_ms(run)
     flops = forward_flops([seqlen] * batch, v_heads, DIM, DIM)
     moved = io_bytes(q, k, v, g, beta, batch)
     work = workspace_bytes(q, k, v, g, beta, cu)
@@ -100,11 +102,11 @@ def run_case(name: str, peer, copy_bw: float, stages: bool = False) -> dict:
            "v_heads": v_heads, "dim": DIM, "us": ms * 1e3, "tflops": flops / (ms * 1e-3) / 1e12,
            "io_gbs": io_gbs, "io_of_copy": io_gbs * 1e9 / copy_bw,
            "with_workspace_gbs": (moved + work) / (ms * 1e-3) / 1e9,
-           "io_bytes": moved, "workspace_bytes": work, "flops": flops}
+           "io_bytes": moved, "workspace_bytes": work, "flops": flops, "burst_us": burst * 1e3}
     print(f"{name:>12}: precast {row['us']:8.1f} us  {row['tflops']:6.1f} TFLOP/s  "
           f"{io_gbs:5.0f} GB/s of inputs and outputs ({moved / 1e9:.2f} GB, "
           f"{row['io_of_copy']:.2f}x copy), {row['with_workspace_gbs']:5.0f} GB/s with the "
-          f"workspace ({work / 1e9:.2f} GB)", flush=True)
+          f"workspace ({work / 1e9:.2f} GB); burst {burst * 1e3:.1f} us", flush=True)
     if stages:
         row["stages_us"] = stage_times(q, k, v, g, beta, cu)
         print(f"{'':>12}  " + "  ".join(f"{m} {t:.1f}" for m, t in row["stages_us"].items()),

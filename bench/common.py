@@ -9,10 +9,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from precast.benchmarking import (copy_bandwidth, do_bench, environment, gdn_inputs,  # noqa: E402
-                                  lmsd_inputs, lmsd_traffic_bytes, matmul_rate)
+from precast.benchmarking import (burst_ms, copy_bandwidth, do_bench, environment,  # noqa: E402
+                                  gdn_inputs, lmsd_inputs, lmsd_traffic_bytes, matmul_rate)
 
-__all__ = ["copy_bandwidth", "do_bench", "environment", "gdn_inputs", "kernel_times",
+__all__ = ["burst_ms", "copy_bandwidth", "do_bench", "environment", "gdn_inputs", "kernel_times",
            "lmsd_inputs", "lmsd_traffic_bytes", "matmul_rate", "write_json"]
 
 

@@ -28,6 +28,29 @@ def do_bench(fn, warmup_ms: float = 50, rep_ms: float = 300) -> float:
         return sorted(times)[len(times) // 2]
 
 
+def burst_ms(fn, launches: int = 10, rounds: int = 5, rest_s: float = 0.5) -> float:
+    """Median milliseconds per launch of ``launches`` back-to-back fn() calls (CUDA events
+    around the whole burst, L2 not flushed), each burst after ``rest_s`` of idle time and
+    two warm-up calls. do_bench keeps the GPU busy for ~0.3 s, long enough for a board at its
+    power limit (the H200's 700 W) to lower its clocks; a short burst from rest is what a
+    bursty serving loop sees, do_bench what sustained training sees."""
+    import time
+    per_launch = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        time.sleep(rest_s)
+        for _ in range(2):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(launches):
+            fn()
+        end.record()
+        end.synchronize()
+        per_launch.append(start.elapsed_time(end) / launches)
+    return sorted(per_launch)[len(per_launch) // 2]
+
+
 def copy_bandwidth(gib: float = 1.0) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
     n = int(gib * 2**30)

@@ -1,4 +1,5 @@
-"""The benchmark input helpers shared by bench/ and `precast quickstart` (CPU)."""
+"""The benchmark helpers shared by bench/ and `precast quickstart` (CPU; burst_ms on the GPU)."""
+import pytest
 import torch
 
 from precast.benchmarking import gdn_inputs
@@ -36,3 +37,24 @@ def test_dq_conversion_stats_knows_the_kernels_slice():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import dq_conversion_stats
     assert dq_conversion_stats.SLICE_ROWS == SLICE_ROWS
+
+
+@pytest.mark.gpu
+def test_burst_ms_times_each_launch_of_a_burst():
+    """burst_ms: per-launch milliseconds of back-to-back calls, every call counted: a copy of
+    256 MiB timed by burst_ms and by do_bench agree within a factor of two, and the callable
+    ran rounds x (launches + 2 warm-ups) times."""
+    from precast.benchmarking import burst_ms, do_bench
+    a = torch.empty(256 << 20, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    calls = []
+
+    def copy():
+        calls.append(1)
+        b.copy_(a)
+
+    burst = burst_ms(copy, launches=4, rounds=3, rest_s=0.05)
+    assert len(calls) == 3 * (4 + 2)
+    assert torch.equal(a, b)
+    sustained = do_bench(lambda: b.copy_(a))
+    assert 0.5 * sustained < burst < 2 * sustained, (burst, sustained)
