@@ -58,3 +58,30 @@ def test_burst_ms_times_each_launch_of_a_burst():
     assert torch.equal(a, b)
     sustained = do_bench(lambda: b.copy_(a))
     assert 0.5 * sustained < burst < 2 * sustained, (burst, sustained)
+
+
+def test_ab_run_gives_each_leg_its_tree_and_cache(tmp_path):
+    """bench/ab.py run: the command runs in each leg's tree with that tree first on
+    PYTHONPATH and PRECAST_CACHE_DIR at the leg's cache, legs interleaved per round, lines
+    prefixed by the leg; the exit status counts the failed commands."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    ab = Path(__file__).resolve().parents[1] / "bench" / "ab.py"
+    for leg in ("one", "two"):
+        (tmp_path / leg).mkdir()
+    show = ("import os, sys; print(os.getcwd(), os.environ['PYTHONPATH'].split(os.pathsep)[0], "
+            "os.environ['PRECAST_CACHE_DIR']); sys.exit(os.path.basename(os.getcwd()) == 'two')")
+    res = subprocess.run([sys.executable, str(ab), "run", "one", "two", "--rounds", "2",
+                          "--root", str(tmp_path), "--", sys.executable, "-c", show],
+                         capture_output=True, text=True)
+    assert res.returncode == 2  # leg two fails in both rounds
+    lines = res.stdout.splitlines()
+    assert [l for l in lines if l.startswith("===")] == [
+        "=== one round 1", "=== two round 1", "=== one round 2", "=== two round 2"]
+    for leg in ("one", "two"):
+        tree, cache = (tmp_path / leg).resolve(), (tmp_path / f"c_{leg}").resolve()
+        assert lines.count(f"{leg}: {tree} {tree} {cache}") == 2
+    bad = subprocess.run([sys.executable, str(ab), "run", "one", "--root", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "give the command after --" in bad.stderr
