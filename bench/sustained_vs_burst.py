@@ -4,63 +4,91 @@ limit). Causal attention backward at 4k and 8k (D = 128) and the GDN forward at 
 
     python bench/sustained_vs_burst.py
 """
-import math, os, sys, time
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import math
+import os
+import sys
+import time
+
 import torch
-from bench_hstu_attention import TOKENS, make_inputs
-from common import burst_ms, do_bench
-from precast import HSTUBwdSm90, gated_delta_net
-from precast.benchmarking import gdn_inputs
 
-flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_hstu_attention import TOKENS, make_inputs  # noqa: E402
+from common import burst_ms, do_bench, gdn_inputs  # noqa: E402
 
-def events(fn, n, with_flush):
-    """Per-launch ms of n launches; with_flush: an L2 flush before each, timed apart."""
+from precast import HSTUBwdSm90, gated_delta_net  # noqa: E402
+
+BUSY_MS = 300  # about as long as do_bench keeps the GPU busy
+
+
+def per_call_ms(fn, calls: int, flush=None) -> float:
+    """Milliseconds per call of ``calls`` back-to-back calls (events around all of them);
+    with a flush buffer, the buffer is zeroed (L2 flushed) before each call and the median
+    of the calls timed one by one is returned."""
     torch.cuda.synchronize()
-    if not with_flush:
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(n): fn()
-        e.record(); e.synchronize()
-        return s.elapsed_time(e) / n
-    ts = []
-    for _ in range(n):
+    if flush is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+    pairs = []
+    for _ in range(calls):
         flush.zero_()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record()
-        ts.append((s, e))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
     torch.cuda.synchronize()
-    v = sorted(a.elapsed_time(b) for a, b in ts)
-    return v[len(v) // 2]
+    times = sorted(a.elapsed_time(b) for a, b in pairs)
+    return times[len(times) // 2]
 
-def report(name, fn, one_ms):
-    n_long = max(int(300 / one_ms), 20)  # ~0.3 s busy, as do_bench
-    rows = []
-    rows.append(("do_bench", do_bench(fn)))
-    time.sleep(1); fn(); fn()
-    rows.append(("burst 10", burst_ms(fn)))
-    time.sleep(1); fn(); fn()
-    rows.append((f"back-to-back {n_long}, no flush", events(fn, n_long, False)))
-    time.sleep(1); fn(); fn()
-    rows.append((f"{n_long} with flush, median", events(fn, n_long, True)))
-    time.sleep(1); fn(); fn()
-    rows.append(("10 with flush from rest, median", events(fn, 10, True)))
-    print(name + ": " + " | ".join(f"{k} {v * 1e3:.1f} us" for k, v in rows), flush=True)
 
-for L in (4096, 8192):
-    lens = [L] * (TOKENS // L)
-    q, k, v, cu_q, cu_k = make_inputs(lens, lens, 128)
-    do = torch.randn_like(q)
-    cq, ck = cu_q.cuda(), cu_k.cuda()
-    grads = [torch.empty_like(t) for t in (q, k, v)]
-    op = HSTUBwdSm90(do, q, k, v, *grads, cq, ck, L, L, (-1, 0), alpha=1 / math.sqrt(128)).check_support().compile()
-    run = lambda: op.execute(do, q, k, v, *grads, cq, ck)
-    run(); torch.cuda.synchronize()
-    report(f"attention bwd causal {L}", run, 1.4 * L / 4096)
-    del q, k, v, do, grads
-    torch.cuda.empty_cache()
+def rest(fn):
+    """1 s idle (the clocks recover), then two warm-up calls."""
+    time.sleep(1)
+    fn()
+    fn()
 
-q, k, v, g, beta, cu = gdn_inputs([8192] * 4, 64, 64, dim=128)
-run = lambda: gated_delta_net(q, k, v, g, beta, cu, output_final_state=True, use_qk_l2norm_in_kernel=True)
-run(); torch.cuda.synchronize()
-report("GDN forward 4x8192", run, 1.15)
+
+def report(name: str, fn, flush):
+    rest(fn)
+    one = per_call_ms(fn, 3)
+    busy = max(int(BUSY_MS / one), 20)
+    rows = [("do_bench", do_bench(fn))]
+    rest(fn)
+    rows.append(("burst_ms", burst_ms(fn)))
+    rest(fn)
+    rows.append((f"{busy} back-to-back", per_call_ms(fn, busy)))
+    rest(fn)
+    rows.append((f"{busy} flushed", per_call_ms(fn, busy, flush)))
+    rest(fn)
+    rows.append(("10 flushed from rest", per_call_ms(fn, 10, flush)))
+    print(f"{name}: " + " | ".join(f"{k} {v * 1e3:.1f} us" for k, v in rows), flush=True)
+
+
+def main() -> int:
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    for seqlen in (4096, 8192):
+        lens = [seqlen] * (TOKENS // seqlen)
+        q, k, v, cu_q, cu_k = make_inputs(lens, lens, 128)
+        do = torch.randn_like(q)
+        cu_q, cu_k = cu_q.cuda(), cu_k.cuda()
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        op = HSTUBwdSm90(do, q, k, v, *grads, cu_q, cu_k, seqlen, seqlen, (-1, 0),
+                         alpha=1 / math.sqrt(128)).check_support().compile()
+        report(f"attention backward causal L={seqlen}",
+               lambda: op.execute(do, q, k, v, *grads, cu_q, cu_k), flush)
+        del q, k, v, do, grads
+        torch.cuda.empty_cache()
+    q, k, v, g, beta, cu = gdn_inputs([8192] * 4, 64, 64, dim=128)
+    report("GDN forward 4 x 8192",
+           lambda: gated_delta_net(q, k, v, g, beta, cu, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True), flush)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
