@@ -1,8 +1,6 @@
 """Sustained vs burst timing: which of do_bench's L2 flush and its ~0.3 s of load makes it
 slower than a short burst (bench/RESULTS.md run 36d: the load, through the board's power
-limit). Causal attention backward at 4k and 8k (D = 128), the GDN forward at 4 x 8192 and
-the LMSD forward at N = 2^20, D = 512 (p = 0.1, SiLU, both extra segments) with its ratio to
-a copy of 1 GiB timed the same way.
+limit). Causal attention backward at 4k and 8k (D = 128) and the GDN forward at 4 x 8192.
 
     python bench/sustained_vs_burst.py
 """
@@ -15,9 +13,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_hstu_attention import TOKENS, make_inputs  # noqa: E402
-from common import burst_ms, do_bench, gdn_inputs, lmsd_inputs, lmsd_traffic_bytes  # noqa: E402
+from common import burst_ms, do_bench, gdn_inputs  # noqa: E402
 
-from precast import HSTUBwdSm90, gated_delta_net, hstu_lmsd_forward  # noqa: E402
+from precast import HSTUBwdSm90, gated_delta_net  # noqa: E402
 
 BUSY_MS = 300  # about as long as do_bench keeps the GPU busy
 
@@ -55,8 +53,7 @@ def rest(fn):
     fn()
 
 
-def timings(fn, flush):
-    """[(form, ms)] of the five forms."""
+def report(name: str, fn, flush):
     rest(fn)
     one = per_call_ms(fn, 3)
     busy = max(int(BUSY_MS / one), 20)
@@ -69,11 +66,6 @@ def timings(fn, flush):
     rows.append((f"{busy} flushed", per_call_ms(fn, busy, flush)))
     rest(fn)
     rows.append(("10 flushed from rest", per_call_ms(fn, 10, flush)))
-    return rows
-
-
-def report(name: str, fn, flush):
-    rows = timings(fn, flush)
     print(f"{name}: " + " | ".join(f"{k} {v * 1e3:.1f} us" for k, v in rows), flush=True)
 
 
@@ -95,20 +87,6 @@ def main() -> int:
     report("GDN forward 4 x 8192",
            lambda: gated_delta_net(q, k, v, g, beta, cu, output_final_state=True,
                                    use_qk_l2norm_in_kernel=True), flush)
-    del q, k, v, g, beta, cu
-    rows, dim, p = 1 << 20, 512, 0.1
-    x, u, w, b = lmsd_inputs(rows, dim)
-    y, mean, rstd, mask = hstu_lmsd_forward(x, u, w, b, 1e-5, p, 1, True, True, True)
-    lmsd = timings(lambda: hstu_lmsd_forward(x, u, w, b, 1e-5, p, 1, True, True, True,
-                                             y_tensor=y, mean_tensor=mean, rstd_tensor=rstd,
-                                             mask_tensor=mask), flush)
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    copy = timings(lambda: dst.copy_(src), flush)
-    moved = lmsd_traffic_bytes(rows, dim, "fwd")
-    print("LMSD forward D = 512, x copy: " + " | ".join(
-        f"{k} {moved / lt / (2 * src.numel() / ct):.3f}" for (k, lt), (_, ct) in zip(lmsd, copy)),
-        flush=True)
     return 0
 
 
