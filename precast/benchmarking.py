@@ -34,7 +34,6 @@ def burst_ms(fn, launches: int = 10, rounds: int = 5, rest_s: float = 0.5) -> fl
     two warm-up calls. do_bench keeps the GPU busy for ~0.3 s, long enough for a board at its
     power limit (the H200's 700 W) to lower its clocks; a short burst from rest is what a
     bursty serving loop sees, do_bench what sustained training sees."""
-    import time
     per_launch = []
     for _ in range(rounds):
         torch.cuda.synchronize()
