@@ -9,11 +9,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from precast.benchmarking import (burst_ms, copy_bandwidth, do_bench, environment,  # noqa: E402
-                                  gdn_inputs, lmsd_inputs, lmsd_traffic_bytes, matmul_rate)
+from precast.benchmarking import (back_to_back_ms, burst_ms, copy_bandwidth,  # noqa: E402
+                                  do_bench, environment, gdn_inputs, lmsd_inputs,
+                                  lmsd_traffic_bytes, matmul_rate, rest)
 
-__all__ = ["burst_ms", "copy_bandwidth", "do_bench", "environment", "gdn_inputs", "kernel_times",
-           "lmsd_inputs", "lmsd_traffic_bytes", "matmul_rate", "write_json"]
+__all__ = ["back_to_back_ms", "burst_ms", "copy_bandwidth", "do_bench", "environment",
+           "gdn_inputs", "kernel_times", "lmsd_inputs", "lmsd_traffic_bytes", "matmul_rate",
+           "rest", "write_json"]
 
 
 def kernel_times(op, device_index: int, execute) -> dict:

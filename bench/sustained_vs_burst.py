@@ -13,26 +13,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_hstu_attention import TOKENS, make_inputs  # noqa: E402
-from common import burst_ms, do_bench, gdn_inputs  # noqa: E402
+from common import back_to_back_ms, burst_ms, do_bench, gdn_inputs, rest  # noqa: E402
 
 from precast import HSTUBwdSm90, gated_delta_net  # noqa: E402
 
 BUSY_MS = 300  # about as long as do_bench keeps the GPU busy
+REST_S = 1.0  # idle time before each form (the clocks recover)
 
 
-def per_call_ms(fn, calls: int, flush=None) -> float:
-    """Milliseconds per call of ``calls`` back-to-back calls (events around all of them);
-    with a flush buffer, the buffer is zeroed (L2 flushed) before each call and the median
-    of the calls timed one by one is returned."""
-    torch.cuda.synchronize()
-    if flush is None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / calls
+def flushed_ms(fn, calls: int, flush) -> float:
+    """Median milliseconds of ``calls`` calls timed one by one, the buffer ``flush`` zeroed
+    (L2 flushed) before each."""
     pairs = []
     for _ in range(calls):
         flush.zero_()
@@ -46,26 +37,19 @@ def per_call_ms(fn, calls: int, flush=None) -> float:
     return times[len(times) // 2]
 
 
-def rest(fn):
-    """1 s idle (the clocks recover), then two warm-up calls."""
-    time.sleep(1)
-    fn()
-    fn()
-
-
 def report(name: str, fn, flush):
-    rest(fn)
-    one = per_call_ms(fn, 3)
-    busy = max(int(BUSY_MS / one), 20)
+    """The five forms' ms per call, each after REST_S of idle time."""
+    rest(fn, REST_S)
+    busy = max(int(BUSY_MS / back_to_back_ms(fn, 3)), 20)
     rows = [("do_bench", do_bench(fn))]
-    rest(fn)
+    rest(fn, REST_S)
     rows.append(("burst_ms", burst_ms(fn)))
-    rest(fn)
-    rows.append((f"{busy} back-to-back", per_call_ms(fn, busy)))
-    rest(fn)
-    rows.append((f"{busy} flushed", per_call_ms(fn, busy, flush)))
-    rest(fn)
-    rows.append(("10 flushed from rest", per_call_ms(fn, 10, flush)))
+    rest(fn, REST_S)
+    rows.append((f"{busy} back-to-back", back_to_back_ms(fn, busy)))
+    rest(fn, REST_S)
+    rows.append((f"{busy} flushed", flushed_ms(fn, busy, flush)))
+    rest(fn, REST_S)
+    rows.append(("10 flushed from rest", flushed_ms(fn, 10, flush)))
     print(f"{name}: " + " | ".join(f"{k} {v * 1e3:.1f} us" for k, v in rows), flush=True)
 
 

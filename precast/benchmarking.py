@@ -36,18 +36,30 @@ def burst_ms(fn, launches: int = 10, rounds: int = 5, rest_s: float = 0.5) -> fl
     bursty serving loop sees, do_bench what sustained training sees."""
     per_launch = []
     for _ in range(rounds):
-        torch.cuda.synchronize()
-        time.sleep(rest_s)
-        for _ in range(2):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(launches):
-            fn()
-        end.record()
-        end.synchronize()
-        per_launch.append(start.elapsed_time(end) / launches)
+        rest(fn, rest_s)
+        per_launch.append(back_to_back_ms(fn, launches))
     return sorted(per_launch)[len(per_launch) // 2]
+
+
+def rest(fn, seconds: float) -> None:
+    """Idle for ``seconds`` once the queued work is done (the clocks recover), then two
+    warm-up calls of fn."""
+    torch.cuda.synchronize()
+    time.sleep(seconds)
+    for _ in range(2):
+        fn()
+
+
+def back_to_back_ms(fn, calls: int) -> float:
+    """Milliseconds per call of ``calls`` back-to-back fn() calls (CUDA events around all of
+    them, nothing in between)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
 
 
 def copy_bandwidth(gib: float = 1.0) -> float:
