@@ -64,9 +64,9 @@ def run(names: list, command: list, rounds: int, root: Path) -> int:
     for r in range(rounds):
         for name in names:
             tree = (root / name).resolve()
+            inherited = os.environ.get("PYTHONPATH")
             env = dict(os.environ, PRECAST_CACHE_DIR=str((root / f"c_{name}").resolve()),
-                       PYTHONPATH=os.pathsep.join(
-                           [str(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+                       PYTHONPATH=str(tree) + (os.pathsep + inherited if inherited else ""))
             print(f"=== {name} round {r + 1}", flush=True)
             proc = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
