@@ -451,37 +451,60 @@ class GdnChunkPrepareSm90:
         # diag(r_k): one factor per row for each, r_k per column, the decay per element.
         # Element e of the accumulator is row half (e // 2) % 2 and column slot
         # (e // 4) * 2 + e % 2: row values are read once, column values once per column
-        # pair (read per element, they were reloaded after every store into sA).
+        # pair (read per element, they were reloaded after every store into sA). Column
+        # group g (elements 4 g .. 4 g + 3, columns 8 g ..) meets warp w's 16 rows' diagonal
+        # when g is 2 w or 2 w + 1; groups after those are zeros (no decays made: 3 of the 8
+        # on average), groups before them need no causal selects.
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
         row_g, row_a, row_m = [], [], []
         for h in cutlass.range_constexpr(2):
             i = coords[2 * h][0]
             row_g.append(sGate[i])
             row_a.append(sBeta[i] * sRows[R_K, i] if const_expr(self.l2norm) else sBeta[i])
             row_m.append(scale * sRows[R_Q, i] if const_expr(self.l2norm) else scale)
+
         for g in cutlass.range_constexpr(cute.size(acc_kk) // 4):
-            col_g, col_rk = [], []
+            if g >= 2 * warp + 2:
+                for e in cutlass.range_constexpr(4 * g, 4 * g + 4):
+                    sA[coords[e][0], coords[e][1]] = Float32(0.0)
+                    t_m[e] = self.dtype(0.0)
+            else:
+                rows = (row_g, row_a, row_m)
+                if g < 2 * warp:
+                    self.column_group(acc_kk, acc_qk, coords, sA, t_m, sGate, sRows, rows, g,
+                                      False)
+                else:
+                    self.column_group(acc_kk, acc_qk, coords, sA, t_m, sGate, sRows, rows, g,
+                                      True)
+
+    @cute.jit
+    def column_group(self, acc_kk, acc_qk, coords, sA, t_m, sGate, sRows, rows,
+                     g: cutlass.Constexpr, diagonal: cutlass.Constexpr):
+        """scores' epilogue for column group g of the thread's accumulators: A's elements
+        into sA, M's into t_m (``rows``: the row values row_g, row_a, row_m). ``diagonal``:
+        the group meets the warp's diagonal (the causal selects); else it lies below it."""
+        row_g, row_a, row_m = rows
+        col_g, col_rk = [], []
+        for p in cutlass.range_constexpr(2):
+            j = coords[4 * g + p][1]
+            col_g.append(sGate[j])
+            col_rk.append(sRows[R_K, j] if const_expr(self.l2norm) else None)
+        for h in cutlass.range_constexpr(2):
             for p in cutlass.range_constexpr(2):
-                j = coords[4 * g + p][1]
-                col_g.append(sGate[j])
-                col_rk.append(sRows[R_K, j] if const_expr(self.l2norm) else None)
-            for h in cutlass.range_constexpr(2):
-                for p in cutlass.range_constexpr(2):
-                    e = 4 * g + 2 * h + p
-                    i = coords[e][0]
-                    j = coords[e][1]
-                    seen = j <= i
-                    decay = cute.math.exp(cutlass.select_(seen, row_g[h] - col_g[p],
-                                                          Float32(0.0)), fastmath=True)
-                    if const_expr(self.l2norm):
-                        decay = decay * col_rk[p]
-                    a = Float32(0.0)
-                    m = Float32(0.0)
-                    if j < i:
-                        a = acc_kk[e] * row_a[h] * decay
-                    if seen:
-                        m = acc_qk[e] * row_m[h] * decay
-                    sA[i, j] = a
-                    t_m[e] = m.to(self.dtype)
+                e = 4 * g + 2 * h + p
+                i = coords[e][0]
+                j = coords[e][1]
+                # (above the diagonal the decay may overflow: the selects drop it)
+                decay = cute.math.exp(row_g[h] - col_g[p], fastmath=True)
+                if const_expr(self.l2norm):
+                    decay = decay * col_rk[p]
+                a = acc_kk[e] * row_a[h] * decay
+                m = acc_qk[e] * row_m[h] * decay
+                if const_expr(diagonal):
+                    a = Float32(cutlass.select_(j < i, a, Float32(0.0)))
+                    m = Float32(cutlass.select_(j <= i, m, Float32(0.0)))
+                sA[i, j] = a
+                t_m[e] = Float32(m).to(self.dtype)
 
     @cute.jit
     def row_values(self, sGate, sBeta, out_f, rows: Int32, scale: Float32, sRows, j: Int32):
