@@ -53,9 +53,31 @@ CTAS_PER_SM = 5
 INV_BLOCK = 16  # diagonal blocks of T solved by substitution (see invert)
 TF32_ROUND = 1 << 12  # half a unit of tf32's last mantissa place (bit 13)
 L2NORM_EPS = 1e-24
-# A's rows in shared memory (fp32), padded: the score epilogue's stores (eight rows per
-# warp store) fall in distinct banks; rows stay 16-byte aligned for the solver's loads.
-A_ROW_STRIDE = CHUNK + 4
+# A's rows in shared memory (fp32): row 8 m + j starts at word 576 m + 64 j + pad_j, pad =
+# 0, 8, 16, 24, 36, 44, 52, 60 (rows never overlap), so in every group of 8 rows the rows
+# start in 8 distinct 16-byte bank groups, and rows 0-3 and 4-7 of it in distinct 8-bank
+# windows. Every access of stage 1 is then conflict-free: the epilogue's and the products'
+# 8-byte stores of accumulator pairs (four rows per half-warp), the tf32 fragments' loads
+# (eight rows by four columns; B four rows by eight), the 16-byte row loads. (A uniform
+# 68-word stride served the 4-byte patterns only: 2-way conflicts on a fifth of the
+# kernel's shared-memory wavefronts, ncu run 37b.) Rows stay 16-byte aligned.
+A_ROW_GROUP = (4, 2, CHUNK // 8)  # row r as (r % 4, (r // 4) % 2, r // 8)
+A_ROW_STEPS = (CHUNK + 8, 4 * CHUNK + 36, 9 * CHUNK)
+A_ELEMS = sum((n - 1) * d for n, d in zip(A_ROW_GROUP, A_ROW_STEPS)) + CHUNK
+
+
+def a_layout(rows: int = CHUNK, cols: int = CHUNK):
+    """(rows, cols) of A from a row that is a multiple of 8."""
+    return cute.make_layout(((4, 2, rows // 8), cols), stride=(A_ROW_STEPS, 1))
+
+
+def a_tile(sA, corner, rows: int, cols: int, transpose: bool = False):
+    """The (rows, cols) block of A at ``corner`` (row a multiple of 8), or its (cols, rows)
+    transposed view."""
+    layout = a_layout(rows, cols)
+    if transpose:
+        layout = cute.select(layout, mode=[1, 0])
+    return cute.make_tensor(sA.iterator + (corner[0] // 8 * A_ROW_STEPS[2] + corner[1]), layout)
 # Rows of the per-token values in shared memory (sRows): the L2 row scales r_q, r_k, then
 # (over them, once row_values read them) T's column scales for W and U.
 R_Q, R_K = range(2)
@@ -90,12 +112,9 @@ def warp_block_product(sA, a_at, b_at, c_at, rows: cutlass.Constexpr,
     most of the inverse's time (shared-memory bound, ~45 % of the kernel)."""
     mma = cute.make_tiled_mma(cute.make_mma_atom(MmaTF32Op((16, 8, 8))))
     thr = mma.get_slice(lane)
-    at = lambda corner, shape, stride: cute.make_tensor(  # noqa: E731
-        sA.iterator + (corner[0] * A_ROW_STRIDE + corner[1]),
-        cute.make_layout(shape, stride=stride))
-    t_a = thr.partition_A(at(a_at, (rows, depth), (A_ROW_STRIDE, 1)))
-    t_b = thr.partition_B(at(b_at, (8, depth), (1, A_ROW_STRIDE)))  # (N, K) view of B
-    t_c = thr.partition_C(at(c_at, (rows, 8), (A_ROW_STRIDE, 1)))
+    t_a = thr.partition_A(a_tile(sA, a_at, rows, depth))
+    t_b = thr.partition_B(a_tile(sA, b_at, depth, 8, transpose=True))  # (N, K) view of B
+    t_c = thr.partition_C(a_tile(sA, c_at, rows, 8))
     operands = []
     for t in (t_a, t_b):
         r = cute.make_rmem_tensor(t.shape, Float32)
@@ -159,7 +178,7 @@ class GdnChunkPrepareSm90:
         store_m, mW_t = cpasync.make_tiled_tma_atom(s2g, select_modes(mWork16, [2, 3, 1, 0]),
                                                     one(sM_layout), (C, C))
 
-        a_elems = 1 if self.a_over_qk() else C * A_ROW_STRIDE
+        a_elems = 1 if self.a_over_qk() else A_ELEMS
 
         @cute.struct
         class SharedStorage:
@@ -188,7 +207,7 @@ class GdnChunkPrepareSm90:
     def a_over_qk(self) -> bool:
         """Whether the dead Q and K tiles (2 x 64 x K 16-bit) hold A (fp32, 64 x 68) and M
         (16-bit, 64 x 64) side by side."""
-        return 2 * CHUNK * self.k_dim * 2 >= CHUNK * A_ROW_STRIDE * 4 + CHUNK * CHUNK * 2
+        return 2 * CHUNK * self.k_dim * 2 >= A_ELEMS * 4 + CHUNK * CHUNK * 2
 
     def prepare_setup(self, mQ, mK, mV, stages: int):
         """Host-side pieces of the preparing role: shared-memory layouts (Q/K and V tiles
@@ -249,7 +268,7 @@ class GdnChunkPrepareSm90:
             if const_expr(self.a_over_qk()):
                 a_ptr = cute.recast_ptr(storage.sQ.data_ptr(), dtype=Float32)
                 m_ptr = storage.sK.data_ptr() + cute.cosize(sM_layout.outer)
-            sA = cute.make_tensor(a_ptr, cute.make_layout((C, C), stride=(A_ROW_STRIDE, 1)))
+            sA = cute.make_tensor(a_ptr, a_layout())
             sGate = storage.gate.get_tensor(cute.make_layout(C))
             sBeta = storage.beta.get_tensor(cute.make_layout(C))
             sRows = storage.rows.get_tensor(cute.make_layout((ROW_VALUES, C), stride=(C, 1)))
@@ -417,14 +436,18 @@ class GdnChunkPrepareSm90:
         if const_expr(self.l2norm):
             # r_q from the rows of Q on the CUDA cores while both products run (a Q Q^T
             # for its diagonal was a third of the products, on the chain): two threads a
-            # row, 16-byte loads; r_k from K K^T's diagonal below.
+            # row, 16-byte loads; r_k from K K^T's diagonal below. At K = 128 a row's two
+            # halves lie in two 128-byte swizzle atoms 8 KB apart, so the pair's pieces v
+            # fell in one bank group (2-way conflicts, ncu run 37b): the odd thread walks
+            # its pieces in the order v ^ 4.
             row = tidx // 2
-            half = self.k_dim // 2
+            pieces = self.k_dim // 16  # 16-byte pieces in half a row
+            turn = (tidx % 2) * 4 if const_expr(pieces == 8) else 0
             vals = cute.make_rmem_tensor(cute.make_layout(8), self.dtype)
             sums = [Float32(0.0), Float32(0.0)]
-            for v in cutlass.range_constexpr(half // 8):
+            for v in cutlass.range_constexpr(pieces):
                 cute.autovec_copy(cute.local_tile(sQ[row, None, stage], (8,),
-                                                  (tidx % 2 * (half // 8) + v,)), vals)
+                                                  (tidx % 2 * pieces + (v ^ turn),)), vals)
                 for e in cutlass.range_constexpr(8):
                     x = vals[e].to(Float32)
                     sums[e % 2] = sums[e % 2] + x * x

@@ -23,7 +23,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .gdn_chunk_sm90 import A_ROW_STRIDE, ROW_VALUES, GdnChunkPrepareSm90
+from .gdn_chunk_sm90 import A_ELEMS, ROW_VALUES, GdnChunkPrepareSm90, a_layout
 from .gdn_layout import CHUNK, FACTOR_COLS
 from .gdn_recurrence_sm90 import THREADS_PER_WG, GdnChunkRecurrenceSm90
 
@@ -92,7 +92,7 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
             sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
             sTw: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
             sTu: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sT_layout)], 1024]
-            sA: cute.struct.Align[cute.struct.MemRange[Float32, C * A_ROW_STRIDE], 16]
+            sA: cute.struct.Align[cute.struct.MemRange[Float32, A_ELEMS], 16]
 
         self.storage = SharedStorage
         num_batches = mCuSeqlens.shape[0] - 1
@@ -136,7 +136,7 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
         sM = storage.sM.get_tensor(sM_layout.outer, swizzle=sM_layout.inner)
         sTw = storage.sTw.get_tensor(sT_layout.outer, swizzle=sT_layout.inner)
         sTu = storage.sTu.get_tensor(sT_layout.outer, swizzle=sT_layout.inner)
-        sA = storage.sA.get_tensor(cute.make_layout((C, C), stride=(A_ROW_STRIDE, 1)))
+        sA = storage.sA.get_tensor(a_layout())
         sGate = storage.gate.get_tensor(cute.make_layout(C))
         sBeta = storage.beta.get_tensor(cute.make_layout(C))
         sRows = storage.rows.get_tensor(cute.make_layout((ROW_VALUES, C), stride=(C, 1)))
