@@ -205,8 +205,8 @@ class GdnChunkPrepareSm90:
             min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=-1)
 
     def a_over_qk(self) -> bool:
-        """Whether the dead Q and K tiles (2 x 64 x K 16-bit) hold A (fp32, 64 x 68) and M
-        (16-bit, 64 x 64) side by side."""
+        """Whether the dead Q and K tiles (2 x 64 x K 16-bit) hold A (fp32, A_ELEMS words)
+        and M (16-bit, 64 x 64) side by side."""
         return 2 * CHUNK * self.k_dim * 2 >= A_ELEMS * 4 + CHUNK * CHUNK * 2
 
     def prepare_setup(self, mQ, mK, mV, stages: int):
