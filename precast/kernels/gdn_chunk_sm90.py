@@ -61,14 +61,16 @@ L2NORM_EPS = 1e-24
 # (eight rows by four columns; B four rows by eight), the 16-byte row loads. (A uniform
 # 68-word stride served the 4-byte patterns only: 2-way conflicts on a fifth of the
 # kernel's shared-memory wavefronts, ncu run 37b.) Rows stay 16-byte aligned.
-A_ROW_GROUP = (4, 2, CHUNK // 8)  # row r as (r % 4, (r // 4) % 2, r // 8)
+A_GROUP_ROWS = 8
+A_ROW_GROUP = (4, 2, CHUNK // A_GROUP_ROWS)  # row r as (r % 4, (r // 4) % 2, r // 8)
 A_ROW_STEPS = (CHUNK + 8, 4 * CHUNK + 36, 9 * CHUNK)
 A_ELEMS = sum((n - 1) * d for n, d in zip(A_ROW_GROUP, A_ROW_STEPS)) + CHUNK
 
 
 def a_layout(rows: int = CHUNK, cols: int = CHUNK):
     """(rows, cols) of A from a row that is a multiple of 8."""
-    return cute.make_layout(((4, 2, rows // 8), cols), stride=(A_ROW_STEPS, 1))
+    return cute.make_layout(((*A_ROW_GROUP[:2], rows // A_GROUP_ROWS), cols),
+                            stride=(A_ROW_STEPS, 1))
 
 
 def a_tile(sA, corner, rows: int, cols: int, transpose: bool = False):
@@ -77,7 +79,10 @@ def a_tile(sA, corner, rows: int, cols: int, transpose: bool = False):
     layout = a_layout(rows, cols)
     if transpose:
         layout = cute.select(layout, mode=[1, 0])
-    return cute.make_tensor(sA.iterator + (corner[0] // 8 * A_ROW_STEPS[2] + corner[1]), layout)
+    return cute.make_tensor(sA.iterator + (corner[0] // A_GROUP_ROWS * A_ROW_STEPS[2]
+                                          + corner[1]), layout)
+
+
 # Rows of the per-token values in shared memory (sRows): the L2 row scales r_q, r_k, then
 # (over them, once row_values read them) T's column scales for W and U.
 R_Q, R_K = range(2)
@@ -429,6 +434,7 @@ class GdnChunkPrepareSm90:
         acc_kk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
         acc_qk = cute.make_rmem_tensor(thr.partition_shape_C((C, C)), Float32)
         coords = thr.partition_C(cute.make_identity_tensor((C, C)))
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4  # of the warpgroup
         wgmma(mma_s, acc_kk, tSrKa, tSrKb, False)
         wgmma(mma_s, acc_qk, tSrQa, tSrKb, False)
         if tidx < cute.arch.WARP_SIZE:  # G, while the tensor cores work
@@ -459,7 +465,6 @@ class GdnChunkPrepareSm90:
             # The diagonal: warp w's rows 16 w .. are in column slots 4 w .. 4 w + 3, its
             # elements e = 4 (2 w + h) + 2 h + p (row half h, column parity p): 4 of the
             # thread's 32 can be diagonal ones (a branch per warp keeps e static).
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
             for w in cutlass.range_constexpr(4):
                 if warp == w:
                     for h in cutlass.range_constexpr(2):
@@ -478,21 +483,21 @@ class GdnChunkPrepareSm90:
         # group g (elements 4 g .. 4 g + 3, columns 8 g ..) meets warp w's 16 rows' diagonal
         # when g is 2 w or 2 w + 1; groups after those are zeros (no decays made: 3 of the 8
         # on average), groups before them need no causal selects.
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
         row_g, row_a, row_m = [], [], []
         for h in cutlass.range_constexpr(2):
             i = coords[2 * h][0]
             row_g.append(sGate[i])
             row_a.append(sBeta[i] * sRows[R_K, i] if const_expr(self.l2norm) else sBeta[i])
             row_m.append(scale * sRows[R_Q, i] if const_expr(self.l2norm) else scale)
-
+        rows = (row_g, row_a, row_m)
         for g in cutlass.range_constexpr(cute.size(acc_kk) // 4):
             if g >= 2 * warp + 2:
                 for e in cutlass.range_constexpr(4 * g, 4 * g + 4):
                     sA[coords[e][0], coords[e][1]] = Float32(0.0)
                     t_m[e] = self.dtype(0.0)
             else:
-                rows = (row_g, row_a, row_m)
+                # (two calls: whether the group is diagonal is known per warp at run time,
+                # but column_group's selects are compiled in or out)
                 if g < 2 * warp:
                     self.column_group(acc_kk, acc_qk, coords, sA, t_m, sGate, sRows, rows, g,
                                       False)
