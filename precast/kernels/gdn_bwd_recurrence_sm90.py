@@ -37,6 +37,7 @@ from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS, W_FACTORS
 from .gdn_recurrence_sm90 import factor_row_loads, load_factor_row, packed_chunk_start
 from .gdn_unpack_sm90 import init_ring_barriers, load_packed, one_bits, unpack_ring
+from .tiling import check_register_split
 
 THREADS_PER_WG = 128
 STAGES = 2
@@ -62,6 +63,8 @@ class GdnStateGradSm90:
         self.v_rows = v_dim // v_splits
         self.nwg = self.v_rows // 64
         self.num_threads = (self.nwg + 1) * THREADS_PER_WG
+        check_register_split(type(self).__name__, self.num_threads,
+                             (PRODUCER_REGS,) + (CONSUMER_REGS,) * self.nwg)
 
     # ------------------------------------------------------------------ host side
     @cute.jit

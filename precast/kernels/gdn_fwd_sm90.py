@@ -26,6 +26,7 @@ from cutlass.tensor_utils import LayoutEnum
 from .gdn_chunk_sm90 import A_ELEMS, ROW_VALUES, GdnChunkPrepareSm90, a_layout
 from .gdn_layout import CHUNK, FACTOR_COLS
 from .gdn_recurrence_sm90 import THREADS_PER_WG, GdnChunkRecurrenceSm90
+from .tiling import check_register_split
 
 STAGES = 2
 PRODUCER_REGS = 24
@@ -53,6 +54,9 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
         budget = 65536 // THREADS_PER_WG - self.producer_regs
         self.prepare_regs = 120 if self.nwg == 2 else 240
         self.state_regs = min((budget - self.prepare_regs) // self.nwg // 8 * 8, 240)
+        check_register_split(type(self).__name__, self.num_threads,
+                             (self.producer_regs, self.prepare_regs)
+                             + (self.state_regs,) * self.nwg)
 
     # ------------------------------------------------------------------ host side
     @cute.jit

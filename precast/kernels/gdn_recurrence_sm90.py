@@ -45,6 +45,7 @@ from .gdn_layout import (CHUNK, FACTOR_COLS, FACTOR_ROWS, G_LAST, K_FACTORS, Q_F
                          U_FACTORS, W_FACTORS)
 from .gdn_seq_table_sm90 import find_in_table, has_table
 from .gdn_unpack_sm90 import init_ring_barriers, load_packed, one_bits, unpack_ring
+from .tiling import check_register_split
 
 THREADS_PER_WG = 128
 
@@ -167,6 +168,8 @@ class GdnChunkRecurrenceSm90:
         self.v_rows = v_dim // v_splits  # state rows (V) of one CTA
         self.nwg = self.v_rows // 64
         self.num_threads = (self.nwg + 1) * THREADS_PER_WG
+        check_register_split(type(self).__name__, self.num_threads,
+                             (PRODUCER_REGS,) + (CONSUMER_REGS,) * self.nwg)
 
     # ------------------------------------------------------------------ host side
     @cute.jit

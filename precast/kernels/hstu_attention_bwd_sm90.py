@@ -54,6 +54,7 @@ from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, 
                              copy_rows_out, find_in_sequences, row_vectors, select_modes,
                              store_stmatrix, tma_pipeline)
 from .hstu_attention_fwd_sm90 import PRODUCER_REGS, THREADS_PER_WG, WG_ROWS
+from .tiling import check_register_split
 
 STREAM_ROWS = 64
 CONSUMER_REGS = 240
@@ -124,6 +125,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         self.mask_width = STREAM_ROWS  # masks cover a streamed tile's columns
         self.stages = stream_stages(head_dim, self.fused)
         self.num_threads = (self.nwg + 1) * THREADS_PER_WG
+        check_register_split(type(self).__name__, self.num_threads,
+                             (PRODUCER_REGS,) + (CONSUMER_REGS,) * self.nwg)
         # fused: dQ staging buffers. Two let a reduce still read one while the next is
         # written: +2 % at D = 64; at D = 128 (2 x 32 KB, shared memory full) -5 % (H200).
         self.dq_buffers = 2 if head_dim <= 64 else 1

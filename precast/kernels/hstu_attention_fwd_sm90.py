@@ -42,6 +42,7 @@ from .attention_sm90 import (AttentionTileOps, acc_as_operand_a, acc_mn_layout, 
                              copy_rows_out, row_vectors, select_modes, store_stmatrix, tma_pipeline,
                              warp_inclusive_sum, wgmma)
 from .scheduler import COUNTER_WORDS, claim_work, count_out
+from .tiling import check_register_split
 
 TILE_M = 128  # query rows of a work tile (two consumer warpgroups of 64)
 WG_ROWS = 64
@@ -95,6 +96,8 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         # the rows leave as coalesced 16-byte stores instead of 2-byte scattered ones.
         self.staged_output = self.q_stages == 2
         self.num_threads = 3 * THREADS_PER_WG
+        check_register_split(type(self).__name__, self.num_threads,
+                             (PRODUCER_REGS, CONSUMER_REGS, CONSUMER_REGS))
 
     # ------------------------------------------------------------------ host side
     @cute.jit

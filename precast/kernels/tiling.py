@@ -4,6 +4,37 @@ from dataclasses import dataclass
 
 VEC = 8  # elements of a 16-bit dtype in one 16-byte access
 WARP = 32
+WARPGROUP = 128  # threads
+REGISTER_FILE = 65536  # 32-bit registers of an SM
+
+
+def launch_registers(threads: int) -> int:
+    """Registers per thread that ptxas gives a kernel of ``threads`` threads per CTA and
+    one CTA per SM: the register file over the threads rounded up to whole warpgroups, down
+    to a multiple of 8 (640 threads: 96; 384: 168; 512: 128), at most 248."""
+    groups = -(-threads // WARPGROUP)
+    return min(REGISTER_FILE // (groups * WARPGROUP) // 8 * 8, 248)
+
+
+def check_register_split(kernel: str, threads: int, per_warpgroup) -> None:
+    """setmaxnreg only moves registers within the CTA's launch allocation
+    (launch_registers(threads) for each thread): a split asking for more makes
+    setmaxnreg.inc wait forever (a hung kernel, not an error). ``per_warpgroup``: the
+    registers each of the CTA's warpgroups ends with, in order. Raises ValueError."""
+    per_warpgroup = list(per_warpgroup)
+    if len(per_warpgroup) * WARPGROUP != threads:
+        raise ValueError(f"{kernel}: {len(per_warpgroup)} warpgroup register counts for "
+                         f"{threads} threads")
+    bad = [r for r in per_warpgroup if r % 8 or not 24 <= r <= 256]
+    if bad:
+        raise ValueError(f"{kernel}: setmaxnreg counts must be multiples of 8 in [24, 256], "
+                         f"got {bad}")
+    pool = launch_registers(threads) * threads
+    wanted = sum(per_warpgroup) * WARPGROUP
+    if wanted > pool:
+        raise ValueError(f"{kernel}: warpgroup registers {per_warpgroup} need {wanted} "
+                         f"registers, the launch allocates {pool} "
+                         f"({launch_registers(threads)} x {threads} threads)")
 
 
 def _next_pow2(n: int) -> int:

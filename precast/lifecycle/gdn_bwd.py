@@ -84,7 +84,7 @@ def kernel_modes(s: GdnShapes) -> Tuple[str, ...]:
 
 BWD_KERNEL_SOURCES = KERNEL_SOURCES + (
     "precast.kernels.gdn_bwd_recurrence_sm90", "precast.kernels.gdn_bwd_chunk_sm90",
-    "precast.kernels.gdn_bwd_finish_sm90", "precast.kernels.rowwise", "precast.kernels.tiling")
+    "precast.kernels.gdn_bwd_finish_sm90", "precast.kernels.rowwise")
 # The forward's static fields the backward's kernels depend on, plus the dfinal flag.
 FORWARD_FIELDS = ("dtype", "k_dim", "v_dim", "q_heads", "k_heads", "v_heads", "g_dtype",
                   "beta_dtype", "state_dtype", "use_qk_l2norm_in_kernel", "checkpoint_dtype")

@@ -54,7 +54,7 @@ from .validation import (INT32_MAX, check_bool, check_int, check_no_overlap, che
 KERNEL_SOURCES = ("precast.kernels.gdn_chunk_sm90", "precast.kernels.gdn_recurrence_sm90",
                   "precast.kernels.gdn_seq_table_sm90", "precast.kernels.gdn_layout",
                   "precast.kernels.gdn_unpack_sm90", "precast.kernels.attention_sm90",
-                  "precast.kernels.fake")
+                  "precast.kernels.tiling", "precast.kernels.fake")
 # Batches of more sequences than this get the per-sequence table (gdn_seq_table_sm90, one
 # small launch); up to it the kernels' scans of cu_seqlens are a single warp step.
 TABLE_MIN_SEQS = 32

@@ -45,7 +45,7 @@ KV_REQUIRED = "k and v are required (or paged_kv, page_ids and page_indptrs for 
 # key); extend it when the kernel imports more of precast.kernels.
 KERNEL_SOURCES = ("precast.kernels.hstu_attention_fwd_sm90", "precast.kernels.attention_sm90",
                   "precast.kernels.scheduler", "precast.kernels.sequence_order_sm90",
-                  "precast.kernels.fake")
+                  "precast.kernels.tiling", "precast.kernels.fake")
 
 
 def _stride(t) -> Tuple[int, ...]:

@@ -40,7 +40,7 @@ from .validation import (check_bool, check_int, check_no_overlap, check_same_dev
 KERNEL_SOURCES = ("precast.kernels.hstu_attention_bwd_sm90",
                   "precast.kernels.hstu_attention_fwd_sm90", "precast.kernels.attention_sm90",
                   "precast.kernels.activation",
-                  "precast.kernels.scheduler", "precast.kernels.fake")
+                  "precast.kernels.scheduler", "precast.kernels.tiling", "precast.kernels.fake")
 GRADIENTS = ("dq", "dk", "dv")
 # Streamed data of the (sequence, head) pairs scheduled together. 16 MB with the fused
 # kernel's dQ one tile behind: causal 1k-16k +1.6-3.7 % against 32 MB (bench/RESULTS.md
