@@ -26,7 +26,7 @@ from cutlass.tensor_utils import LayoutEnum
 from .gdn_chunk_sm90 import A_ELEMS, ROW_VALUES, GdnChunkPrepareSm90, a_layout
 from .gdn_layout import CHUNK, FACTOR_COLS
 from .gdn_recurrence_sm90 import THREADS_PER_WG, GdnChunkRecurrenceSm90
-from .tiling import check_register_split
+from .tiling import check_register_split, launch_registers
 
 STAGES = 2
 PRODUCER_REGS = 24
@@ -44,14 +44,15 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
                                                  from_inverse=False)
         self.nwg = v_dim // 64
         self.num_threads = (2 + self.nwg) * THREADS_PER_WG
-        # Per-thread register counts of the warpgroups sum to at most 512 (64 K registers,
-        # 128 threads each): V = 128 gives 24 + 120 + 2 x 184. ptxas then reports ~0.8 KB of
+        # Per-thread register counts of the warpgroups sum to at most the launch's
+        # allocation (tiling.launch_registers for each warpgroup: 4 x 128 at V = 128, 3 x
+        # 168 at V = 64): V = 128 gives 24 + 120 + 2 x 184. ptxas then reports ~0.8 KB of
         # spills and serialized wgmma (2026-11-30). The spills seen in the SASS earlier: the
         # preparing role's per-thread swizzled shared-memory addresses (unrolled epilogues,
         # now also the solver's column stores), the same in every chunk, hoisted out of the
         # chunk loop and parked in local memory. Stage 1 alone has none (168 registers).
         self.producer_regs = PRODUCER_REGS
-        budget = 65536 // THREADS_PER_WG - self.producer_regs
+        budget = launch_registers(self.num_threads) * (2 + self.nwg) - self.producer_regs
         self.prepare_regs = 120 if self.nwg == 2 else 240
         self.state_regs = min((budget - self.prepare_regs) // self.nwg // 8 * 8, 240)
         check_register_split(type(self).__name__, self.num_threads,
