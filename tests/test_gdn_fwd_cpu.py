@@ -87,7 +87,7 @@ def test_exported_and_registered():
         "precast.kernels.gdn_chunk_sm90", "precast.kernels.gdn_recurrence_sm90",
         "precast.kernels.gdn_seq_table_sm90", "precast.kernels.gdn_layout",
         "precast.kernels.gdn_unpack_sm90", "precast.kernels.attention_sm90",
-        "precast.kernels.fake"}
+        "precast.kernels.tiling", "precast.kernels.fake"}
 
 
 # --- static configuration and cache key ---------------------------------------------------------
