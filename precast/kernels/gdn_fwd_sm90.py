@@ -52,7 +52,8 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
         # now also the solver's column stores), the same in every chunk, hoisted out of the
         # chunk loop and parked in local memory. Stage 1 alone has none (168 registers).
         self.producer_regs = PRODUCER_REGS
-        budget = launch_registers(self.num_threads) * (2 + self.nwg) - self.producer_regs
+        budget = (launch_registers(self.num_threads) * self.num_threads // THREADS_PER_WG
+                  - self.producer_regs)
         self.prepare_regs = 120 if self.nwg == 2 else 240
         self.state_regs = min((budget - self.prepare_regs) // self.nwg // 8 * 8, 240)
         check_register_split(type(self).__name__, self.num_threads,

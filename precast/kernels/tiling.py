@@ -1,5 +1,6 @@
-"""How threads cover rows in the row-wise kernels (pure Python: the host side sizes
-grids and workspaces from it without importing the compiler)."""
+"""How threads cover rows in the row-wise kernels, and how the warp-specialized kernels may
+split their registers with setmaxnreg (pure Python: the host side sizes grids and
+workspaces from it without importing the compiler)."""
 from dataclasses import dataclass
 
 VEC = 8  # elements of a 16-bit dtype in one 16-byte access
