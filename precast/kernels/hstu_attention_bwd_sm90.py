@@ -509,16 +509,19 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             tiles = s_max - s_min
             count = tiles * self.stream_heads()
+            skip = self.hidden_lead(r0 + wg * WG_ROWS, s_min, count, off, window_right)
+            if skip > 0:
+                state = self.skip_step(state, ds_regs, mma_s, sdS, pipe_stream, consumer_tidx)
             # S and dP of the next streamed tile are issued before this tile's dQ goes out,
             # so the tensor cores have work while the dQ partial is staged and reduced.
             self.issue_scores(mma_s, acc_s, acc_dp, tSrX, tSrY, tSrU, tSrW, sU, sW, pipe_stream,
-                              state, s_min, len_stream, consumer_tidx)
+                              state, s_min + skip % tiles, len_stream, consumer_tidx)
             # The last step is peeled: a wgmma issued under a branch serializes them all.
             ops = (mma_s, mma_g, mma_dq, acc_s, acc_dp, acc_a, acc_b, p_regs, ds_regs, tGrP,
                    tGrdS, tGrUt, tGrWt, tSrX, tSrY, tSrU, tSrW, dq_parts)
             where = (row_i, first_col, func, mFunc, q_start, len_q, len_k, off, window_left,
                      window_right, half_alpha, scale_dq, s_min, tiles, len_stream, head)
-            for i in cutlass.range(count - 1, unroll=1):
+            for i in cutlass.range(skip, count - 1, unroll=1):
                 state = self.stream_step(i, state, ops, where, sU, sW, sdS, sdQ, pipe_stream,
                                          mdQacc, tma_dq, consumer_tidx, True)
             state = self.stream_step(count - 1, state, ops, where, sU, sW, sdS, sdQ,
@@ -641,6 +644,42 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                 self.send_dq(mdQacc, tma_dq, sdQ, i - 1, tiles, s_min, head, q_start,
                              consumer_tidx)
         return state
+
+    @cute.jit
+    def hidden_lead(self, f0: Int32, s_min: Int32, count: Int32, off: Int32,
+                    window_right: Int32) -> Int32:
+        """1 when this warpgroup's fixed keys f0 .. f0 + 63 are hidden from every query of
+        the first streamed tile s_min (its rows start past the diagonal: under a right bound
+        the first query seeing key f0 lies in a later tile) and more tiles follow, else 0.
+        Causal self-attention: every 128-key tile's second warpgroup, whose first tile is
+        all above the diagonal (1 of ~33 tiles at L = 4096, 1 of 2-6 in short sequences).
+        Uniform over the warpgroup."""
+        skip = Int32(0)
+        if const_expr(self.keys_fixed and self.right_bounded):
+            first_seen = cutlass.max(f0 - off - window_right, 0) // STREAM_ROWS
+            if first_seen > s_min and count > 1:
+                skip = Int32(1)
+        return cute.arch.make_warp_uniform(skip)
+
+    @cute.jit
+    def skip_step(self, state, ds_regs, mma_s, sdS, pipe_stream, consumer_tidx: Int32):
+        """Streamed tile 0 when hidden_lead says it hides all of it: no scores, no gradient
+        terms; its stage waited for (a stage is released only after its fill) and released,
+        and (fused) zeros staged as this warpgroup's dS half, so the other warpgroup's dQ
+        product of tile 0 (step 1, both halves) adds nothing for these keys. Tile 0's dQ
+        product of "tile -1" is not needed either. No wgmma here: a wgmma under a branch
+        serializes them all. Returns the next stage."""
+        pipe_stream.consumer_wait(state)
+        if const_expr(self.fused):
+            self.ds_staged_wait(-1, consumer_tidx)
+            ds_regs.fill(0.0)
+            store_stmatrix(ds_regs, mma_s, sdS[None, None, 0], consumer_tidx)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_warp()
+            self.ds_staged_arrive(0, consumer_tidx)
+        cute.arch.sync_warp()
+        pipe_stream.consumer_release(state)
+        return advanced(state)
 
     @cute.jit
     def mask_rows(self, keep, p_regs, ds_regs):
