@@ -135,6 +135,9 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         # kernel, where that order ran 1 % slower (104 -> 88 B).
         self.mask_between_gemms = not (self.fused and head_dim > 64)
         self.prescale = PRESCALE_FIXED[head_dim]
+        # Under a right bound the second warpgroup's keys may be hidden from the whole first
+        # streamed tile (hidden_lead): it skips that tile. Other kernels keep main's code.
+        self.skips_lead = self.keys_fixed and self.right_bounded and self.nwg == 2
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -509,9 +512,12 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             tiles = s_max - s_min
             count = tiles * self.stream_heads()
-            skip = self.hidden_lead(r0 + wg * WG_ROWS, s_min, count, off, window_right)
-            if skip > 0:
-                state = self.skip_step(state, ds_regs, mma_s, sdS, pipe_stream, consumer_tidx)
+            skip = 0
+            if const_expr(self.skips_lead):
+                skip = self.hidden_lead(r0 + wg * WG_ROWS, s_min, count, off, window_right)
+                if skip > 0:
+                    state = self.skip_step(state, ds_regs, mma_s, sU, sW, sdS, pipe_stream,
+                                           s_min, len_stream, consumer_tidx)
             # S and dP of the next streamed tile are issued before this tile's dQ goes out,
             # so the tensor cores have work while the dQ partial is staged and reduced.
             self.issue_scores(mma_s, acc_s, acc_dp, tSrX, tSrY, tSrU, tSrW, sU, sW, pipe_stream,
@@ -653,23 +659,28 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         the first query seeing key f0 lies in a later tile) and more tiles follow, else 0.
         Causal self-attention: every 128-key tile's second warpgroup, whose first tile is
         all above the diagonal (1 of ~33 tiles at L = 4096, 1 of 2-6 in short sequences).
-        Uniform over the warpgroup."""
+        Uniform over the warpgroup. Only where skips_lead."""
         skip = Int32(0)
-        if const_expr(self.keys_fixed and self.right_bounded):
-            first_seen = cutlass.max(f0 - off - window_right, 0) // STREAM_ROWS
-            if first_seen > s_min and count > 1:
-                skip = Int32(1)
+        first_seen = cutlass.max(f0 - off - window_right, 0) // STREAM_ROWS
+        if first_seen > s_min and count > 1:
+            skip = Int32(1)
         return cute.arch.make_warp_uniform(skip)
 
     @cute.jit
-    def skip_step(self, state, ds_regs, mma_s, sdS, pipe_stream, consumer_tidx: Int32):
-        """Streamed tile 0 when hidden_lead says it hides all of it: no scores, no gradient
-        terms; its stage waited for (a stage is released only after its fill) and released,
-        and (fused) zeros staged as this warpgroup's dS half, so the other warpgroup's dQ
-        product of tile 0 (step 1, both halves) adds nothing for these keys. Tile 0's dQ
-        product of "tile -1" is not needed either. No wgmma here: a wgmma under a branch
-        serializes them all. Returns the next stage."""
+    def skip_step(self, state, ds_regs, mma_s, sU, sW, sdS, pipe_stream, s: Int32,
+                  len_stream: Int32, consumer_tidx: Int32):
+        """Streamed tile 0 (tile s) when hidden_lead says it hides all of it: no scores, no
+        gradient terms; its stage waited for (a stage is released only after its fill),
+        this warpgroup's share of zeroing its rows past the sequence end done (zero_rows is
+        cooperative: under GQA a one-tile span streams the same partial tile per query
+        head), the stage released, and (fused) zeros staged as this warpgroup's dS half, so
+        the other warpgroup's dQ product of tile 0 (step 1, both halves) adds nothing for
+        these keys. Tile 0's dQ product of "tile -1" is not needed either. No wgmma here: a
+        wgmma under a branch serializes them all. Returns the next stage."""
         pipe_stream.consumer_wait(state)
+        if (s + 1) * STREAM_ROWS > len_stream:
+            self.zero_rows(sU[None, None, state.index], sW[None, None, state.index],
+                           len_stream - s * STREAM_ROWS, consumer_tidx)
         if const_expr(self.fused):
             self.ds_staged_wait(-1, consumer_tidx)
             ds_regs.fill(0.0)
