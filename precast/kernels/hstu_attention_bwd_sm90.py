@@ -29,7 +29,12 @@ streams 64-row tiles of the other side through a TMA ring:
   CTAs are scheduled a few (sequence, head) pairs at a time (an L2 group) so the reduce-adds
   hit L2. Once every CTA of a group has counted its reduce-adds in, the idle warps of the
   producer warpgroup in later CTAs turn that group's fp32 rows into dq (and zeros) while
-  their consumers compute; DqFinishSm90 converts what they did not reach.
+  their consumers compute; DqFinishSm90 converts what they did not reach. A warpgroup
+  whose 64 keys a whole streamed tile cannot see skips that tile's scores and dK, dV terms
+  (staging zeros as its dS half): the second warpgroup's first tile under a right bound
+  (causal: every key tile's, 1 of ~33 tiles at L = 4096, 1 of 2-8 in short sequences;
+  skip_step) and the first warpgroup's last tile under a left bound (local windows; it still
+  makes that tile's dQ product, which the other half of dS feeds: dq_only_step).
 Jagged batches (T / R + B fixed tiles at most half of the max_seqlen-sized grid): the grid
 counts only the fixed tiles that exist; each CTA finds its sequence by a warp scan of the
 sequence lengths, 32 at a time (the forward's device-side varlen decode).
