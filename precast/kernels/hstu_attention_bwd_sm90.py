@@ -29,7 +29,12 @@ streams 64-row tiles of the other side through a TMA ring:
   CTAs are scheduled a few (sequence, head) pairs at a time (an L2 group) so the reduce-adds
   hit L2. Once every CTA of a group has counted its reduce-adds in, the idle warps of the
   producer warpgroup in later CTAs turn that group's fp32 rows into dq (and zeros) while
-  their consumers compute; DqFinishSm90 converts what they did not reach.
+  their consumers compute; DqFinishSm90 converts what they did not reach. A warpgroup
+  whose 64 keys a whole streamed tile cannot see skips that tile's scores and dK, dV terms
+  (staging zeros as its dS half): the second warpgroup's first tile under a right bound
+  (causal: every key tile's, 1 of ~33 tiles at L = 4096, 1 of 2-8 in short sequences;
+  skip_step) and the first warpgroup's last tile under a left bound (local windows; it still
+  makes that tile's dQ product, which the other half of dS feeds: dq_only_step).
 Jagged batches (T / R + B fixed tiles at most half of the max_seqlen-sized grid): the grid
 counts only the fixed tiles that exist; each CTA finds its sequence by a warp scan of the
 sequence lengths, 32 at a time (the forward's device-side varlen decode).
@@ -135,6 +140,14 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         # kernel, where that order ran 1 % slower (104 -> 88 B).
         self.mask_between_gemms = not (self.fused and head_dim > 64)
         self.prescale = PRESCALE_FIXED[head_dim]
+        # fused: under a right bound the second warpgroup's keys may be hidden from the whole
+        # first streamed tile (hidden_lead): it skips that tile; under a left bound the
+        # first warpgroup's from the whole last one (hidden_trail): it makes only that
+        # tile's dQ product (dq_only_step). Not in "dkdv" (deterministic), whose kernel ran
+        # 1.2 % slower with the lead skip (run 39b), nor where no bound allows it: those
+        # kernels keep the code they had.
+        self.skips_lead = self.fused and self.right_bounded
+        self.skips_trail = self.fused and self.left_bounded
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -509,20 +522,35 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             tiles = s_max - s_min
             count = tiles * self.stream_heads()
+            skip = 0
+            if const_expr(self.skips_lead):
+                skip = self.hidden_lead(r0 + wg * WG_ROWS, s_min, count, off, window_right)
+                if skip > 0:
+                    state = self.skip_step(state, ds_regs, mma_s, sU, sW, sdS, pipe_stream,
+                                           s_min, len_stream, consumer_tidx)
             # S and dP of the next streamed tile are issued before this tile's dQ goes out,
             # so the tensor cores have work while the dQ partial is staged and reduced.
             self.issue_scores(mma_s, acc_s, acc_dp, tSrX, tSrY, tSrU, tSrW, sU, sW, pipe_stream,
-                              state, s_min, len_stream, consumer_tidx)
+                              state, s_min + skip % tiles, len_stream, consumer_tidx)
             # The last step is peeled: a wgmma issued under a branch serializes them all.
             ops = (mma_s, mma_g, mma_dq, acc_s, acc_dp, acc_a, acc_b, p_regs, ds_regs, tGrP,
                    tGrdS, tGrUt, tGrWt, tSrX, tSrY, tSrU, tSrW, dq_parts)
             where = (row_i, first_col, func, mFunc, q_start, len_q, len_k, off, window_left,
                      window_right, half_alpha, scale_dq, s_min, tiles, len_stream, head)
-            for i in cutlass.range(count - 1, unroll=1):
+            trail = 0
+            if const_expr(self.skips_trail):
+                trail = self.hidden_trail(r0 + wg * WG_ROWS, s_max, count - skip, off,
+                                          window_left, len_k)
+            for i in cutlass.range(skip, count - 1 - trail, unroll=1):
                 state = self.stream_step(i, state, ops, where, sU, sW, sdS, sdQ, pipe_stream,
                                          mdQacc, tma_dq, consumer_tidx, True)
-            state = self.stream_step(count - 1, state, ops, where, sU, sW, sdS, sdQ,
+            state = self.stream_step(count - 1 - trail, state, ops, where, sU, sW, sdS, sdQ,
                                      pipe_stream, mdQacc, tma_dq, consumer_tidx, False)
+            if const_expr(self.skips_trail):
+                # (a loop of 0 or 1 steps, not a branch: it issues a wgmma)
+                for i in cutlass.range(count - trail, count, unroll=1):
+                    state = self.dq_only_step(i, state, ops, where, sU, sW, sdS, sdQ,
+                                              pipe_stream, mdQacc, tma_dq, consumer_tidx)
             if const_expr(self.fused):
                 # the last tile's dQ (each step multiplies the previous tile's)
                 self.ds_staged_wait(count - 1, consumer_tidx)
@@ -640,6 +668,100 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             if i > 0:
                 self.send_dq(mdQacc, tma_dq, sdQ, i - 1, tiles, s_min, head, q_start,
                              consumer_tidx)
+        return state
+
+    @cute.jit
+    def hidden_lead(self, f0: Int32, s_min: Int32, count: Int32, off: Int32,
+                    window_right: Int32) -> Int32:
+        """1 when this warpgroup's fixed keys f0 .. f0 + 63 are hidden from every query of
+        the first streamed tile s_min (its rows start past the diagonal: under a right bound
+        the first query seeing key f0 lies in a later tile) and more tiles follow, else 0.
+        Causal self-attention: every 128-key tile's second warpgroup, whose first tile is
+        all above the diagonal (1 of ~33 tiles at L = 4096, 1 of 2-6 in short sequences).
+        Uniform over the warpgroup. Only where skips_lead."""
+        skip = Int32(0)
+        first_seen = cutlass.max(f0 - off - window_right, 0) // STREAM_ROWS
+        if first_seen > s_min and count > 1:
+            skip = Int32(1)
+        return cute.arch.make_warp_uniform(skip)
+
+    @cute.jit
+    def skip_step(self, state, ds_regs, mma_s, sU, sW, sdS, pipe_stream, s: Int32,
+                  len_stream: Int32, consumer_tidx: Int32):
+        """Streamed tile 0 (tile s) when hidden_lead says it hides all of it: no scores, no
+        gradient terms; its stage waited for (a stage is released only after its fill),
+        this warpgroup's share of zeroing its rows past the sequence end done (zero_rows is
+        cooperative: under GQA a one-tile span streams the same partial tile per query
+        head), the stage released, and (fused) zeros staged as this warpgroup's dS half, so
+        the other warpgroup's dQ product of tile 0 (step 1, both halves) adds nothing for
+        these keys. Tile 0's dQ product of "tile -1" is not needed either. No wgmma here: a
+        wgmma under a branch serializes them all. Returns the next stage."""
+        pipe_stream.consumer_wait(state)
+        if (s + 1) * STREAM_ROWS > len_stream:
+            self.zero_rows(sU[None, None, state.index], sW[None, None, state.index],
+                           len_stream - s * STREAM_ROWS, consumer_tidx)
+        if const_expr(self.fused):
+            self.ds_staged_wait(-1, consumer_tidx)
+            ds_regs.fill(0.0)
+            store_stmatrix(ds_regs, mma_s, sdS[None, None, 0], consumer_tidx)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_warp()
+            self.ds_staged_arrive(0, consumer_tidx)
+        cute.arch.sync_warp()
+        pipe_stream.consumer_release(state)
+        return advanced(state)
+
+    @cute.jit
+    def hidden_trail(self, f0: Int32, s_max: Int32, remaining: Int32, off: Int32,
+                     window_left: Int32, len_k: Int32) -> Int32:
+        """1 when this warpgroup's fixed keys f0 .. f0 + 63 (those that exist) are hidden
+        from every query of the last streamed tile s_max - 1 (under a left bound the last
+        query seeing its last key lies in an earlier tile) and it has another tile to
+        compute, else 0. A local window: the first warpgroup's last tile. Uniform over the
+        warpgroup. Only where skips_trail."""
+        trail = Int32(0)
+        last_key = cutlass.min(f0 + WG_ROWS - 1, len_k - 1)
+        # query i sees key j only while i <= j - off + left
+        if last_key - off + window_left < (s_max - 1) * STREAM_ROWS and remaining > 1:
+            trail = Int32(1)
+        return cute.arch.make_warp_uniform(trail)
+
+    @cute.jit
+    def dq_only_step(self, i: Int32, state, ops, where, sU, sW, sdS, sdQ, pipe_stream, mdQacc,
+                     tma_dq, consumer_tidx: Int32):
+        """Streamed tile i when hidden_trail says it hides all of it: no scores, no dK or dV
+        terms; the stage waited for, this warpgroup's share of zeroing its tail rows done
+        (zero_rows is cooperative), zeros staged as its dS half, and (fused) its dQ product
+        of tile i - 1, which the other warpgroup's dS half of that tile still feeds, made,
+        staged and sent. Returns the next stage."""
+        (mma_s, mma_g, mma_dq, acc_s, acc_dp, acc_a, acc_b, p_regs, ds_regs, tGrP, tGrdS,
+         tGrUt, tGrWt, tSrX, tSrY, tSrU, tSrW, dq_parts) = ops
+        (row_i, first_col, func, mFunc, q_start, len_q, len_k, off, window_left, window_right,
+         half_alpha, scale_dq, s_min, tiles, len_stream, head) = where
+        C = STREAM_ROWS
+        s = s_min + i % tiles
+        pipe_stream.consumer_wait(state)
+        if (s + 1) * C > len_stream:
+            self.zero_rows(sU[None, None, state.index], sW[None, None, state.index],
+                           len_stream - s * C, consumer_tidx)
+        if const_expr(self.fused):
+            self.ds_staged_wait(i - 1, consumer_tidx)
+            ds_regs.fill(0.0)
+            store_stmatrix(ds_regs, mma_s, sdS[None, None, i % 2], consumer_tidx)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            acc_dq, tQrdSt, tQrKt, tQsdQ = dq_parts
+            self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (i + 1) % 2],
+                      tQrKt[None, None, None, 0], accumulate=False)
+        warpgroup.wait_group(0)
+        cute.arch.sync_warp()
+        if const_expr(self.fused):
+            self.ds_staged_arrive(i, consumer_tidx)
+        pipe_stream.consumer_release(state)
+        state = advanced(state)
+        if const_expr(self.fused):
+            self.stage_dq(dq_parts, (i - 1) % self.dq_buffers, scale_dq, consumer_tidx)
+            self.send_dq(mdQacc, tma_dq, sdQ, i - 1, tiles, s_min, head, q_start,
+                         consumer_tidx)
         return state
 
     @cute.jit
