@@ -688,28 +688,35 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
     @cute.jit
     def skip_step(self, state, ds_regs, mma_s, sU, sW, sdS, pipe_stream, s: Int32,
                   len_stream: Int32, consumer_tidx: Int32):
-        """Streamed tile 0 (tile s) when hidden_lead says it hides all of it: no scores, no
-        gradient terms; its stage waited for (a stage is released only after its fill),
-        this warpgroup's share of zeroing its rows past the sequence end done (zero_rows is
-        cooperative: under GQA a one-tile span streams the same partial tile per query
-        head), the stage released, and (fused) zeros staged as this warpgroup's dS half, so
-        the other warpgroup's dQ product of tile 0 (step 1, both halves) adds nothing for
-        these keys. Tile 0's dQ product of "tile -1" is not needed either. No wgmma here: a
+        """Streamed tile 0 (tile s) when hidden_lead says it hides all of it: only what
+        stage_hidden_tile does, then the arrival and the stage's release. The other
+        warpgroup's dQ product of tile 0 (step 1, both dS halves) then adds nothing for
+        these keys; tile 0's own dQ product (of "tile -1") is not needed. No wgmma here: a
         wgmma under a branch serializes them all. Returns the next stage."""
+        self.stage_hidden_tile(0, state, ds_regs, mma_s, sU, sW, sdS, pipe_stream, s,
+                               len_stream, consumer_tidx)
+        cute.arch.sync_warp()
+        self.ds_staged_arrive(0, consumer_tidx)
+        cute.arch.sync_warp()
+        pipe_stream.consumer_release(state)
+        return advanced(state)
+
+    @cute.jit
+    def stage_hidden_tile(self, i, state, ds_regs, mma_s, sU, sW, sdS, pipe_stream, s: Int32,
+                          len_stream: Int32, consumer_tidx: Int32):
+        """A skipped streamed tile i (tile s), up to its dQ product: its stage waited for (a
+        stage is released only after its fill), this warpgroup's share of zeroing its rows
+        past the sequence end done (zero_rows is cooperative: under GQA a one-tile span
+        streams the same partial tile for each query head), and zeros staged as this
+        warpgroup's dS half once the other's dQ product of tile i - 2 has left the buffer."""
         pipe_stream.consumer_wait(state)
         if (s + 1) * STREAM_ROWS > len_stream:
             self.zero_rows(sU[None, None, state.index], sW[None, None, state.index],
                            len_stream - s * STREAM_ROWS, consumer_tidx)
-        if const_expr(self.fused):
-            self.ds_staged_wait(-1, consumer_tidx)
-            ds_regs.fill(0.0)
-            store_stmatrix(ds_regs, mma_s, sdS[None, None, 0], consumer_tidx)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_warp()
-            self.ds_staged_arrive(0, consumer_tidx)
-        cute.arch.sync_warp()
-        pipe_stream.consumer_release(state)
-        return advanced(state)
+        self.ds_staged_wait(i - 1, consumer_tidx)
+        ds_regs.fill(0.0)
+        store_stmatrix(ds_regs, mma_s, sdS[None, None, i % 2], consumer_tidx)
+        cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
     def hidden_trail(self, f0: Int32, s_max: Int32, remaining: Int32, off: Int32,
@@ -729,39 +736,26 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
     @cute.jit
     def dq_only_step(self, i: Int32, state, ops, where, sU, sW, sdS, sdQ, pipe_stream, mdQacc,
                      tma_dq, consumer_tidx: Int32):
-        """Streamed tile i when hidden_trail says it hides all of it: no scores, no dK or dV
-        terms; the stage waited for, this warpgroup's share of zeroing its tail rows done
-        (zero_rows is cooperative), zeros staged as its dS half, and (fused) its dQ product
-        of tile i - 1, which the other warpgroup's dS half of that tile still feeds, made,
-        staged and sent. Returns the next stage."""
+        """Streamed tile i when hidden_trail says it hides all of it: stage_hidden_tile,
+        then this warpgroup's dQ product of tile i - 1 (the other warpgroup's dS half of
+        that tile still feeds it), the arrival, the stage's release, and that partial staged
+        and sent. Returns the next stage."""
         (mma_s, mma_g, mma_dq, acc_s, acc_dp, acc_a, acc_b, p_regs, ds_regs, tGrP, tGrdS,
          tGrUt, tGrWt, tSrX, tSrY, tSrU, tSrW, dq_parts) = ops
         (row_i, first_col, func, mFunc, q_start, len_q, len_k, off, window_left, window_right,
          half_alpha, scale_dq, s_min, tiles, len_stream, head) = where
-        C = STREAM_ROWS
-        s = s_min + i % tiles
-        pipe_stream.consumer_wait(state)
-        if (s + 1) * C > len_stream:
-            self.zero_rows(sU[None, None, state.index], sW[None, None, state.index],
-                           len_stream - s * C, consumer_tidx)
-        if const_expr(self.fused):
-            self.ds_staged_wait(i - 1, consumer_tidx)
-            ds_regs.fill(0.0)
-            store_stmatrix(ds_regs, mma_s, sdS[None, None, i % 2], consumer_tidx)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            acc_dq, tQrdSt, tQrKt, tQsdQ = dq_parts
-            self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (i + 1) % 2],
-                      tQrKt[None, None, None, 0], accumulate=False)
+        self.stage_hidden_tile(i, state, ds_regs, mma_s, sU, sW, sdS, pipe_stream,
+                               s_min + i % tiles, len_stream, consumer_tidx)
+        acc_dq, tQrdSt, tQrKt, _ = dq_parts
+        self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (i + 1) % 2],
+                  tQrKt[None, None, None, 0], accumulate=False)
         warpgroup.wait_group(0)
         cute.arch.sync_warp()
-        if const_expr(self.fused):
-            self.ds_staged_arrive(i, consumer_tidx)
+        self.ds_staged_arrive(i, consumer_tidx)
         pipe_stream.consumer_release(state)
         state = advanced(state)
-        if const_expr(self.fused):
-            self.stage_dq(dq_parts, (i - 1) % self.dq_buffers, scale_dq, consumer_tidx)
-            self.send_dq(mdQacc, tma_dq, sdQ, i - 1, tiles, s_min, head, q_start,
-                         consumer_tidx)
+        self.stage_dq(dq_parts, (i - 1) % self.dq_buffers, scale_dq, consumer_tidx)
+        self.send_dq(mdQacc, tma_dq, sdQ, i - 1, tiles, s_min, head, q_start, consumer_tidx)
         return state
 
     @cute.jit
