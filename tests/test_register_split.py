@@ -39,4 +39,3 @@ def test_counts_setmaxnreg_cannot_take(split):
 def test_one_count_per_warpgroup():
     with pytest.raises(ValueError, match="3 warpgroup register counts for 512 threads"):
         check_register_split("kernel", 512, (24, 240, 240))
-

@@ -369,24 +369,34 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         r0 = block * self.fixed_rows
         _, len_fixed, _, len_stream = self.sides(q_start, len_q, k_start, len_k)
         r_last = cutlass.min(r0 + self.fixed_rows, len_fixed) - 1
-        lo = Int32(0)
-        hi = len_stream - 1
-        # Query i sees key j when i + off - left <= j <= i + off + right.
-        if const_expr(self.keys_fixed):
-            if const_expr(self.right_bounded):
-                lo = cutlass.max(r0 - off - window_right, 0)
-            if const_expr(self.left_bounded):
-                hi = cutlass.min(r_last - off + window_left, len_q - 1)
-        else:
-            if const_expr(self.left_bounded):
-                lo = cutlass.max(r0 + off - window_left, 0)
-            if const_expr(self.right_bounded):
-                hi = cutlass.min(r_last + off + window_right, len_k - 1)
+        lo, hi = self.seen_rows(r0, r_last, len_q, len_k, len_stream, off, window_left,
+                                window_right)
         s_min = lo // STREAM_ROWS
         s_max = (hi + STREAM_ROWS) // STREAM_ROWS
         if hi < lo or r0 >= len_fixed:
             s_max = s_min
         return q_start, len_q, k_start, len_k, s_min, s_max
+
+    @cute.jit
+    def seen_rows(self, f0: Int32, f_last: Int32, len_q: Int32, len_k: Int32,
+                  len_stream: Int32, off: Int32, window_left: Int32, window_right: Int32):
+        """(lo, hi): the streamed rows that any of the fixed rows f0 .. f_last may see under
+        the window bounds (none when hi < lo). The CTA's span (work_span) and a warpgroup's
+        hidden first or last tile (hidden_lead, hidden_trail) both come from it."""
+        lo = Int32(0)
+        hi = len_stream - 1
+        # Query i sees key j when i + off - left <= j <= i + off + right.
+        if const_expr(self.keys_fixed):
+            if const_expr(self.right_bounded):
+                lo = cutlass.max(f0 - off - window_right, 0)
+            if const_expr(self.left_bounded):
+                hi = cutlass.min(f_last - off + window_left, len_q - 1)
+        else:
+            if const_expr(self.left_bounded):
+                lo = cutlass.max(f0 + off - window_left, 0)
+            if const_expr(self.right_bounded):
+                hi = cutlass.min(f_last + off + window_right, len_k - 1)
+        return lo, hi
 
     def sides(self, q_start, len_q, k_start, len_k):
         """(start, length) of the fixed side's sequence, then of the streamed side's."""
@@ -522,9 +532,14 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             tiles = s_max - s_min
             count = tiles * self.stream_heads()
+            if const_expr(self.skips_lead or self.skips_trail):
+                # the streamed rows this warpgroup's own keys may see
+                wg_lo, wg_hi = self.seen_rows(
+                    r0 + wg * WG_ROWS, cutlass.min(r0 + (wg + 1) * WG_ROWS, len_fixed) - 1,
+                    len_q, len_k, len_stream, off, window_left, window_right)
             skip = 0
             if const_expr(self.skips_lead):
-                skip = self.hidden_lead(r0 + wg * WG_ROWS, s_min, count, off, window_right)
+                skip = self.hidden_lead(wg_lo, s_min, count)
                 if skip > 0:
                     state = self.skip_step(state, ds_regs, mma_s, sU, sW, sdS, pipe_stream,
                                            s_min, len_stream, consumer_tidx)
@@ -539,8 +554,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                      window_right, half_alpha, scale_dq, s_min, tiles, len_stream, head)
             trail = 0
             if const_expr(self.skips_trail):
-                trail = self.hidden_trail(r0 + wg * WG_ROWS, s_max, count - skip, off,
-                                          window_left, len_k)
+                trail = self.hidden_trail(wg_hi, s_max, count - skip)
             for i in cutlass.range(skip, count - 1 - trail, unroll=1):
                 state = self.stream_step(i, state, ops, where, sU, sW, sdS, sdQ, pipe_stream,
                                          mdQacc, tma_dq, consumer_tidx, True)
@@ -671,17 +685,14 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         return state
 
     @cute.jit
-    def hidden_lead(self, f0: Int32, s_min: Int32, count: Int32, off: Int32,
-                    window_right: Int32) -> Int32:
-        """1 when this warpgroup's fixed keys f0 .. f0 + 63 are hidden from every query of
-        the first streamed tile s_min (its rows start past the diagonal: under a right bound
-        the first query seeing key f0 lies in a later tile) and more tiles follow, else 0.
-        Causal self-attention: every 128-key tile's second warpgroup, whose first tile is
-        all above the diagonal (1 of ~33 tiles at L = 4096, 1 of 2-6 in short sequences).
-        Uniform over the warpgroup. Only where skips_lead."""
+    def hidden_lead(self, wg_lo: Int32, s_min: Int32, count: Int32) -> Int32:
+        """1 when the first streamed row this warpgroup's keys may see (wg_lo, seen_rows)
+        lies past the first streamed tile s_min and more tiles follow, else 0. Causal
+        self-attention: every 128-key tile's second warpgroup, whose first tile is all above
+        the diagonal (1 of ~33 tiles at L = 4096, 1 of 2-8 in short sequences). Uniform
+        over the warpgroup. Only where skips_lead."""
         skip = Int32(0)
-        first_seen = cutlass.max(f0 - off - window_right, 0) // STREAM_ROWS
-        if first_seen > s_min and count > 1:
+        if wg_lo // STREAM_ROWS > s_min and count > 1:
             skip = Int32(1)
         return cute.arch.make_warp_uniform(skip)
 
@@ -719,17 +730,13 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
-    def hidden_trail(self, f0: Int32, s_max: Int32, remaining: Int32, off: Int32,
-                     window_left: Int32, len_k: Int32) -> Int32:
-        """1 when this warpgroup's fixed keys f0 .. f0 + 63 (those that exist) are hidden
-        from every query of the last streamed tile s_max - 1 (under a left bound the last
-        query seeing its last key lies in an earlier tile) and it has another tile to
-        compute, else 0. A local window: the first warpgroup's last tile. Uniform over the
+    def hidden_trail(self, wg_hi: Int32, s_max: Int32, remaining: Int32) -> Int32:
+        """1 when the last streamed row this warpgroup's keys may see (wg_hi, seen_rows)
+        lies before the last streamed tile s_max - 1 and it has another tile to compute,
+        else 0. A local window: the first warpgroup's last tile. Uniform over the
         warpgroup. Only where skips_trail."""
         trail = Int32(0)
-        last_key = cutlass.min(f0 + WG_ROWS - 1, len_k - 1)
-        # query i sees key j only while i <= j - off + left
-        if last_key - off + window_left < (s_max - 1) * STREAM_ROWS and remaining > 1:
+        if wg_hi < (s_max - 1) * STREAM_ROWS and remaining > 1:
             trail = Int32(1)
         return cute.arch.make_warp_uniform(trail)
 
