@@ -148,6 +148,13 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         # kernels keep the code they had.
         self.skips_lead = self.fused and self.right_bounded
         self.skips_trail = self.fused and self.left_bounded
+        # fused D = 128: a warpgroup whose first step is tile 0 makes no dQ product there
+        # (there is no tile -1). Not at D <= 64, where the extra peeled step cost ~100 B of
+        # spills.
+        self.peels_first = self.fused and head_dim == 128
+        # The fixed tiles (X, then Y) land on one barrier each: X is prescaled while Y is
+        # still on its way.
+        self.fixed_tiles = 1 if mode == "dv" else 2  # dV needs no dP: no Y
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -191,8 +198,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         tma_y, mY_tma = cpasync.make_tiled_tma_atom(g2s, mY, one(sX_layout), (R, D))
         tma_u, mU_tma = cpasync.make_tiled_tma_atom(g2s, mU, one(sU_layout), (C, D))
         tma_w, mW_tma = cpasync.make_tiled_tma_atom(g2s, mW, one(sU_layout), (C, D))
-        fixed_tiles = 1 if const_expr(self.mode == "dv") else 2  # dV needs no dP: no Y
-        self.fixed_bytes = cute.size_in_bytes(dt, one(sX_layout)) * fixed_tiles
+        self.fixed_bytes = cute.size_in_bytes(dt, one(sX_layout))  # per fixed tile
         self.stream_bytes = cute.size_in_bytes(dt, one(sU_layout)) * 2
         stages = self.stages
         # fused: dQ = dS K with dS^T (keys x queries) double-buffered in shared memory, the two
@@ -218,7 +224,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
 
         @cute.struct
         class SharedStorage:
-            fixed_bars: cute.struct.MemRange[cutlass.Int64, 2]
+            fixed_bars: cute.struct.MemRange[cutlass.Int64, 2 * self.fixed_tiles]
             stream_bars: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sX: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
             sY: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sX_layout)], 1024]
@@ -313,10 +319,13 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.storage)
         consumers = self.nwg * THREADS_PER_WG
-        pipe_fixed = tma_pipeline(storage.fixed_bars.data_ptr(), 1, self.fixed_bytes, consumers)
+        pipe_fixed = tma_pipeline(storage.fixed_bars.data_ptr(), self.fixed_tiles,
+                                  self.fixed_bytes, consumers)
         pipe_stream = tma_pipeline(storage.stream_bars.data_ptr(), self.stages,
                                    self.stream_bytes, consumers)
         progress = storage.progress.get_tensor(cute.make_layout(2))
+        # (its sequence-start loads before the CTA-wide sync: the K and V loads wait on them)
+        span = self.work_span(block, batch, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
         if tidx == 0:
             progress[PROGRESS_REMAINING] = Int32(0)
             progress[PROGRESS_DONE] = Int32(0)
@@ -336,7 +345,6 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             if const_expr(self.dq_buffers == 2):
                 sdQ = sdQ + (storage.sdQ2.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner),)
 
-        span = self.work_span(block, batch, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
         if warp_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mX, mY, mU, mW, tma_x, tma_y, tma_u, tma_w, sX, sY, sU, sW,
@@ -415,12 +423,12 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         D, R, C = self.head_dim, self.fixed_rows, STREAM_ROWS
         fixed_start, _, stream_start, _ = self.sides(q_start, len_q, k_start, len_k)
         if s_max > s_min:
-            fixed_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            pipe_fixed.producer_acquire(fixed_state)
-            bar = pipe_fixed.producer_get_barrier(fixed_state)
-            fixed = ((tma_x, mX, sX),) if const_expr(self.mode == "dv") else (
-                (tma_x, mX, sX), (tma_y, mY, sY))
+            fixed_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                       self.fixed_tiles)
+            fixed = ((tma_x, mX, sX), (tma_y, mY, sY))[:self.fixed_tiles]
             for f_atom, f_gmem, f_smem in fixed:
+                pipe_fixed.producer_acquire(fixed_state)
+                bar = pipe_fixed.producer_get_barrier(fixed_state)
                 f_tile = cute.local_tile(
                     cute.domain_offset((fixed_start, 0), f_gmem[None, None, head]), (R, D),
                     (block, 0))
@@ -428,6 +436,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                                                  cute.group_modes(f_smem, 0, 2),
                                                  cute.group_modes(f_tile, 0, 2))
                 cute.copy(f_atom, f_g, f_s[None, 0], tma_bar_ptr=bar)
+                fixed_state = advanced(fixed_state)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             tiles = s_max - s_min
             for i in cutlass.range(tiles * self.stream_heads(), unroll=1):
@@ -515,9 +524,17 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                     if row_i[r] < len_q:
                         func[r, t] = mFunc[0, t, q_start + row_i[r]]
 
+        outputs = ()  # (gradient, accumulator, staging tile, scale)
+        if const_expr(self.want_ds):
+            outputs = outputs + ((mdA, acc_a, sX[None, None, 0], scale_ds),)
+        if const_expr(self.want_p):
+            outputs = outputs + ((mdB, acc_b, sY[None, None, 0], scale_p),)
+        # fused: dV (staged in V's place) before dK (in K's, which the dQ products read)
+        early, late = (outputs[1:], outputs[:1]) if const_expr(self.fused) else ((), outputs)
         if s_max > s_min:
-            fixed_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipe_fixed.consumer_wait(fixed_state)
+            fixed_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                       self.fixed_tiles)
+            pipe_fixed.consumer_wait(fixed_state)  # X
             # fused: dQ sums dS K over the tile's keys: K rows past the sequence (another
             # sequence's, maybe NaN) must be zeros, not just multiplied by zero.
             if const_expr(self.prescale):
@@ -526,6 +543,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             elif const_expr(self.fused):
                 if r0 + R > len_k:
                     self.zero_fixed_rows(sX[None, None, 0], len_k - r0, consumer_tidx)
+            if const_expr(self.fixed_tiles == 2):
+                pipe_fixed.consumer_wait(advanced(fixed_state))  # Y
             if const_expr(self.fused):
                 # tile -1: no dS, and dS buffer 1 is free for the other warpgroup's tile 1
                 self.ds_staged_arrive(-1, consumer_tidx)
@@ -555,7 +574,18 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             trail = 0
             if const_expr(self.skips_trail):
                 trail = self.hidden_trail(wg_hi, s_max, count - skip)
-            for i in cutlass.range(skip, count - 1 - trail, unroll=1):
+            first = skip
+            if const_expr(self.peels_first):
+                # tile 0 as this warpgroup's first step, not its last: no dQ product
+                # (a loop of 0 or 1 steps, not a branch: it issues wgmmas)
+                first = Int32(skip)
+                if skip == 0 and count - 1 - trail > 0:
+                    first = Int32(1)
+                for i in cutlass.range(skip, first, unroll=1):
+                    state = self.stream_step(i, state, ops, where, sU, sW, sdS, sdQ,
+                                             pipe_stream, mdQacc, tma_dq, consumer_tidx, True,
+                                             False)
+            for i in cutlass.range(first, count - 1 - trail, unroll=1):
                 state = self.stream_step(i, state, ops, where, sU, sW, sdS, sdQ, pipe_stream,
                                          mdQacc, tma_dq, consumer_tidx, True)
             state = self.stream_step(count - 1 - trail, state, ops, where, sU, sW, sdS, sdQ,
@@ -566,44 +596,46 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                     state = self.dq_only_step(i, state, ops, where, sU, sW, sdS, sdQ,
                                               pipe_stream, mdQacc, tma_dq, consumer_tidx)
             if const_expr(self.fused):
-                # the last tile's dQ (each step multiplies the previous tile's)
+                # the last tile's dQ (each step multiplies the previous tile's); dV, final
+                # now, is staged meanwhile (early below)
                 self.ds_staged_wait(count - 1, consumer_tidx)
                 acc_dq, tQrdSt, tQrKt, _ = dq_parts
                 self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (count - 1) % 2],
                           tQrKt[None, None, None, 0], accumulate=False)
+                for grad, acc, staging, scale in early:
+                    self.stage_gradient(acc, staging, scale, mma_g, consumer_tidx)
                 warpgroup.wait_group(0)
                 self.stage_dq(dq_parts, (count - 1) % self.dq_buffers, scale_dq,
                               consumer_tidx)
                 self.send_dq(mdQacc, tma_dq, sdQ, count - 1, tiles, s_min, head, q_start,
                              consumer_tidx)
-                # The staging buffer must outlive the last reduce's read of it (the adds
-                # themselves complete without us).
-                if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            for grad, acc, staging, scale in early:
+                self.stage_gradient(acc, staging, scale, mma_g, consumer_tidx)
 
-        # The gradients leave through the fixed tiles' shared memory (free now) as 16-byte
-        # stores: scattered 4-byte stores from the accumulators held the epilogue on the
-        # LSU queue (lg throttle, ~5 % of the warp samples at causal 4k in ncu). The fused
-        # kernel's other warpgroup may still read K (sX) in its last dQ product.
+        # The gradients leave through the fixed tiles' shared memory as 16-byte stores:
+        # scattered 4-byte stores from the accumulators held the epilogue on the LSU queue
+        # (lg throttle, ~5 % of the warp samples at causal 4k in ncu). fused: dV first,
+        # while the other warpgroup may still read K (sX) in its last dQ product; only this
+        # warpgroup's own dP products read its rows of V (sY), and they are done.
         if const_expr(self.fused):
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg,
+                              number_of_threads=THREADS_PER_WG)
+            for grad, _, staging, _ in early:
+                self.gradient_rows_out(grad, staging, fixed_start, head, r0, len_fixed,
+                                       consumer_tidx)
+            # The dQ staging buffer must outlive the last reduce's read of it (the adds
+            # themselves complete without us).
+            if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=K_FREE_BARRIER,
                               number_of_threads=self.nwg * THREADS_PER_WG)
-        outputs = ()  # (gradient, accumulator, staging tile, scale)
-        if const_expr(self.want_ds):
-            outputs = outputs + ((mdA, acc_a, sX[None, None, 0], scale_ds),)
-        if const_expr(self.want_p):
-            outputs = outputs + ((mdB, acc_b, sY[None, None, 0], scale_p),)
-        for _, acc, staging, scale in outputs:
-            out = cute.make_rmem_tensor(acc.layout, self.dtype)
-            out.store((acc.load() * scale).to(self.dtype))
-            store_stmatrix(out, mma_g, staging, consumer_tidx)
+        for _, acc, staging, scale in late:
+            self.stage_gradient(acc, staging, scale, mma_g, consumer_tidx)
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + wg, number_of_threads=THREADS_PER_WG)
-        for grad, _, staging, _ in outputs:
-            rows = cute.domain_offset((fixed_start, 0),
-                                      select_modes(grad, [0, 2, 1])[None, None, head])
-            copy_rows_out(cute.local_tile(staging, (WG_ROWS, D), (wg, 0)),
-                          cute.local_tile(rows, (WG_ROWS, D), (r0 // WG_ROWS + wg, 0)),
-                          r0 + wg * WG_ROWS, len_fixed, consumer_tidx % THREADS_PER_WG)
+        for grad, _, staging, _ in late:
+            self.gradient_rows_out(grad, staging, fixed_start, head, r0, len_fixed,
+                                   consumer_tidx)
         if const_expr(self.fused):
             if convert != 0:
                 # This warpgroup's dQ reduce-adds are complete and visible: count it in.
@@ -620,10 +652,34 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                                              scope="gpu")
 
     @cute.jit
+    def stage_gradient(self, acc, staging, scale: Float32, mma_g, consumer_tidx: Int32):
+        """A gradient accumulator times scale, in the io dtype, into this warpgroup's rows of
+        the staging tile."""
+        out = cute.make_rmem_tensor(acc.layout, self.dtype)
+        out.store((acc.load() * scale).to(self.dtype))
+        store_stmatrix(out, mma_g, staging, consumer_tidx)
+
+    @cute.jit
+    def gradient_rows_out(self, grad, staging, fixed_start: Int32, head: Int32, r0: Int32,
+                          len_fixed: Int32, consumer_tidx: Int32):
+        """This warpgroup's staged rows of a gradient -> its rows of grad (those in the
+        sequence)."""
+        D = self.head_dim
+        wg = consumer_tidx // THREADS_PER_WG
+        rows = cute.domain_offset((fixed_start, 0),
+                                  select_modes(grad, [0, 2, 1])[None, None, head])
+        copy_rows_out(cute.local_tile(staging, (WG_ROWS, D), (wg, 0)),
+                      cute.local_tile(rows, (WG_ROWS, D), (r0 // WG_ROWS + wg, 0)),
+                      r0 + wg * WG_ROWS, len_fixed, consumer_tidx % THREADS_PER_WG)
+
+    @cute.jit
     def stream_step(self, i: Int32, state, ops, where, sU, sW, sdS, sdQ, pipe_stream, mdQacc,
-                    tma_dq, consumer_tidx: Int32, issue_next: cutlass.Constexpr):
+                    tma_dq, consumer_tidx: Int32, issue_next: cutlass.Constexpr,
+                    dq_of_previous: cutlass.Constexpr = True):
         """Streamed tile i (S and dP already issued): gradients, then the next tile's S and
-        dP (issue_next), then this tile's dQ partial (fused). Returns the next stage."""
+        dP (issue_next), then the previous tile's dQ partial (fused; not when
+        dq_of_previous is False: step 0, whose previous tile does not exist). Returns the
+        next stage."""
         (mma_s, mma_g, mma_dq, acc_s, acc_dp, acc_a, acc_b, p_regs, ds_regs, tGrP, tGrdS,
          tGrUt, tGrWt, tSrX, tSrY, tSrU, tSrW, dq_parts) = ops
         (row_i, first_col, func, mFunc, q_start, len_q, len_k, off, window_left, window_right,
@@ -662,23 +718,24 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             self.ds_staged_wait(i - 1, consumer_tidx)
             store_stmatrix(ds_regs, mma_s, sdS[None, None, i % 2], consumer_tidx)
             cute.arch.fence_proxy("async.shared", space="cta")
-            acc_dq, tQrdSt, tQrKt, tQsdQ = dq_parts
-            self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (i + 1) % 2],
-                      tQrKt[None, None, None, 0], accumulate=False)
+            if const_expr(dq_of_previous):
+                acc_dq, tQrdSt, tQrKt, tQsdQ = dq_parts
+                self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (i + 1) % 2],
+                          tQrKt[None, None, None, 0], accumulate=False)
         warpgroup.wait_group(0)
         cute.arch.sync_warp()
         if const_expr(self.fused):
             self.ds_staged_arrive(i, consumer_tidx)
         pipe_stream.consumer_release(state)
         state = advanced(state)
-        if const_expr(self.fused):
+        if const_expr(self.fused and dq_of_previous):
             if i > 0:
                 self.stage_dq(dq_parts, (i - 1) % self.dq_buffers, scale_dq, consumer_tidx)
         if const_expr(issue_next):
             self.issue_scores(mma_s, acc_s, acc_dp, tSrX, tSrY, tSrU, tSrW, sU, sW,
                               pipe_stream, state, s_min + (i + 1) % tiles, len_stream,
                               consumer_tidx)
-        if const_expr(self.fused):
+        if const_expr(self.fused and dq_of_previous):
             if i > 0:
                 self.send_dq(mdQacc, tma_dq, sdQ, i - 1, tiles, s_min, head, q_start,
                              consumer_tidx)
