@@ -529,7 +529,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             outputs = outputs + ((mdA, acc_a, sX[None, None, 0], scale_ds),)
         if const_expr(self.want_p):
             outputs = outputs + ((mdB, acc_b, sY[None, None, 0], scale_p),)
-        # fused: dV (staged in V's place) before dK (in K's, which the dQ products read)
+        # fused (outputs dK, dV): dV, staged in V's place, leaves before dK, staged in K's,
+        # which the last dQ products read
         early, late = (outputs[1:], outputs[:1]) if const_expr(self.fused) else ((), outputs)
         if s_max > s_min:
             fixed_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -602,7 +603,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                 acc_dq, tQrdSt, tQrKt, _ = dq_parts
                 self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (count - 1) % 2],
                           tQrKt[None, None, None, 0], accumulate=False)
-                for grad, acc, staging, scale in early:
+                for _, acc, staging, scale in early:
                     self.stage_gradient(acc, staging, scale, mma_g, consumer_tidx)
                 warpgroup.wait_group(0)
                 self.stage_dq(dq_parts, (count - 1) % self.dq_buffers, scale_dq,
@@ -610,7 +611,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                 self.send_dq(mdQacc, tma_dq, sdQ, count - 1, tiles, s_min, head, q_start,
                              consumer_tidx)
         else:
-            for grad, acc, staging, scale in early:
+            for _, acc, staging, scale in early:
                 self.stage_gradient(acc, staging, scale, mma_g, consumer_tidx)
 
         # The gradients leave through the fixed tiles' shared memory as 16-byte stores:
@@ -714,7 +715,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             # dV and dK run while dS is staged; the dQ product is one tile behind (the
             # previous tile's, from both warpgroups' halves), so neither warpgroup waits for
             # the other's current tile: one's scores can overlap the other's products.
-            # (Tile 0 multiplies buffer 1 for nothing: its product is not sent.)
+            # (Where step 0 is not peeled (D <= 64) it multiplies buffer 1 for nothing: that
+            # product is not sent.)
             self.ds_staged_wait(i - 1, consumer_tidx)
             store_stmatrix(ds_regs, mma_s, sdS[None, None, i % 2], consumer_tidx)
             cute.arch.fence_proxy("async.shared", space="cta")
