@@ -918,13 +918,17 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             if const_expr(not self.prescale):
                 h = h * half_alpha
             t = tanh_approx(h)
-            one_t = 1.0 + t
-            acc_s[e] = h * one_t
+            p = h * t + h  # P = h (1 + t): one FFMA, rounded once
+            acc_s[e] = p
             if const_expr(self.want_ds):
-                # (1 + t) (1 + h (1 - t)) = (1 + t) + P (1 - t): an FADD and an FFMA. From P,
-                # not h: with the prescale h is the S wgmma's own register, and reading it
-                # here (ptxas sinks this past the next gemm's issue) serializes every wgmma.
-                acc_dp[e] = acc_dp[e] * (acc_s[e] * (1.0 - t) + one_t)
+                # 2 dS = dP (1 + t) (1 + h (1 - t)) = dP (1 + t + P (1 - t)) = dP + dP c with
+                # c = t + (P - P t): three instructions (FFMA, FADD, FFMA), four with P's
+                # (five before: 1 + t, P, 1 - t, FFMA, FMUL). From P and t, not h: with the
+                # prescale h is the S wgmma's own register, and reading it here (ptxas sinks
+                # this past the next gemm's issue) serializes every wgmma.
+                c = (p - p * t) + t
+                dp = acc_dp[e]
+                acc_dp[e] = dp * c + dp
         if const_expr(self.want_p):
             p_regs.store(acc_s.load().to(self.dtype))
         if const_expr(self.want_ds):
