@@ -416,6 +416,14 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         """Heads streamed per fixed tile: all query heads of a kv head when keys are fixed."""
         return self.group if self.keys_fixed else 1
 
+    def stream_step_place(self, p, tiles):
+        """(streamed head offset, tile offset) of stream step p: the steps walk the tiles once
+        per streamed head. With one streamed head p < tiles already: no integer division
+        (~50 instructions a step per warp, a float reciprocal included)."""
+        if const_expr(self.stream_heads() == 1):
+            return 0, p
+        return p // tiles, p % tiles
+
     @cute.jit
     def produce(self, mX, mY, mU, mW, tma_x, tma_y, tma_u, tma_w, sX, sY, sU, sW, pipe_fixed,
                 pipe_stream, block: Int32, head: Int32, span, progress):
@@ -441,11 +449,12 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             tiles = s_max - s_min
             for i in cutlass.range(tiles * self.stream_heads(), unroll=1):
                 stream_head = head
+                head_offset, tile_offset = self.stream_step_place(i, tiles)
                 if const_expr(self.keys_fixed):
-                    stream_head = head * self.group + i // tiles
+                    stream_head = head * self.group + head_offset
                 else:
                     stream_head = head // self.group
-                s = s_min + i % tiles
+                s = s_min + tile_offset
                 pipe_stream.producer_acquire(state)
                 bar = pipe_stream.producer_get_barrier(state)
                 for atom, m, smem_t in ((tma_u, mU, sU), (tma_w, mW, sW)):
@@ -566,7 +575,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             # S and dP of the next streamed tile are issued before this tile's dQ goes out,
             # so the tensor cores have work while the dQ partial is staged and reduced.
             self.issue_scores(mma_s, acc_s, acc_dp, tSrX, tSrY, tSrU, tSrW, sU, sW, pipe_stream,
-                              state, s_min + skip % tiles, len_stream, consumer_tidx)
+                              state, s_min + self.stream_step_place(skip, tiles)[1], len_stream,
+                              consumer_tidx)
             # The last step is peeled: a wgmma issued under a branch serializes them all.
             ops = (mma_s, mma_g, mma_dq, acc_s, acc_dp, acc_a, acc_b, p_regs, ds_regs, tGrP,
                    tGrdS, tGrUt, tGrWt, tSrX, tSrY, tSrU, tSrW, dq_parts)
@@ -686,7 +696,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         (row_i, first_col, func, mFunc, q_start, len_q, len_k, off, window_left, window_right,
          half_alpha, scale_dq, s_min, tiles, len_stream, head) = where
         C = STREAM_ROWS
-        s = s_min + i % tiles
+        s = s_min + self.stream_step_place(i, tiles)[1]
         warpgroup.wait_group(0)
         self.scores_to_operands(acc_s, acc_dp, p_regs, ds_regs, half_alpha)
         # Only tiles that cut a window edge or a sequence end are masked (most of a causal
@@ -735,7 +745,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                 self.stage_dq(dq_parts, (i - 1) % self.dq_buffers, scale_dq, consumer_tidx)
         if const_expr(issue_next):
             self.issue_scores(mma_s, acc_s, acc_dp, tSrX, tSrY, tSrU, tSrW, sU, sW,
-                              pipe_stream, state, s_min + (i + 1) % tiles, len_stream,
+                              pipe_stream, state,
+                              s_min + self.stream_step_place(i + 1, tiles)[1], len_stream,
                               consumer_tidx)
         if const_expr(self.fused and dq_of_previous):
             if i > 0:
@@ -811,7 +822,8 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         (row_i, first_col, func, mFunc, q_start, len_q, len_k, off, window_left, window_right,
          half_alpha, scale_dq, s_min, tiles, len_stream, head) = where
         self.stage_hidden_tile(i, state, ds_regs, mma_s, sU, sW, sdS, pipe_stream,
-                               s_min + i % tiles, len_stream, consumer_tidx)
+                               s_min + self.stream_step_place(i, tiles)[1], len_stream,
+                               consumer_tidx)
         acc_dq, tQrdSt, tQrKt, _ = dq_parts
         self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (i + 1) % 2],
                   tQrKt[None, None, None, 0], accumulate=False)
@@ -1048,8 +1060,9 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         columns are masked and K has no NaN)."""
         D, C = self.head_dim, STREAM_ROWS
         buf = p % self.dq_buffers
-        stream_head = head * self.group + p // tiles
-        s = s_min + p % tiles
+        head_offset, tile_offset = self.stream_step_place(p, tiles)
+        stream_head = head * self.group + head_offset
+        s = s_min + tile_offset
         wg = consumer_tidx // THREADS_PER_WG
         cute.arch.barrier(barrier_id=DQ_STAGED_BARRIER + wg, number_of_threads=THREADS_PER_WG)
         if consumer_tidx % THREADS_PER_WG < cute.arch.WARP_SIZE:
