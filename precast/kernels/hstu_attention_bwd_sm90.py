@@ -1045,10 +1045,13 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             # one bulk group per step: the newest dq_buffers - 1 may still be reading
             cute.arch.cp_async_bulk_wait_group(self.dq_buffers - 1, read=True)
         cute.arch.barrier(barrier_id=DQ_STAGED_BARRIER + wg, number_of_threads=THREADS_PER_WG)
+        # scaled in place (the next dQ product overwrites acc_dq), then stored as column
+        # pairs (8-byte stores: the staging swizzle moves 16-byte units, so a thread's two
+        # adjacent columns stay adjacent)
+        acc_dq.store(acc_dq.load() * scale_dq)
         for b in cutlass.range_constexpr(self.dq_buffers):
             if buf == b:
-                for e in cutlass.range_constexpr(cute.size(acc_dq)):
-                    tQsdQ[b][e] = acc_dq[e] * scale_dq
+                cute.autovec_copy(acc_dq, tQsdQ[b])
         cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
