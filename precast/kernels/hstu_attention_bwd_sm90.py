@@ -66,6 +66,8 @@ CONSUMER_REGS = 240
 ZERO_BARRIER = 1  # the consumer warpgroups cleared the streamed rows past a sequence's end
 K_FREE_BARRIER = ZERO_BARRIER  # 1 again (fused): no warpgroup reads K (sX) any more
 DQ_STAGED_BARRIER = 3  # 3 and 4: a warpgroup's dQ buffer is free / staged (fused)
+# (Buffer and barrier parities below are taken with "& 1" of non-negative step numbers: a
+# signed "% 2" costs three instructions where the mask costs one.)
 EPILOGUE_BARRIER = DQ_STAGED_BARRIER  # 3 and 4 again: a warpgroup's gradients are staged
 # fused: warpgroup w's dS^T of tile p is in shared memory and its dQ product of tile p - 1
 # is done: barrier DS_STAGED_BARRIER + 2 w + p % 2 (arrived by w, waited on by the other;
@@ -611,12 +613,12 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                 # now, is staged meanwhile (early below)
                 self.ds_staged_wait(count - 1, consumer_tidx)
                 acc_dq, tQrdSt, tQrKt, _ = dq_parts
-                self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (count - 1) % 2],
+                self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (count - 1) & 1],
                           tQrKt[None, None, None, 0], accumulate=False)
                 for _, acc, staging, scale in early:
                     self.stage_gradient(acc, staging, scale, mma_g, consumer_tidx)
                 warpgroup.wait_group(0)
-                self.stage_dq(dq_parts, (count - 1) % self.dq_buffers, scale_dq,
+                self.stage_dq(dq_parts, (count - 1) & (self.dq_buffers - 1), scale_dq,
                               consumer_tidx)
                 self.send_dq(mdQacc, tma_dq, sdQ, count - 1, tiles, s_min, head, q_start,
                              consumer_tidx)
@@ -728,11 +730,11 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
             # (Where step 0 is not peeled (D <= 64) it multiplies buffer 1 for nothing: that
             # product is not sent.)
             self.ds_staged_wait(i - 1, consumer_tidx)
-            store_stmatrix(ds_regs, mma_s, sdS[None, None, i % 2], consumer_tidx)
+            store_stmatrix(ds_regs, mma_s, sdS[None, None, i & 1], consumer_tidx)
             cute.arch.fence_proxy("async.shared", space="cta")
             if const_expr(dq_of_previous):
                 acc_dq, tQrdSt, tQrKt, tQsdQ = dq_parts
-                self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (i + 1) % 2],
+                self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (i + 1) & 1],
                           tQrKt[None, None, None, 0], accumulate=False)
         warpgroup.wait_group(0)
         cute.arch.sync_warp()
@@ -742,7 +744,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         state = advanced(state)
         if const_expr(self.fused and dq_of_previous):
             if i > 0:
-                self.stage_dq(dq_parts, (i - 1) % self.dq_buffers, scale_dq, consumer_tidx)
+                self.stage_dq(dq_parts, (i - 1) & (self.dq_buffers - 1), scale_dq, consumer_tidx)
         if const_expr(issue_next):
             self.issue_scores(mma_s, acc_s, acc_dp, tSrX, tSrY, tSrU, tSrW, sU, sW,
                               pipe_stream, state,
@@ -796,7 +798,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                            len_stream - s * STREAM_ROWS, consumer_tidx)
         self.ds_staged_wait(i - 1, consumer_tidx)
         ds_regs.fill(0.0)
-        store_stmatrix(ds_regs, mma_s, sdS[None, None, i % 2], consumer_tidx)
+        store_stmatrix(ds_regs, mma_s, sdS[None, None, i & 1], consumer_tidx)
         cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
@@ -825,14 +827,14 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                                s_min + self.stream_step_place(i, tiles)[1], len_stream,
                                consumer_tidx)
         acc_dq, tQrdSt, tQrKt, _ = dq_parts
-        self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (i + 1) % 2],
+        self.gemm(mma_dq, acc_dq, tQrdSt[None, None, None, (i + 1) & 1],
                   tQrKt[None, None, None, 0], accumulate=False)
         warpgroup.wait_group(0)
         cute.arch.sync_warp()
         self.ds_staged_arrive(i, consumer_tidx)
         pipe_stream.consumer_release(state)
         state = advanced(state)
-        self.stage_dq(dq_parts, (i - 1) % self.dq_buffers, scale_dq, consumer_tidx)
+        self.stage_dq(dq_parts, (i - 1) & (self.dq_buffers - 1), scale_dq, consumer_tidx)
         self.send_dq(mdQacc, tma_dq, sdQ, i - 1, tiles, s_min, head, q_start, consumer_tidx)
         return state
 
@@ -1024,7 +1026,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
     def ds_staged_arrive(self, p: Int32, consumer_tidx: Int32):
         """This warpgroup staged dS^T of tile p and finished its dQ product of tile p - 1."""
         wg = consumer_tidx // THREADS_PER_WG
-        cute.arch.barrier_arrive(barrier_id=DS_STAGED_BARRIER + 2 * wg + (p + 2) % 2,
+        cute.arch.barrier_arrive(barrier_id=DS_STAGED_BARRIER + 2 * wg + ((p + 2) & 1),
                                  number_of_threads=self.nwg * THREADS_PER_WG)
 
     @cute.jit
@@ -1032,7 +1034,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         """Until the other warpgroup has arrived for tile p (p >= -1): its dS^T half of tile
         p is in shared memory and dS buffer (p + 1) % 2 is free of its dQ product."""
         other = 1 - consumer_tidx // THREADS_PER_WG
-        cute.arch.barrier(barrier_id=DS_STAGED_BARRIER + 2 * other + (p + 2) % 2,
+        cute.arch.barrier(barrier_id=DS_STAGED_BARRIER + 2 * other + ((p + 2) & 1),
                           number_of_threads=self.nwg * THREADS_PER_WG)
 
     @cute.jit
@@ -1062,7 +1064,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         head x group + p // tiles). Rows past the sequence add exact zeros (their dS
         columns are masked and K has no NaN)."""
         D, C = self.head_dim, STREAM_ROWS
-        buf = p % self.dq_buffers
+        buf = p & (self.dq_buffers - 1)
         head_offset, tile_offset = self.stream_step_place(p, tiles)
         stream_head = head * self.group + head_offset
         s = s_min + tile_offset
