@@ -66,12 +66,12 @@ CONSUMER_REGS = 240
 ZERO_BARRIER = 1  # the consumer warpgroups cleared the streamed rows past a sequence's end
 K_FREE_BARRIER = ZERO_BARRIER  # 1 again (fused): no warpgroup reads K (sX) any more
 DQ_STAGED_BARRIER = 3  # 3 and 4: a warpgroup's dQ buffer is free / staged (fused)
-# (Buffer and barrier parities below are taken with "& 1" of non-negative step numbers: a
-# signed "% 2" costs three instructions where the mask costs one.)
 EPILOGUE_BARRIER = DQ_STAGED_BARRIER  # 3 and 4 again: a warpgroup's gradients are staged
 # fused: warpgroup w's dS^T of tile p is in shared memory and its dQ product of tile p - 1
 # is done: barrier DS_STAGED_BARRIER + 2 w + p % 2 (arrived by w, waited on by the other;
-# two parities, as w may arrive for p + 1 before the other has waited for p).
+# two parities, as w may arrive for p + 1 before the other has waited for p). Parities and
+# buffer slots are taken with "& 1" of non-negative step numbers: a signed "% 2" costs
+# three instructions where the mask costs one.
 DS_STAGED_BARRIER = 5  # 5 .. 8
 MODES = ("dq", "dkdv", "dk", "dv", "fused")
 # fused, dense numbering: the producer warpgroup's idle warps convert finished groups' dQ.
@@ -136,7 +136,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                              (PRODUCER_REGS,) + (CONSUMER_REGS,) * self.nwg)
         # fused: dQ staging buffers. Two let a reduce still read one while the next is
         # written: +2 % at D = 64; at D = 128 (2 x 32 KB, shared memory full) -5 % (H200).
-        self.dq_buffers = 2 if head_dim <= 64 else 1
+        self.dq_buffers = 2 if head_dim <= 64 else 1  # a power of two: see dq_buffer
         # P is masked and its gemm issued before dS is masked: fewer live registers (fused
         # D = 64: spill slots 88 -> 56 B, +4.5 % on the H200), except in the fused D = 128
         # kernel, where that order ran 1 % slower (104 -> 88 B).
@@ -418,6 +418,10 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         """Heads streamed per fixed tile: all query heads of a kv head when keys are fixed."""
         return self.group if self.keys_fixed else 1
 
+    def dq_buffer(self, p):
+        """The dQ staging buffer of stream step p >= 0."""
+        return p & (self.dq_buffers - 1)
+
     def stream_step_place(self, p, tiles):
         """(streamed head offset, tile offset) of stream step p: the steps walk the tiles once
         per streamed head. With one streamed head p < tiles already: no integer division
@@ -618,7 +622,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
                 for _, acc, staging, scale in early:
                     self.stage_gradient(acc, staging, scale, mma_g, consumer_tidx)
                 warpgroup.wait_group(0)
-                self.stage_dq(dq_parts, (count - 1) & (self.dq_buffers - 1), scale_dq,
+                self.stage_dq(dq_parts, self.dq_buffer(count - 1), scale_dq,
                               consumer_tidx)
                 self.send_dq(mdQacc, tma_dq, sdQ, count - 1, tiles, s_min, head, q_start,
                              consumer_tidx)
@@ -744,7 +748,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         state = advanced(state)
         if const_expr(self.fused and dq_of_previous):
             if i > 0:
-                self.stage_dq(dq_parts, (i - 1) & (self.dq_buffers - 1), scale_dq, consumer_tidx)
+                self.stage_dq(dq_parts, self.dq_buffer(i - 1), scale_dq, consumer_tidx)
         if const_expr(issue_next):
             self.issue_scores(mma_s, acc_s, acc_dp, tSrX, tSrY, tSrU, tSrW, sU, sW,
                               pipe_stream, state,
@@ -834,7 +838,7 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         self.ds_staged_arrive(i, consumer_tidx)
         pipe_stream.consumer_release(state)
         state = advanced(state)
-        self.stage_dq(dq_parts, (i - 1) & (self.dq_buffers - 1), scale_dq, consumer_tidx)
+        self.stage_dq(dq_parts, self.dq_buffer(i - 1), scale_dq, consumer_tidx)
         self.send_dq(mdQacc, tma_dq, sdQ, i - 1, tiles, s_min, head, q_start, consumer_tidx)
         return state
 
@@ -1059,12 +1063,12 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
     @cute.jit
     def send_dq(self, mdQacc, tma_dq, sdQ, p: Int32, tiles: Int32, s_min: Int32, head: Int32,
                 q_start: Int32, consumer_tidx: Int32):
-        """Stream step p's staged partial (staging buffer p % dq_buffers) -> TMA reduce-add
+        """Stream step p's staged partial (staging buffer dq_buffer(p)) -> TMA reduce-add
         into the fp32 accumulator rows of its query tile (s_min + p % tiles of query head
         head x group + p // tiles). Rows past the sequence add exact zeros (their dS
         columns are masked and K has no NaN)."""
         D, C = self.head_dim, STREAM_ROWS
-        buf = p & (self.dq_buffers - 1)
+        buf = self.dq_buffer(p)
         head_offset, tile_offset = self.stream_step_place(p, tiles)
         stream_head = head * self.group + head_offset
         s = s_min + tile_offset
