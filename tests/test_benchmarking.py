@@ -85,3 +85,43 @@ def test_ab_run_gives_each_leg_its_tree_and_cache(tmp_path):
     bad = subprocess.run([sys.executable, str(ab), "run", "one", "--root", str(tmp_path)],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "give the command after --" in bad.stderr
+
+
+def test_sass_stats_hot_loop_finds_the_wgmma_loop_and_its_skipped_regions():
+    """bench/sass_stats.py --loop: the loop with the most HGMMA (a retry stub after EXIT that
+    jumps back is not a loop), its body, and the forward branches in it over more than
+    SKIPPED_REGION instructions."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import sass_stats
+
+    lines, addr = [], 0
+
+    def emit(text):
+        nonlocal addr
+        lines.append(f"        /*{addr:04x}*/                   {text} ;")
+        addr += 0x10
+        return addr - 0x10
+
+    emit("MOV R0, RZ")
+    small = emit("HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ")  # a loop with 1 HGMMA
+    emit(f"@P0 BRA {small:#x}")
+    top = emit("HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ")
+    emit("HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24")
+    branch = len(lines)
+    emit("@!P1 BRA 0x0")  # patched below: over the 45 FFMAs
+    for _ in range(45):
+        emit("FFMA R1, R2, R3, R4")
+    after = emit("MUFU.TANH R5, R6")
+    lines[branch] = lines[branch].replace("0x0 ;", f"{after:#x} ;")
+    end = emit(f"@P2 BRA {top:#x}")
+    emit("EXIT")
+    emit(f"BRA {top:#x}")  # a retry stub after the end: spans the EXIT, not a loop
+    code = sass_stats.instructions("\n".join(lines))
+    body, skipped = sass_stats.hot_loop(code, min_mma=2)
+    assert (body[0][0], body[-1][0]) == (top, end)
+    assert sum(sass_stats.opcode(t) == "HGMMA" for _, t in body) == 2
+    assert skipped == [(top + 0x30, after, 45)]
+    assert sass_stats.hot_loop(code, min_mma=3) is None
