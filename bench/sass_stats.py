@@ -10,7 +10,9 @@ from Triton's wheel (triton/backends/nvidia/bin/cuobjdump), which runs without a
 backward branch and the code it jumps over) holding at least --min-mma wgmma instructions,
 its opcode mix, and each forward branch inside it that skips more than 40 instructions
 (a mask path, a tail, a first-step case), so that the steady state can be counted without
-them. Session 42 counted the attention backward's stream step this way (docs/NOTES.md).
+them. Session 42 counted the attention backward's stream step this way (--min-mma 32: the
+fused D = 128 step issues 32; a peeled first step with 24 is a loop too); the forward's key
+loop is the smallest with 16 (docs/NOTES.md).
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ def opcode(text: str) -> str:
 
 
 def hot_loop(code: list, min_mma: int):
-    """(body, skipped regions) of the loop holding the most HGMMA (at least min_mma; the
+    """(body, skipped regions) of the innermost loop holding at least min_mma HGMMA (the
     smallest such body), or None. Backward branches whose span holds an EXIT are not loops
     (the retry stubs of mbarrier waits sit after the kernel's end and jump back into it).
     A skipped region is (first address, end address, instructions) of a forward branch in
@@ -84,10 +86,10 @@ def hot_loop(code: list, min_mma: int):
             body = [c for c in code if int(m.group(3), 16) <= c[0] <= addr]
             mma = sum(opcode(t) == "HGMMA" for _, t in body)
             if mma >= min_mma and not any(opcode(t) == "EXIT" for _, t in body):
-                loops.append((-mma, len(body), body))
+                loops.append(body)
     if not loops:
         return None
-    body = min(loops, key=lambda loop: loop[:2])[2]
+    body = min(loops, key=len)
     end = body[-1][0]
     skipped = []
     for addr, text in body:

@@ -88,9 +88,9 @@ def test_ab_run_gives_each_leg_its_tree_and_cache(tmp_path):
 
 
 def test_sass_stats_hot_loop_finds_the_wgmma_loop_and_its_skipped_regions():
-    """bench/sass_stats.py --loop: the loop with the most HGMMA (a retry stub after EXIT that
-    jumps back is not a loop), its body, and the forward branches in it over more than
-    SKIPPED_REGION instructions."""
+    """bench/sass_stats.py --loop: the smallest loop holding min_mma HGMMA (not a loop with
+    fewer; a retry stub after EXIT that jumps back is not a loop), its body, and the forward
+    branches in it over more than SKIPPED_REGION instructions."""
     import sys
     from pathlib import Path
 
