@@ -45,18 +45,6 @@ def cubins(blob: bytes):
         start += 4
 
 
-def opcode_histogram(sass: str) -> collections.Counter:
-    ops = collections.Counter()
-    for line in sass.splitlines():
-        parts = line.strip().split(None, 2)
-        if len(parts) < 2 or not (parts[0].startswith("/*") and parts[0].endswith("*/")):
-            continue
-        op = parts[1] if not parts[1].startswith("@") else line.split()[2]
-        pieces = op.rstrip(";").split(".")
-        ops[pieces[0] + (".WIDE" if pieces[0] == "IMAD" and "WIDE" in pieces else "")] += 1
-    return ops
-
-
 SASS_LINE = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
 BRANCH = re.compile(r"^(@!?U?P\w+\s+)?BRA(\.\w+)*\s+(0x[0-9a-f]+)")
 SKIPPED_REGION = 40  # instructions: forward branches over more are listed by --loop
@@ -69,8 +57,14 @@ def instructions(sass: str) -> list:
 
 
 def opcode(text: str) -> str:
+    """An instruction's opcode without its modifiers (IMAD.WIDE kept apart from IMAD)."""
     words = text.split()
-    return (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
+    pieces = (words[1] if words[0].startswith("@") else words[0]).split(".")
+    return pieces[0] + (".WIDE" if pieces[0] == "IMAD" and "WIDE" in pieces else "")
+
+
+def opcode_histogram(code: list) -> collections.Counter:
+    return collections.Counter(opcode(text) for _, text in code)
 
 
 def hot_loop(code: list, min_mma: int):
@@ -126,7 +120,7 @@ def main() -> int:
                 if args.loop:
                     print_hot_loop(f"{key['op']}[{cfg}] {name}", sass, args.min_mma)
                     continue
-                ops = opcode_histogram(sass)
+                ops = opcode_histogram(instructions(sass))
                 regs = [w for w in res.replace(",", " ").split() if w.startswith("REG:")]
                 top = ", ".join(f"{k}:{v}" for k, v in ops.most_common(10))
                 print(f"{key['op']}[{cfg}] {name}: {regs[0] if regs else '?'} "
@@ -140,7 +134,7 @@ def print_hot_loop(name: str, sass: str, min_mma: int) -> None:
         print(f"{name}: no loop holds {min_mma} wgmma instructions")
         return
     body, skipped = found
-    ops = collections.Counter(opcode(t) for _, t in body)
+    ops = opcode_histogram(body)
     top = ", ".join(f"{k}:{v}" for k, v in ops.most_common(16))
     print(f"{name}: loop {body[0][0]:#x}-{body[-1][0]:#x}, {len(body)} instructions; {top}")
     for first, end, count in skipped:
