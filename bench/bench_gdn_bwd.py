@@ -8,13 +8,14 @@ the kernel; g float32, beta bfloat16; the loss on o only, so no final-state grad
                                   [--checkpoints N] [--no-keep]
 
 Times with triton.testing.do_bench (median), per case: the forward (``gated_delta_net``),
-the backward (``gated_delta_net_backward``, which recomputes the forward's chunk states),
-their ratio, and forward + backward tokens per second; with ``--checkpoints N`` (default
-1024, 0: off) also the training pair that keeps fp32 checkpoints every N tokens (the
-forward writes them, the backward's states pass starts from them, one CTA per checkpoint
-row and head); the training pair that keeps the forward's workspace (keep_workspace=True:
-the forward returns its workspace, the backward skips its prepare kernel; ``--no-keep``
-skips it); ``--stages`` also times each of the
+the backward (``gated_delta_net_backward``, which recomputes the forward's chunk factors and
+states: what autograd does with keep_workspace=False), their ratio, and forward + backward
+tokens per second; with ``--checkpoints N`` (default 1024, 0: off) also the training pair
+that keeps fp32 checkpoints every N tokens (the forward writes them, the backward's states
+pass starts from them, one CTA per checkpoint row and head); the training pair that keeps
+the forward's workspace (what autograd does by default, keep_workspace=None; timed here
+outside autograd with keep_workspace=True: the forward returns its workspace, the backward
+skips its prepare kernel; ``--no-keep`` skips it); ``--stages`` also times each of the
 backward's kernels alone (GdnBwdSm90.execute with a caller-owned workspace, kernels
 launched one by one from the op's loaded modes). flash-linear-attention's backward is
 attempted for reference (its Triton kernels may refuse this Triton version on Hopper; the
@@ -111,7 +112,7 @@ def run_case(name: str, peer: bool, stages: bool, every: int, keep: bool) -> dic
     row = {"case": name, "batch": batch, "seqlen": seqlen, "qk_heads": qk_heads,
            "v_heads": v_heads, "dim": DIM, "fwd_us": fwd_us, "bwd_us": bwd_us,
            "bwd_over_fwd": bwd_us / fwd_us, "train_tokens_per_s": per_s(fwd_us, bwd_us)}
-    print(f"{name:>13}: forward {fwd_us:8.1f} us  backward {bwd_us:8.1f} us "
+    print(f"{name:>13}: forward {fwd_us:8.1f} us  backward (recomputing) {bwd_us:8.1f} us "
           f"({row['bwd_over_fwd']:.2f}x the forward)  forward+backward "
           f"{row['train_tokens_per_s'] / 1e6:6.2f} M tokens/s", flush=True)
     if stages:
@@ -138,7 +139,8 @@ def run_case(name: str, peer: bool, stages: bool, every: int, keep: bool) -> dic
         kept_bytes = sum(t.numel() * t.element_size() for t in r.workspace)
         row.update(fwd_keep_us=f_us, bwd_keep_us=b_us, kept_bytes=kept_bytes,
                    train_keep_tokens_per_s=per_s(f_us, b_us))
-        print(f"{'':>13}  workspace kept ({kept_bytes / 1e9:.2f} GB): forward {f_us:8.1f} us  "
+        print(f"{'':>13}  workspace kept (the autograd default, {kept_bytes / 1e9:.2f} GB): "
+              f"forward {f_us:8.1f} us  "
               f"backward {b_us:8.1f} us ({b_us / f_us:.2f}x its forward, {b_us / fwd_us:.2f}x "
               f"the plain forward)  forward+backward "
               f"{row['train_keep_tokens_per_s'] / 1e6:6.2f} M tokens/s", flush=True)
@@ -172,7 +174,8 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoints", type=int, default=1024, metavar="N",
                     help="also time the pair with fp32 checkpoints every N tokens (0: off)")
     ap.add_argument("--no-keep", action="store_true",
-                    help="skip the pair that keeps the forward's workspace")
+                    help="skip the pair that keeps the forward's workspace (autograd's "
+                    "default)")
     args = ap.parse_args(argv)
     env = environment()
     print(f"{env['gpu']} {env['date']}: Gated DeltaNet backward, K = V = {DIM}, bf16, l2norm, "

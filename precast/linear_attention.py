@@ -12,7 +12,10 @@ Custom ops (each with a fake implementation: they trace under torch.compile):
   state's gradient is the backward's dfinal; checkpoints are not differentiable, and the
   backward starts its states pass from them (at n = 64 in the io dtype they are its chunk
   states; see GdnBwdSm90). With keep_workspace it also returns the forward's chunk factors
-  (work16, work32; placeholders otherwise), which the backward then reuses.
+  (work16, work32; placeholders otherwise), which the backward then reuses instead of
+  recomputing them. gated_delta_net calls it under autograd only, with keep_workspace=True
+  unless given keep_workspace=False (its default, None, keeps the workspace for training;
+  False trades that memory for the recomputation).
 * ``torch.ops.precast.gated_delta_net_backward``: dq, dk, dv, dg, dbeta, dinitial_state.
 * ``torch.ops.precast.gated_delta_net_pool``: the forward with a state pool updated in
   place (inference only: the pool has no gradient).
@@ -30,15 +33,16 @@ from .lifecycle.gdn_rules import check_gdn_inputs, max_checkpoint_rows
 from .kernels.gdn_layout import workspace_shapes
 from .lifecycle.launch import in_stream_order
 from .lifecycle.results import Results
-from .lifecycle.validation import check_bool, check_value
+from .lifecycle.validation import check_optional_bool, check_value
 from .op_cache import compiled_op
 
 
 class GatedDeltaNetResults(Results):
     """Unpacks like ``(o, final_state)`` (final_state None unless output_final_state);
     ``.checkpoints`` is the checkpoint series or None; ``.workspace`` the forward's chunk
-    factors (work16, work32) with keep_workspace outside autograd (for
-    gated_delta_net_backward(forward_workspace=...)), else None."""
+    factors (work16, work32) with keep_workspace=True outside autograd (for
+    gated_delta_net_backward(forward_workspace=...)), else None (under autograd a kept
+    workspace goes to the backward, not here)."""
 
     _fields = ("o", "final_state")
 
@@ -64,7 +68,8 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     checkpoint_every_n_tokens: Optional[int] = None,
                     checkpoint_dtype: Optional[torch.dtype] = None,
                     state_indices: Optional[torch.Tensor] = None, batch_invariant: bool = False,
-                    keep_workspace: bool = False, stream=None) -> GatedDeltaNetResults:
+                    keep_workspace: Optional[bool] = None,
+                    stream=None) -> GatedDeltaNetResults:
     """Gated DeltaNet forward over packed sequences.
 
     q [T, HQ, K], k [T, HK, K], v [T, HV, V] (bf16 or fp16), g and beta [T, HO]
@@ -91,27 +96,37 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     recomputation's up to rounding: the backward's states pass makes Delta from T and
     its column scales, the forward from W and U); with
     many pairs they cost more than they save (bench/RESULTS.md, session 13).
-    ``keep_workspace=True`` keeps the forward's chunk factors (M, T = (I + A)^-1 and the
-    factor rows: about 0.14 KB per token and output head, a fifth of q, k and v's at K =
-    V = 128) until the backward, which then skips recomputing them (its "prepare" kernel: ~15 %
-    of the backward at 4 x 8192 tokens, 64 heads). The state pool is forward only: with an
-    input requiring grad it raises (use torch.no_grad(), or gather the pool rows into an
-    initial_state).
+    ``keep_workspace`` (None, True or False) decides whether the forward's chunk factors
+    (M, T = (I + A)^-1 and the factor rows: about 0.14 KB per token and output head, a
+    fifth of q, k and v's at K = V = 128; flash-linear-attention's autograd saves a similar
+    block, its ``A``) outlive the call. None (the default) keeps them when the call goes
+    through autograd: the backward then skips recomputing them (its "prepare" kernel,
+    ~0.45-0.5 ms of a ~4.7 ms backward at 4 x 8192 tokens, 64 heads, H200; bitwise the same
+    gradients); outside autograd None keeps nothing (``.workspace`` is None). True keeps
+    them either way: under autograd for the backward, outside it as ``.workspace`` for
+    gated_delta_net_backward(forward_workspace=...). False never keeps them: under
+    autograd the backward recomputes them (the choice that saves the memory). The state
+    pool is forward only: with an input requiring grad it raises (use torch.no_grad(), or
+    gather the pool rows into an initial_state); keep_workspace=True with it raises too.
     """
-    check_bool("keep_workspace", keep_workspace)
+    keep_workspace = check_optional_bool("keep_workspace", keep_workspace)
     check_value(not (keep_workspace and state_indices is not None), ValueError,
                 "keep_workspace=True keeps the forward's chunk factors for the backward, and a "
-                "state pool (state_indices) has no backward: pass keep_workspace=False")
+                "state pool (state_indices) has no backward: leave keep_workspace None or "
+                "pass False")
     differentiable = [name for name, t in (("q", q), ("k", k), ("v", v), ("g", g),
                                            ("beta", beta), ("initial_state", initial_state))
                       if isinstance(t, torch.Tensor) and t.requires_grad]
+    autograd = bool(differentiable) and torch.is_grad_enabled()
+    if keep_workspace is None:  # training keeps the workspace, inference does not
+        keep_workspace = autograd
     options = dict(scale=scale, initial_state=initial_state,
                    output_final_state=output_final_state,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                    checkpoint_every_n_tokens=checkpoint_every_n_tokens,
                    checkpoint_dtype=checkpoint_dtype, batch_invariant=batch_invariant,
                    keep_workspace=keep_workspace)
-    if not (differentiable and torch.is_grad_enabled()):
+    if not autograd:
         return _forward(q, k, v, g, beta, cu_seqlens, state_indices=state_indices,
                         stream=stream, **options)
     if state_indices is not None:

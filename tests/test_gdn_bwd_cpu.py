@@ -900,24 +900,81 @@ def test_custom_op_fake():
     assert grads[-1].shape == s0.shape and grads[-1].dtype == BF
 
 
-@pytest.mark.parametrize("keep_workspace", [False, True])
+@pytest.mark.parametrize("keep_workspace", ["unset", None, False, True])
 def test_autograd_and_torch_compile_trace_through_the_fakes(keep_workspace):
     """On meta tensors the forward and backward custom ops run their fakes: loss.backward()
     through gated_delta_net gives every input a gradient of its shape and dtype, eagerly
-    and under torch.compile(fullgraph=True), also with the forward's workspace kept."""
+    and under torch.compile(fullgraph=True), with the forward's workspace kept (the
+    default) or not."""
     a = forward_inputs()
     do, dfinal = a.pop("do"), meta(N, HO, V, K, dtype=F32)
     cu = a.pop("cu_seqlens")
+    kw = {} if keep_workspace == "unset" else {"keep_workspace": keep_workspace}
 
     def loss(q, k, v, g, beta, initial_state):
         o, s = precast.gated_delta_net(q, k, v, g, beta, cu, initial_state=initial_state,
                                        output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                       keep_workspace=keep_workspace)
+                                       **kw)
         return (o.float() * do.float()).sum() + (s * dfinal).sum()
     for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
         x = [t.clone().requires_grad_() for t in (*a.values(), meta(N, HO, V, K))]
         fn(*x).backward()
         assert all(t.grad.shape == t.shape and t.grad.dtype == t.dtype for t in x)
+
+
+@pytest.mark.parametrize("keep_workspace,kept", [("unset", True), (None, True),
+                                                 (True, True), (False, False)])
+def test_autograd_keeps_the_forward_workspace_by_default(monkeypatch, keep_workspace, kept):
+    """Under autograd keep_workspace=None (the default) asks the forward op for its workspace
+    (keep_workspace=True in its arguments; the schema's own default stays False), saves
+    the pair for the backward and hands it to the backward op, which then skips prepare;
+    keep_workspace=False keeps nothing and the backward recomputes it."""
+    handed = {}
+
+    def recorder(name):
+        real = getattr(torch.ops.precast, name)
+
+        def record(*args):
+            handed.setdefault(name, []).append(args)
+            return real(*args)
+        monkeypatch.setattr(torch.ops.precast, name, record)
+    recorder("gated_delta_net")
+    recorder("gated_delta_net_backward")
+    a = forward_inputs()
+    do = a.pop("do")
+    x = {n: t if n == "cu_seqlens" else t.clone().requires_grad_() for n, t in a.items()}
+    kw = {} if keep_workspace == "unset" else {"keep_workspace": keep_workspace}
+    r = precast.gated_delta_net(**x, output_final_state=True, **kw)
+    o, _ = r
+    assert r.workspace is None  # a kept workspace goes to the backward, not the caller
+    ((fwd_args,),) = handed["gated_delta_net"],
+    assert len(fwd_args) == 15 and fwd_args[-1] is kept  # keep_workspace, resolved
+    *_, work16, work32 = o.grad_fn.saved_tensors
+    shapes = keeping_forward().workspace_shapes(T, N)
+    if kept:
+        assert [(tuple(t.shape), t.dtype) for t in (work16, work32)] == list(zip(
+            shapes, (BF, F32)))
+    else:
+        assert work16 is None and work32 is None
+    (o.float() * do.float()).sum().backward()
+    ((bwd_args,),) = handed["gated_delta_net_backward"],
+    assert len(bwd_args) == 15
+    if kept:  # the forward's pair, as saved
+        assert [tuple(t.shape) for t in bwd_args[-2:]] == list(shapes)
+    else:  # no work16, work32: the backward recomputes them
+        assert bwd_args[-2:] == (None, None)
+    assert all(t.grad is not None for n, t in x.items() if n != "cu_seqlens")
+
+
+def test_default_keep_workspace_is_resolved_by_the_wrapper_only():
+    """The custom op's schema keeps an explicit bool (default False); gated_delta_net's
+    keyword defaults to None."""
+    import inspect
+    schema = torch.ops.precast.gated_delta_net.default._schema
+    (arg,) = [arg for arg in schema.arguments if arg.name == "keep_workspace"]
+    assert str(arg.type) == "bool" and arg.default_value is False
+    assert inspect.signature(precast.gated_delta_net).parameters[
+        "keep_workspace"].default is None
 
 
 # --- the kernels' fake arguments and the cross-compilation ----------------------------------------

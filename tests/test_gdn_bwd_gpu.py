@@ -303,6 +303,46 @@ def test_forward_workspace_reused(lengths, monkeypatch):
     assert Grads(*(x[n].grad for n in names)).equal(expect)
 
 
+@pytest.mark.parametrize("lengths", sorted(LENGTHS))
+def test_autograd_keeps_the_forward_workspace_by_default(lengths, monkeypatch):
+    """Training without keep_workspace (its default, None) keeps the forward's workspace for
+    the backward, as keep_workspace=True: the same o and final state as keep_workspace=False
+    (which keeps nothing: the backward recomputes the factors) and bitwise its gradients,
+    which are execute's."""
+    name = "bf16-state"
+    b = make_batch(CONFIGS[name], LENGTHS[lengths], seed=13)
+    ct = cotangents(name, b, seed=13)
+    import precast.linear_attention as functional
+    handed = []
+
+    def recording(*args, forward_workspace=None, **kwargs):
+        handed.append(forward_workspace)
+        return real(*args, forward_workspace=forward_workspace, **kwargs)
+    real = functional.gated_delta_net_backward
+    monkeypatch.setattr(functional, "gated_delta_net_backward", recording)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    runs = {}
+    for keep in ("default", False):
+        x = leaves(b, *names)
+        kw = {} if keep == "default" else {"keep_workspace": keep}
+        r = gated_delta_net(x["q"], x["k"], x["v"], x["g"], x["beta"], b.cu_seqlens,
+                            initial_state=x["initial_state"], output_final_state=True,
+                            use_qk_l2norm_in_kernel=True, **kw)
+        assert r.workspace is None  # under autograd it is the backward's, not the caller's
+        o, s = r
+        ((o.float() * ct.do.float()).sum() + (s * ct.dfinal).sum()).backward()
+        runs[keep] = (o.detach(), s.detach(), Grads(*(x[n].grad for n in names)))
+    kept, recomputed = handed
+    fwd = forward_op(FORWARD_CONFIGS["bf16-state"])
+    assert recomputed is None and [(tuple(t.shape), t.dtype) for t in kept] == list(zip(
+        fwd.workspace_shapes(b.T, b.N), fwd.workspace_dtypes()))
+    (o1, s1, by_default), (o0, s0, by_recomputing) = runs["default"], runs[False]
+    assert torch.equal(o1, o0) and torch.equal(s1, s0)
+    assert by_default.equal(by_recomputing), "the kept workspace changed the gradients"
+    assert by_default.equal(launch(name, b, ct))
+    assert_grads_close(by_default, reference(name, b, ct), BF, "kept by default")
+
+
 # --- layouts, offsets, empty batches, streams ----------------------------------------------------
 def test_strided_inputs_and_gradients():
     """q, k, v as column slices of one projection and their gradients as slices of one
@@ -453,7 +493,7 @@ def leaves(b: Batch, *names):
 def test_autograd_end_to_end_matches_autograd_of_the_reference():
     """o, s = gated_delta_net(...); loss.backward() with an initial state and fp32
     checkpoints (forward "bf16-state-checkpoints", backward "bf16-state-ckpt-f32", its
-    states regenerated from them): the gradients of
+    states regenerated from them; the forward's workspace kept, the default): the gradients of
     q, k, v, g, beta and the initial state against autograd of the float64 token-by-token
     reference under the same loss."""
     name = "bf16-state"

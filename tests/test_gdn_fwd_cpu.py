@@ -930,13 +930,44 @@ def test_allocating_function_takes_int64_offsets(no_compile):
     assert any(e[0] == "copy" and e[2] is cu64 for e in no_compile.events)
 
 
-def test_allocating_function_keep_workspace_rules(no_compile):
-    with pytest.raises(TypeError, match="keep_workspace must be a bool, got int"):
-        gated_delta_net(**inputs(), keep_workspace=1, stream=0)
-    with pytest.raises(ValueError, match=r"state pool \(state_indices\) has no backward"):
+@pytest.mark.parametrize("value,kind", [(1, "int"), (0, "int"), ("yes", "str"),
+                                        (torch.tensor(True), "Tensor")])
+def test_allocating_function_keep_workspace_rules(no_compile, value, kind):
+    """keep_workspace is None, True or False (a numpy bool too); True keeps the factors for
+    a backward, which a state pool has not."""
+    with pytest.raises(TypeError, match=f"^keep_workspace must be a bool or None, got {kind}$"):
+        gated_delta_net(**inputs(), keep_workspace=value, stream=0)
+    with pytest.raises(ValueError, match=r"state pool \(state_indices\) has no backward: "
+                       "leave keep_workspace None or pass False"):
         gated_delta_net(**inputs(), initial_state=meta(9, HO, V, K, dtype=F32),
                         state_indices=meta(N, dtype=I32), keep_workspace=True, stream=0)
     assert no_compile.calls == []
+
+
+@pytest.mark.parametrize("keep", ["unset", None, False])
+def test_allocating_function_keeps_no_workspace_by_default_outside_autograd(no_compile, keep):
+    """Outside autograd (no input requires grad, or grad mode is off) the default keeps
+    nothing: .workspace is None and the forward writes the op's own workspace, as False;
+    with a state pool too (no ValueError: only an explicit True asks for a backward)."""
+    kw = {} if keep == "unset" else {"keep_workspace": keep}
+    q = meta(T, HQ, K).requires_grad_()
+    pool = meta(9, HO, V, K, dtype=F32)
+    runs = [dict(inputs(), **kw), dict(inputs(), **kw, initial_state=pool,
+                                       state_indices=meta(N, dtype=I32))]
+    for a in runs:
+        assert gated_delta_net(**a, stream=0).workspace is None
+    with torch.no_grad():  # q requires grad, but no graph is recorded
+        assert gated_delta_net(**{**runs[0], "q": q}, stream=0).workspace is None
+    assert [m for m, _ in no_compile.calls] == ["prepare", "recurrence"] * 3
+    ops = list(COMPILED_OPS._ops.values())
+    assert len(ops) == 2 and all(op._workspaces for op in ops)  # their own, not kept ones
+    prepares = [c for m, c in no_compile.calls if m == "prepare"]
+    (own,) = ops[0]._workspaces.values()
+    assert same([t._base for t in prepares[0][7:9]], own)  # views of the op's own pair
+    # keep_workspace=True returns them (and numpy's bool is a bool)
+    import numpy as np
+    r = gated_delta_net(**inputs(), keep_workspace=np.bool_(True), stream=0)
+    assert r.workspace is not None and same(no_compile.calls[-2][1][7:9], r.workspace)
 
 
 def test_allocating_function_validates(no_compile):
