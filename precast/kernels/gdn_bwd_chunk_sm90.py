@@ -35,12 +35,16 @@ stores it (scale Gamma * Qn Kn^T, causal):
             E = dM' * M + dP * Kn Kn^T;  dG_L += exp(G_L) <S, dS'> + sum_i d_i rowsum_i(...)
     dg    = reverse cumsum of dG over the chunk
 
-A gradient whose input heads are not grouped (gdn_layout.gradients_in_place) is final here,
-in the io dtype (dq, dk with the L2 norm's Jacobian applied); the others (dq_n, dk_n: the
-gradients of the normalized rows, and dv) go to per-output-head buffers in the io dtype
-for gdn_bwd_finish_sm90, which sums each group in fp32 (16-bit partials halve those
-buffers' traffic, written here and read there; a rounding of ~2^-9 per term, well inside
-the gradients' tolerance). dg and dbeta are
+A gradient whose input has a head per output head (gdn_layout.gradients_in_place) is final
+here, in the io dtype (dq, dk with the L2 norm's Jacobian applied); one whose input head
+serves two output heads (gdn_layout.gradients_added) is added here into the input's
+gradient, zeroed before (each output head's part, the Jacobian applied to it: it is
+linear in the gradient; TMA reduce-add stores, or atomic adds in a partial chunk; two
+adds into zero give the same bits in either order); for larger groups the others (dq_n,
+dk_n: the gradients of the normalized rows, and dv) go to per-output-head buffers in the
+io dtype for gdn_bwd_finish_sm90, which sums each group in fp32 (16-bit partials halve
+those buffers' traffic, written here and read there; a rounding of ~2^-9 per term, well
+inside the gradients' tolerance). dg and dbeta are
 written in g's and beta's dtypes. Rows of a partial chunk past the sequence end are zero in
 shared memory (and have g = beta = 0), so they add nothing; only real rows are written.
 Sums run in a fixed order: the results are deterministic.
@@ -57,7 +61,7 @@ from cutlass.tensor_utils import LayoutEnum
 from .attention_sm90 import (acc_as_operand_a, load_ldmatrix, select_modes, store_stmatrix,
                              tma_load_tile, tma_store_tile, transposed, wgmma)
 from .gdn_chunk_sm90 import L2NORM_EPS, GdnChunkPrepareSm90, block_chunk_head, chunk_grid
-from .gdn_layout import CHUNK, gradients_in_place
+from .gdn_layout import CHUNK, gradients_added, gradients_in_place, head_groups
 from .gdn_unpack_sm90 import one_bits, split_packed, zero_t_upper
 
 WGS = 2  # warpgroup 0: the q side; warpgroup 1: the WY side
@@ -115,10 +119,15 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                  v_heads: int, l2norm: bool, g_dtype, beta_dtype):
         super().__init__(dtype, k_dim, v_dim, q_heads, k_heads, v_heads, l2norm, g_dtype,
                          beta_dtype)
-        # dq, dk, dv: final here where that gradient's heads are not grouped (every row
-        # has one writer; the L2 norm's Jacobian applied, in the io dtype); otherwise the
-        # normalized rows' gradients per output head (io dtype), for gdn_bwd_finish_sm90.
+        # dq, dk, dv: final here where that input has at most two output heads per head
+        # (the L2 norm's Jacobian applied, in the io dtype); otherwise the normalized rows'
+        # gradients per output head (io dtype), for gdn_bwd_finish_sm90.
         self.final_outputs = gradients_in_place(q_heads, k_heads, v_heads)
+        # of those, the ones added into the input's gradient (two output heads per input
+        # head) and, for each of dq, dk, dv, output heads per head of the tensor written
+        self.added_outputs = gradients_added(q_heads, k_heads, v_heads)
+        self.out_groups = tuple(g if final else 1 for g, final in zip(
+            head_groups(q_heads, k_heads, v_heads), self.final_outputs))
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -133,8 +142,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         mWork16 / mWork32 as gdn_layout.workspace_shapes (packed P); mStates, mDStates
         (chunks, HO, V, K);
         mDQ, mDK, mDV: each the final gradient in the io dtype (strided like its input) where
-        gdn_layout.gradients_in_place says so, else (T, HO, K or V) per output head, io
-        dtype as well."""
+        gdn_layout.gradients_in_place says so (zeroed before where gradients_added says so:
+        this kernel adds into it), else (T, HO, K or V) per output head, io dtype as
+        well."""
         dt = self.dtype
         K, V, C = self.k_dim, self.v_dim, CHUNK
 
@@ -203,10 +213,13 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # Whole chunks of a gradient (final or per output head, both 16-bit) leave by TMA
         # stores of a shared-memory tile (per-thread stores of accumulator pairs wrote
         # half-filled sectors).
-        s2g = cpasync.CopyBulkTensorTileS2GOp()
         out_stores = tuple(
-            cpasync.make_tiled_tma_atom(s2g, tok(m), one(lay), (C, cols))
-            for m, lay, cols in ((mDQ, lay_k, K), (mDK, lay_k, K), (mDV, lay_v, V)))
+            cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp() if const_expr(added)
+                else cpasync.CopyBulkTensorTileS2GOp(), tok(m), one(lay), (C, cols))
+            for m, lay, cols, added in ((mDQ, lay_k, K, self.added_outputs[0]),
+                                        (mDK, lay_k, K, self.added_outputs[1]),
+                                        (mDV, lay_v, V, self.added_outputs[2])))
         self.kernel(mmas, loads, (lay_k, lay_v, lay_c, lay_s), mG, mBeta, mCuSeqlens,
                     mSeqTable, mDQ, mDK, mDV, mDG, mDBeta, out_stores, num_batches, scale).launch(
             grid=chunk_grid(chunks, self.heads), block=[THREADS, 1, 1], stream=stream)
@@ -563,8 +576,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS'
         self.state_dot(sS, sDS, storage, wtidx)
         warpgroup.wait_group(0)
-        self.store_grad(mma_kmn_k, mDQ, acc_k, stage0(sQ), R_Q, self.final_outputs[0], sRows,
-                        rows_of, first, rows, head, staged_dq, 0)
+        self.store_grad(mma_kmn_k, mDQ, acc_k, stage0(sQ), R_Q, 0, sRows, rows_of, first,
+                        rows, head, staged_dq, 0)
         # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms, finish_dk)
         self.ss(mma_kmn_k, acc_dk, stage0(sDelta), stage0_t(sDS, V, K), False)
         warpgroup.wait_group(0)
@@ -596,8 +609,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         dk_wy = self.dk_exchange(storage, acc_dk)
         for e in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[e] = acc_dk[e] + dk_wy[e * 128 + wtidx]
-        self.store_grad(mmas[2], mDK, acc_dk, stage0(tiles[1]), R_K, self.final_outputs[1],
-                        sRows, self.row_context(sRows, wtidx)["rows_of"], first, rows, head,
+        self.store_grad(mmas[2], mDK, acc_dk, stage0(tiles[1]), R_K, 1, sRows,
+                        self.row_context(sRows, wtidx)["rows_of"], first, rows, head,
                         staged_dk, 0)
 
     @cute.jit
@@ -668,7 +681,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.row_dots_then_scale(acc_v, mma_mnmn_v, stage0(sV), beta_r)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
-        self.store_out(mma_mnmn_v, mDV, acc_v, rows_of, first, rows, head, staged_dv, 1)
+        self.store_out(mma_mnmn_v, mDV, acc_v, rows_of, first, rows, head, staged_dv, 2, 1)
         self.wg_sync(1, fence=True)  # dT written
         # ---- dBk = T^T dW: dk_n = diag(beta gamma) dBk ...; t = rowsum(dBk Kn)
         self.ss(mma_mnmn_k, acc_dk, stage0_t(sT, C, C), stage0_t(sdW, C, K), False)
@@ -827,29 +840,37 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.warp_reduce_to(storage, wtidx // cute.arch.WARP_SIZE, acc)
 
     @cute.jit
-    def store_rows(self, mma, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32):
+    def store_rows(self, mma, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32,
+                   added: cutlass.Constexpr):
         """Accumulator ``acc`` of ``mma``, rows < ``rows``, into mOut[first + row, head, :]
-        (converted to mOut's dtype)."""
+        (converted to mOut's dtype); with ``added``, atomically added there."""
         C = CHUNK
         g = cute.local_tile(cute.domain_offset((first, 0), mOut[None, head, None]),
                             (C, cute.size(mOut, mode=[2])), (0, 0))
         t_g = mma.get_slice(cute.arch.thread_idx()[0] % 128).partition_C(g)
         out = cute.make_rmem_tensor(acc.layout, mOut.element_type)
         out.store(acc.load().to(mOut.element_type))
-        if rows == C:  # adjacent column pairs leave as one store
-            cute.autovec_copy(out, t_g)
-        else:
+        if const_expr(added):
             for e in cutlass.range_constexpr(cute.size(acc)):
                 if rows_of[row_half(e)] < rows:
-                    t_g[e] = out[e]
+                    cute.arch.red(t_g.iterator + t_g.layout(e), out[e], op="add",
+                                  dtype=mOut.element_type, sem="relaxed", scope="gpu")
+        else:
+            if rows == C:  # adjacent column pairs leave as one store
+                cute.autovec_copy(out, t_g)
+            else:
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    if rows_of[row_half(e)] < rows:
+                        t_g[e] = out[e]
 
     @cute.jit
-    def store_grad(self, mma, mOut, acc, x_tile, r_row: int, final: cutlass.Constexpr, sRows,
-                   rows_of, first: Int32, rows: Int32, head: Int32, staged, wg: int):
-        """dq or dk: when ``final`` (written in place) with the L2 norm, the Jacobian
+    def store_grad(self, mma, mOut, acc, x_tile, r_row: int, which: int, sRows, rows_of,
+                   first: Int32, rows: Int32, head: Int32, staged, wg: int):
+        """dq or dk (``which`` 0 or 1): when written in place with the L2 norm, the Jacobian
         dx = r (dx_n - (x_n . dx_n) x_n) (x_n from shared memory, x_tile; only the first
-        term where the clamp is active) before the store. ``acc`` is reused."""
-        if const_expr(final and self.l2norm):
+        term where the clamp is active) before the store (an added gradient's part too: the
+        Jacobian is linear in it). ``acc`` is reused."""
+        if const_expr(self.final_outputs[which] and self.l2norm):
             xn = self.loaded(mma, x_tile, acc)
             part = [Float32(0.0), Float32(0.0)]
             for e in cutlass.range_constexpr(cute.size(acc)):
@@ -861,16 +882,21 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             for e in cutlass.range_constexpr(cute.size(acc)):
                 h = row_half(e)
                 acc[e] = r_of[h] * (acc[e] - coef[h] * xn[e].to(Float32))
-        self.store_out(mma, mOut, acc, rows_of, first, rows, head, staged, wg)
+        self.store_out(mma, mOut, acc, rows_of, first, rows, head, staged, which, wg)
 
     @cute.jit
     def store_out(self, mma, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32,
-                  staged, wg: int):
-        """store_rows, but a whole chunk with ``staged`` (staged_outputs) goes through its
-        shared-memory tile: warpgroup ``wg``'s threads write their elements, its first warp
-        issues the TMA store (waited for before the CTA exits)."""
+                  staged, which: int, wg: int):
+        """store_rows of gradient ``which`` (0, 1, 2: dq, dk, dv) of output head ``head``
+        (into its input head's rows where written in place), but a whole chunk with
+        ``staged`` (staged_outputs) goes through its shared-memory tile: warpgroup ``wg``'s
+        threads write their elements, its first warp issues the TMA store (a reduce-add
+        where the gradient is added into; waited for before the CTA exits)."""
+        added = self.added_outputs[which]
+        if const_expr(self.out_groups[which] > 1):
+            head = head // self.out_groups[which]
         if const_expr(staged is None):
-            self.store_rows(mma, mOut, acc, rows_of, first, rows, head)
+            self.store_rows(mma, mOut, acc, rows_of, first, rows, head, added)
         else:
             if rows == CHUNK:
                 atom, m_t, s_tile = staged
@@ -883,7 +909,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                         (0, 0)))
                     cute.arch.cp_async_bulk_commit_group()
             else:
-                self.store_rows(mma, mOut, acc, rows_of, first, rows, head)
+                self.store_rows(mma, mOut, acc, rows_of, first, rows, head, added)
 
     @cute.jit
     def write_gate_grads(self, sDG, sDB, mDG, mDBeta, first: Int32, rows: Int32,

@@ -1,8 +1,9 @@
 """Gated DeltaNet backward, last step: the per-output-head gradients of q, k and v become
 the gradients of the raw inputs (SIMT, memory bound).
 
-For each of q, k, v whose heads are grouped (gdn_layout.gradients_in_place: the others the
-chunk kernel writes final itself) the chunk kernel writes dq_heads, dk_heads (T, HO, K) or
+For each of q, k, v whose input heads serve more than two output heads (not
+gdn_layout.gradients_in_place: the chunk kernel writes or adds the others into the final
+gradients itself) the chunk kernel writes dq_heads, dk_heads (T, HO, K) or
 dv_heads (T, HO, V) in the io dtype, one row per output head, w.r.t. the rows it used: the
 L2-normalized q
 and k when the forward normalized them in the kernel. Per token and input head this kernel
@@ -61,7 +62,7 @@ class GdnGradFinishSm90:
         # (index into (q, k, v), role) of the gradients left to finish
         self.roles = tuple((i, role) for i, (role, final) in enumerate(
             zip(roles, gradients_in_place(q_heads, k_heads, v_heads))) if not final)
-        assert self.roles, "no grouped heads: the chunk kernel writes every gradient"
+        assert self.roles, "no groups of more than two heads: the chunk kernel writes every gradient"
         # Enough tokens per CTA that the largest role fills ~ITEMS_PER_CTA thread-items
         # (small head counts would otherwise leave most threads idle), a power of two.
         widest = max(r.heads * r.threads_per_row for _, r in self.roles)

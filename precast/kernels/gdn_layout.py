@@ -36,9 +36,30 @@ def workspace_shapes(total_tokens: int, num_seqs: int, heads: int, k_dim: int, v
     return ((chunks, heads, CHUNK, WORK16_COLS), (chunks, heads, FACTOR_ROWS * FACTOR_COLS))
 
 
-def gradients_in_place(q_heads: int, k_heads: int, v_heads: int) -> tuple:
-    """Per gradient (dq, dk, dv): whether the backward's chunk kernel writes it final itself
-    (its input has a head per output head: every gradient row has one writer); otherwise it
-    writes fp32 gradients per output head and a finishing kernel sums each group."""
+# The largest group of output heads per input head whose gradient the chunk kernel still
+# writes into the input's gradient itself: with one output head each row has one writer;
+# with two, each adds its part into a zeroed gradient (hardware bf16 / fp16 adds), and two
+# adds into zero give the same bits in either order, so the result stays reproducible.
+# Larger groups go through per-output-head buffers summed in a fixed order by the finishing
+# kernel (three adds in varying order would not be).
+ADDED_GROUP = 2
+
+
+def head_groups(q_heads: int, k_heads: int, v_heads: int) -> tuple:
+    """Output heads per input head of q, k and v (HO = max(HQ, HV) over each's heads)."""
     heads = max(q_heads, v_heads)
-    return tuple(h == heads for h in (q_heads, k_heads, v_heads))
+    return tuple(heads // h for h in (q_heads, k_heads, v_heads))
+
+
+def gradients_in_place(q_heads: int, k_heads: int, v_heads: int) -> tuple:
+    """Per gradient (dq, dk, dv): whether the backward's chunk kernel writes it into the
+    input's gradient itself (a group of at most ADDED_GROUP output heads per input head);
+    otherwise it writes io-dtype gradients per output head and a finishing kernel sums each
+    group."""
+    return tuple(g <= ADDED_GROUP for g in head_groups(q_heads, k_heads, v_heads))
+
+
+def gradients_added(q_heads: int, k_heads: int, v_heads: int) -> tuple:
+    """Per gradient (dq, dk, dv): whether the chunk kernel adds into it (ADDED_GROUP output
+    heads per input head: the gradient must be zero before the kernel runs)."""
+    return tuple(g == ADDED_GROUP for g in head_groups(q_heads, k_heads, v_heads))
