@@ -27,8 +27,9 @@ from precast.plan import OP_MODULES, expand
 
 BF, FP, F32, F64, I32, I64 = (torch.bfloat16, torch.float16, torch.float32, torch.float64,
                               torch.int32, torch.int64)
-# Grouped v heads and K != V, so that every shape mix-up is visible.
-T, N, HQ, HK, HV, K, V = 128, 4, 4, 4, 8, 64, 128
+# Grouped v heads (four per q / k head: the finishing kernel runs) and K != V, so that every
+# shape mix-up is visible.
+T, N, HQ, HK, HV, K, V = 128, 4, 2, 2, 8, 64, 128
 HO = max(HQ, HV)
 CHUNKS = T // 64 + N
 COMPILED_OPS = sys.modules["precast.op_cache"]
@@ -281,7 +282,7 @@ def same(a, b) -> bool:
 
 @pytest.mark.parametrize("op_kw,changes,exc,match", [
     ({}, dict(q=meta(T, 2 * HQ, K), k=meta(T, 2 * HK, K)), ValueError,
-     r"q_heads = 8 \(q heads HQ\) but this op is compiled for q_heads = 4; make another "
+     r"q_heads = 4 \(q heads HQ\) but this op is compiled for q_heads = 2; make another "
      r"GdnBwdSm90 for this configuration \(gated_delta_net_backward keeps one"),
     ({}, dict(dfinal=meta(N, HO, V, K, dtype=F32)), ValueError,
      r"final_state_grad = True \(dfinal given \(the final state's gradient\)\) but this op is "
@@ -296,7 +297,7 @@ def same(a, b) -> bool:
     ({}, dict(do=None), ValueError, "do is required"),
     ({}, dict(dq=None), ValueError, r"dq is required: \[T, HQ, K\] bfloat16 \(its input's\)"),
     ({}, dict(dk=meta(T, HV, K)), ValueError, r"dk: shape \[128, 8, 64\] does not match "
-     r"\[T, HK, K\] = \[128, 4, 64\]"),
+     r"\[T, HK, K\] = \[128, 2, 64\]"),
     ({}, dict(dv=meta(T, HV, V, dtype=FP)), TypeError, "dv: dtype float16 is not supported; "
      "expected bfloat16"),
     ({}, dict(dg=meta(T, HO)), TypeError, "dg: dtype bfloat16 is not supported; expected "
@@ -607,16 +608,51 @@ def test_workspace_shapes():
 
 
 @pytest.mark.parametrize("hq,hk,hv,head_grads", [
-    (8, 8, 8, ()), (4, 4, 8, ("dq_heads", "dk_heads")), (4, 8, 8, ("dq_heads",)),
-    (8, 8, 4, ("dv_heads",)), (8, 4, 4, ("dk_heads", "dv_heads"))])
-def test_only_grouped_gradients_go_through_per_head_buffers(hq, hk, hv, head_grads):
+    (8, 8, 8, ()), (4, 4, 8, ()), (2, 2, 8, ("dq_heads", "dk_heads")),
+    (2, 8, 8, ("dq_heads",)), (4, 8, 8, ()), (8, 8, 2, ("dv_heads",)), (8, 8, 4, ()),
+    (8, 2, 2, ("dk_heads", "dv_heads")), (8, 4, 4, ())])
+def test_only_groups_of_more_than_two_go_through_per_head_buffers(hq, hk, hv, head_grads):
     """The chunk kernel writes a gradient final when its input has a head per output head
-    (one writer per row); only the others take a per-output-head buffer and the finishing
-    kernel."""
+    (one writer per row) or adds into it when two (gradients_added); only the others take
+    a per-output-head buffer and the finishing kernel."""
+    from precast.kernels.gdn_layout import gradients_added, gradients_in_place
     op = GdnBwdSm90(**samples(hq=hq, hk=hk, hv=hv)).check_support()
     shapes = op.workspace_shapes(T, N)
     assert tuple(n for n in ("dq_heads", "dk_heads", "dv_heads") if n in shapes) == head_grads
     assert ("finish" in op._kernel_builders()) == bool(head_grads)
+    ho = max(hq, hv)
+    assert gradients_added(hq, hk, hv) == tuple(ho == 2 * h for h in (hq, hk, hv))
+    assert gradients_in_place(hq, hk, hv) == tuple(ho <= 2 * h for h in (hq, hk, hv))
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_pairs_of_output_heads_add_into_zeroed_gradients(launches, reuse):
+    """Two output heads per q / k head (HQ = HK = 4, HV = 8): no finishing kernel and no
+    per-head buffers; dq and dk are zeroed on the side stream (forked after prepare, beside
+    state_grad, joined before chunk_grad), which adds into them; dv is written in place."""
+    kw = (dict(sample_initial_state=state(), sample_checkpoints=state(rows=CHUNKS, dtype=BF),
+               checkpoint_every_n_tokens=64) if reuse else {})
+    op = GdnBwdSm90(**samples(hq=4, hk=4), **kw).check_support()
+    a = call(q=meta(T, 4, K), k=meta(T, 4, K), dq=meta(T, 4, K), dk=meta(T, 4, K))
+    if reuse:
+        a.update(initial_state=meta(N, HO, V, K, dtype=F32),
+                 dinitial_state=meta(N, HO, V, K, dtype=F32),
+                 checkpoints=meta(CHUNKS, HO, V, K), checkpoint_every_n_tokens=64)
+    op.execute(**a, stream=5)
+    side = 5 + SIDE_OFFSET
+    states = [] if reuse else [("launch", "states")]
+    events = [e for e in launches.events if e[0] in ("launch", "fork", "join", "zero")
+              or e[:2] == ("stream", side) or e == ("end stream",)]
+    assert events[events.index(("launch", "prepare")):] == [
+        ("launch", "prepare"), ("fork", 5), ("stream", side, None), ("zero", a["dq"]),
+        ("zero", a["dk"]), ("end stream",), *states, ("launch", "state_grad"), ("join", 5),
+        ("launch", "chunk_grad")]
+    cgrad = launches.calls[-1][1]
+    assert same(cgrad[12:15], [a["dq"], a["dk"], a["dv"]])
+    assert not any(name in key for key in op._workspaces for name in HEAD_GRAD_NAMES)
+
+
+HEAD_GRAD_NAMES = ("dq_heads", "dk_heads", "dv_heads")
 
 
 def test_execute_with_a_workspace_allocates_nothing(launches):

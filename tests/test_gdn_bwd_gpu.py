@@ -51,6 +51,10 @@ CONFIGS = {
     "bf16-state": _config(state_dtype="float32"),
     "bf16-hv16": _config(v_heads=16, beta_dtype="bfloat16"),
     "bf16-hq16": _config(q_heads=16, beta_dtype="bfloat16"),
+    # two output heads per input head: added into the zeroed gradients (dq, dk; dk, dv)
+    "bf16-hv8": _config(v_heads=8, beta_dtype="bfloat16"),
+    "bf16-hq8": _config(q_heads=8, beta_dtype="bfloat16"),
+    "fp16-d64-hv8": _config(dtype="float16", k_dim=64, v_dim=64, v_heads=8),
     "bf16-d64-io-state": _config(k_dim=64, v_dim=64, state_dtype="io"),
     "fp16-d64-io-state": _config(dtype="float16", k_dim=64, v_dim=64, state_dtype="io"),
     # given the forward's checkpoints (test_checkpoints_reused_or_regenerated)
@@ -156,7 +160,8 @@ def assert_grads_close(got: Grads, want: dict, dtype, what: str) -> None:
 @pytest.mark.parametrize("lengths", sorted(LENGTHS))
 @pytest.mark.parametrize("name", WITHOUT_CHECKPOINTS)
 def test_matches_the_reference(name, lengths):
-    """Every planned configuration: head ratios 1:1, 1:4 (v heads) and 4:1 (q heads), K = V
+    """Every planned configuration: head ratios 1:1, 1:2, 1:4 (v heads), 2:1 and 4:1 (q
+    heads; pairs add into the gradients, larger groups go through "finish"), K = V
     = 64 and 128, with and without the L2 norm, an initial state (float32 and io) and the
     final state's gradient; ragged lengths with 0- and 1-token sequences and many short
     ones. Every element of every gradient is written (NaN-poisoned first)."""
@@ -195,8 +200,9 @@ def test_scale_is_a_runtime_value():
 
 
 def test_bitwise_reproducible():
-    """No atomics: two runs give the same bits (grouped heads summed in a fixed order)."""
-    for name in ("bf16-hq16", "bf16-hv16"):
+    """Two runs give the same bits: groups of four summed in a fixed order, pairs added
+    into zeros (two adds commute), including partial chunks' atomic adds."""
+    for name in ("bf16-hq16", "bf16-hv16", "bf16-hv8", "bf16-hq8"):
         b = make_batch(CONFIGS[name], RAGGED, seed=5)
         ct = cotangents(name, b, seed=5)
         assert launch(name, b, ct).equal(launch(name, b, ct)), name
