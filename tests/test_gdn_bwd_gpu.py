@@ -260,6 +260,20 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(ints), b.view(ints))
 
 
+def handed_workspaces(monkeypatch) -> list:
+    """The forward_workspace each gated_delta_net_backward call of the autograd path gets,
+    in call order (the call itself goes through)."""
+    import precast.linear_attention as functional
+    handed = []
+    real = functional.gated_delta_net_backward
+
+    def recording(*args, forward_workspace=None, **kwargs):
+        handed.append(forward_workspace)
+        return real(*args, forward_workspace=forward_workspace, **kwargs)
+    monkeypatch.setattr(functional, "gated_delta_net_backward", recording)
+    return handed
+
+
 @pytest.mark.parametrize("lengths", sorted(LENGTHS))
 def test_forward_workspace_reused(lengths, monkeypatch):
     """The chunk factors, T and its column scales a forward wrote (its workspace) replace
@@ -289,14 +303,7 @@ def test_forward_workspace_reused(lengths, monkeypatch):
     # the caller's factors are read only: the backward writes its own workspace alone
     assert all(map(same_bits, kept, before)), "forward_workspace was written"
     # autograd
-    import precast.linear_attention as functional
-    handed = []
-
-    def recording(*args, forward_workspace=None, **kwargs):
-        handed.append(forward_workspace)
-        return real(*args, forward_workspace=forward_workspace, **kwargs)
-    real = functional.gated_delta_net_backward
-    monkeypatch.setattr(functional, "gated_delta_net_backward", recording)
+    handed = handed_workspaces(monkeypatch)
     names = ("q", "k", "v", "g", "beta", "initial_state")
     x = leaves(b, *names)
     o2, s2 = gated_delta_net(x["q"], x["k"], x["v"], x["g"], x["beta"], b.cu_seqlens,
@@ -318,14 +325,7 @@ def test_autograd_keeps_the_forward_workspace_by_default(lengths, monkeypatch):
     name = "bf16-state"
     b = make_batch(CONFIGS[name], LENGTHS[lengths], seed=13)
     ct = cotangents(name, b, seed=13)
-    import precast.linear_attention as functional
-    handed = []
-
-    def recording(*args, forward_workspace=None, **kwargs):
-        handed.append(forward_workspace)
-        return real(*args, forward_workspace=forward_workspace, **kwargs)
-    real = functional.gated_delta_net_backward
-    monkeypatch.setattr(functional, "gated_delta_net_backward", recording)
+    handed = handed_workspaces(monkeypatch)
     names = ("q", "k", "v", "g", "beta", "initial_state")
     runs = {}
     for keep in ("default", False):
