@@ -33,7 +33,7 @@ from .lifecycle.gdn_rules import check_gdn_inputs, max_checkpoint_rows
 from .kernels.gdn_layout import workspace_shapes
 from .lifecycle.launch import in_stream_order
 from .lifecycle.results import Results
-from .lifecycle.validation import check_optional_bool, check_value
+from .lifecycle.validation import check_bool, check_value
 from .op_cache import compiled_op
 
 
@@ -109,7 +109,7 @@ def gated_delta_net(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     pool is forward only: with an input requiring grad it raises (use torch.no_grad(), or
     gather the pool rows into an initial_state); keep_workspace=True with it raises too.
     """
-    keep_workspace = check_optional_bool("keep_workspace", keep_workspace)
+    keep_workspace = check_bool("keep_workspace", keep_workspace, optional=True)
     check_value(not (keep_workspace and state_indices is not None), ValueError,
                 "keep_workspace=True keeps the forward's chunk factors for the backward, and a "
                 "state pool (state_indices) has no backward: leave keep_workspace None or "

@@ -618,7 +618,7 @@ def test_only_groups_of_more_than_two_go_through_per_head_buffers(hq, hk, hv, he
     from precast.kernels.gdn_layout import gradients_added, gradients_in_place
     op = GdnBwdSm90(**samples(hq=hq, hk=hk, hv=hv)).check_support()
     shapes = op.workspace_shapes(T, N)
-    assert tuple(n for n in ("dq_heads", "dk_heads", "dv_heads") if n in shapes) == head_grads
+    assert tuple(n for n in bwd_module.HEAD_GRADS if n in shapes) == head_grads
     assert ("finish" in op._kernel_builders()) == bool(head_grads)
     ho = max(hq, hv)
     assert gradients_added(hq, hk, hv) == tuple(ho == 2 * h for h in (hq, hk, hv))
@@ -649,10 +649,7 @@ def test_pairs_of_output_heads_add_into_zeroed_gradients(launches, reuse):
         ("launch", "chunk_grad")]
     cgrad = launches.calls[-1][1]
     assert same(cgrad[12:15], [a["dq"], a["dk"], a["dv"]])
-    assert not any(name in key for key in op._workspaces for name in HEAD_GRAD_NAMES)
-
-
-HEAD_GRAD_NAMES = ("dq_heads", "dk_heads", "dv_heads")
+    assert not any(name in key for key in op._workspaces for name in bwd_module.HEAD_GRADS)
 
 
 def test_execute_with_a_workspace_allocates_nothing(launches):

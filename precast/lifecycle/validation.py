@@ -214,16 +214,12 @@ def check_int64(name: str, value) -> int:
     return v
 
 
-def check_bool(name: str, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return bool(value)
-
-
-def check_optional_bool(name: str, value) -> Optional[bool]:
-    """check_bool for an option whose None (the default) the caller resolves."""
-    if value is None:
+def check_bool(name: str, value, optional: bool = False) -> Optional[bool]:
+    """A bool (numpy's too); with ``optional``, None passes through (the caller resolves
+    it)."""
+    if optional and value is None:
         return None
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a bool{' or None' if optional else ''}, "
+                        f"got {type(value).__name__}")
     return bool(value)
