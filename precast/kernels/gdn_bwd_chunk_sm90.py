@@ -47,7 +47,8 @@ those buffers' traffic, written here and read there; a rounding of ~2^-9 per ter
 inside the gradients' tolerance). dg and dbeta are
 written in g's and beta's dtypes. Rows of a partial chunk past the sequence end are zero in
 shared memory (and have g = beta = 0), so they add nothing; only real rows are written.
-Sums run in a fixed order: the results are deterministic.
+Every sum inside the kernel runs in a fixed order, and the pairs' adds commute: the
+results are bitwise reproducible.
 """
 import cuda.bindings.driver as cuda
 
