@@ -20,7 +20,6 @@ import argparse
 import collections
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -29,21 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from precast.lifecycle.cache import ArtifactCache  # noqa: E402
-
-CUDA_ELF_MACHINE = 190
-
-
-def cubins(blob: bytes):
-    """Every CUDA ELF image embedded in ``blob``."""
-    start = 1
-    while (start := blob.find(b"\x7fELF", start)) >= 0:
-        if struct.unpack_from("<H", blob, start + 18)[0] == CUDA_ELF_MACHINE:
-            phoff, shoff = struct.unpack_from("<QQ", blob, start + 0x20)
-            phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", blob, start + 0x36)
-            end = max(shoff + shentsize * shnum, phoff + phentsize * phnum)
-            yield blob[start:start + end]
-        start += 4
-
+from precast.lifecycle.cubin import embedded_cubins as cubins  # noqa: E402
 
 SASS_LINE = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
 BRANCH = re.compile(r"^(@!?U?P\w+\s+)?BRA(\.\w+)*\s+(0x[0-9a-f]+)")

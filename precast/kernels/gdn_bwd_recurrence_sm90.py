@@ -63,8 +63,9 @@ class GdnStateGradSm90:
         self.v_rows = v_dim // v_splits
         self.nwg = self.v_rows // 64
         self.num_threads = (self.nwg + 1) * THREADS_PER_WG
-        check_register_split(type(self).__name__, self.num_threads,
-                             (PRODUCER_REGS,) + (CONSUMER_REGS,) * self.nwg)
+        self.register_split = check_register_split(
+            type(self).__name__, self.num_threads,
+            (PRODUCER_REGS,) + (CONSUMER_REGS,) * self.nwg)
 
     # ------------------------------------------------------------------ host side
     @cute.jit

@@ -56,9 +56,10 @@ class GdnForwardSm90(GdnChunkPrepareSm90):
                   - self.producer_regs)
         self.prepare_regs = 120 if self.nwg == 2 else 240
         self.state_regs = min((budget - self.prepare_regs) // self.nwg // 8 * 8, 240)
-        check_register_split(type(self).__name__, self.num_threads,
-                             (self.producer_regs, self.prepare_regs)
-                             + (self.state_regs,) * self.nwg)
+        self.register_split = check_register_split(
+            type(self).__name__, self.num_threads,
+            (self.producer_regs, self.prepare_regs)
+            + (self.state_regs,) * self.nwg)
 
     # ------------------------------------------------------------------ host side
     @cute.jit

@@ -168,8 +168,9 @@ class GdnChunkRecurrenceSm90:
         self.v_rows = v_dim // v_splits  # state rows (V) of one CTA
         self.nwg = self.v_rows // 64
         self.num_threads = (self.nwg + 1) * THREADS_PER_WG
-        check_register_split(type(self).__name__, self.num_threads,
-                             (PRODUCER_REGS,) + (CONSUMER_REGS,) * self.nwg)
+        self.register_split = check_register_split(
+            type(self).__name__, self.num_threads,
+            (PRODUCER_REGS,) + (CONSUMER_REGS,) * self.nwg)
 
     # ------------------------------------------------------------------ host side
     @cute.jit

@@ -132,8 +132,9 @@ class HstuAttentionBackwardSm90(AttentionTileOps):
         self.mask_width = STREAM_ROWS  # masks cover a streamed tile's columns
         self.stages = stream_stages(head_dim, self.fused)
         self.num_threads = (self.nwg + 1) * THREADS_PER_WG
-        check_register_split(type(self).__name__, self.num_threads,
-                             (PRODUCER_REGS,) + (CONSUMER_REGS,) * self.nwg)
+        self.register_split = check_register_split(
+            type(self).__name__, self.num_threads,
+            (PRODUCER_REGS,) + (CONSUMER_REGS,) * self.nwg)
         # fused: dQ staging buffers. Two let a reduce still read one while the next is
         # written: +2 % at D = 64; at D = 128 (2 x 32 KB, shared memory full) -5 % (H200).
         self.dq_buffers = 2 if head_dim <= 64 else 1  # a power of two: see dq_buffer

@@ -96,8 +96,9 @@ class HstuAttentionForwardSm90(AttentionTileOps):
         # the rows leave as coalesced 16-byte stores instead of 2-byte scattered ones.
         self.staged_output = self.q_stages == 2
         self.num_threads = 3 * THREADS_PER_WG
-        check_register_split(type(self).__name__, self.num_threads,
-                             (PRODUCER_REGS, CONSUMER_REGS, CONSUMER_REGS))
+        self.register_split = check_register_split(
+            type(self).__name__, self.num_threads,
+            (PRODUCER_REGS, CONSUMER_REGS, CONSUMER_REGS))
 
     # ------------------------------------------------------------------ host side
     @cute.jit

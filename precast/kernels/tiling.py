@@ -17,12 +17,18 @@ def launch_registers(threads: int) -> int:
     return min(REGISTER_FILE // (groups * WARPGROUP) // 8 * 8, 248)
 
 
-def check_register_split(kernel: str, threads: int, per_warpgroup) -> None:
-    """setmaxnreg only moves registers within the CTA's launch allocation
-    (launch_registers(threads) for each thread): a split asking for more makes
-    setmaxnreg.inc wait forever (a hung kernel, not an error). ``per_warpgroup``: the
-    registers each of the CTA's warpgroups ends with, in order. Raises ValueError."""
-    per_warpgroup = list(per_warpgroup)
+def check_register_split(kernel: str, threads: int, per_warpgroup,
+                         registers: int = None) -> tuple:
+    """setmaxnreg only moves registers within the CTA's launch allocation: a split asking
+    for more makes setmaxnreg.inc wait forever (a hung kernel, not an error).
+    ``per_warpgroup``: the registers each of the CTA's warpgroups ends with, in order.
+    ``registers``: what the compiled kernel is launched with per thread (its cubin's
+    maximum register count, lifecycle.cubin.kernel_registers; taken down to a multiple of
+    8), when known; before compiling, the most a CTA of ``threads`` threads can get,
+    launch_registers(threads). The build checks the split again against the compiled
+    kernel (lifecycle.cubin.check_compiled_split). Raises ValueError; returns (threads,
+    per_warpgroup), the kernel's ``register_split``."""
+    per_warpgroup = tuple(per_warpgroup)
     if len(per_warpgroup) * WARPGROUP != threads:
         raise ValueError(f"{kernel}: {len(per_warpgroup)} warpgroup register counts for "
                          f"{threads} threads")
@@ -30,12 +36,17 @@ def check_register_split(kernel: str, threads: int, per_warpgroup) -> None:
     if bad:
         raise ValueError(f"{kernel}: setmaxnreg counts must be multiples of 8 in [24, 256], "
                          f"got {bad}")
-    pool = launch_registers(threads) * threads
+    per_thread = (launch_registers(threads) if registers is None
+                  else min(registers // 8 * 8, launch_registers(threads)))
+    pool = per_thread * threads
     wanted = sum(per_warpgroup) * WARPGROUP
     if wanted > pool:
-        raise ValueError(f"{kernel}: warpgroup registers {per_warpgroup} need {wanted} "
-                         f"registers, the launch allocates {pool} "
-                         f"({launch_registers(threads)} x {threads} threads)")
+        source = ("the launch allocates" if registers is None
+                  else f"the compiled kernel is launched with {registers} registers a thread: "
+                       f"the launch allocates")
+        raise ValueError(f"{kernel}: warpgroup registers {list(per_warpgroup)} need {wanted} "
+                         f"registers, {source} {pool} ({per_thread} x {threads} threads)")
+    return threads, per_warpgroup
 
 
 def _next_pow2(n: int) -> int:

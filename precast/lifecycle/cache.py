@@ -181,6 +181,7 @@ class ArtifactCache:
     def build(self, key: CacheKey, builders: Mapping[str, KernelBuilder]) -> Path:
         """Compiles, exports and links every kernel of ``builders`` into the entry of ``key``."""
         from .compiler import export_shared_library
+        from .cubin import check_compiled_split
         with self._file_lock(key):
             entry = self.entry_dir(key)
             done = self._read_manifest(entry)
@@ -195,6 +196,7 @@ class ArtifactCache:
                     path = tmp / f"{name}.so"
                     jit_fn, args = builder()
                     export_shared_library(jit_fn, args, path, symbol, key.arch)
+                    check_compiled_split(jit_fn, path)
                     kernels[name] = {"file": path.name, "symbol": symbol,
                                      "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
                 manifest = {"key": key.family_fields(), "dsl_version": key.dsl_version,
