@@ -7,6 +7,8 @@ import struct
 from pathlib import Path
 from typing import Dict, Iterator, Tuple
 
+from ..kernels.tiling import check_register_split
+
 CUDA_ELF_MACHINE = 190
 SHT_SYMTAB = 2
 SYMBOL_SIZE = 24  # Elf64_Sym
@@ -93,7 +95,6 @@ def check_compiled_split(kernel, library: Path) -> None:
     ``library`` is launched with (kernel_registers' maximum): a split asking for more would
     hang the kernel on the GPU, so the build fails here instead (ValueError). Kernels
     without a split pass."""
-    from ..kernels.tiling import check_register_split
     split = getattr(kernel, "register_split", None)
     if split is None:
         return

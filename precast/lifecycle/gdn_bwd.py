@@ -51,7 +51,6 @@ The state pool (state_indices) is forward only: NotImplementedError. Limits of t
 from __future__ import annotations
 
 import functools
-
 from typing import Dict, Mapping, Optional, Tuple
 
 import torch
