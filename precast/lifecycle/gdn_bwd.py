@@ -536,21 +536,22 @@ class GdnBwdSm90(Op):
                 kernels["prepare"](q, k, v, g, beta, cu_seqlens, table, *work, s.scale,
                                    handle)
             added = [t for t, add in zip((dq, dk, dv), self._added_gradients) if add]
+            # The states pass and the zeroing of the gradients chunk_grad adds into run on
+            # a side stream beside state_grad (module docstring): each alone leaves SMs idle
+            # (few sequences and heads, or a half-empty last wave). The zeroing is queued
+            # last, behind the states pass: launched first, its many CTAs held back the
+            # recurrences' start.
             side = side_stream(index, handle) if added or not reuse else None
-            if side is not None:
-                # beside state_grad (module docstring): each alone leaves SMs idle (few
-                # sequences and heads, or a half-empty last wave); so does zeroing the
-                # gradients chunk_grad adds into
-                side_handle = side.fork(handle)
-                if added:
-                    with torch.cuda.stream(torch_stream(side_handle, index)):
-                        for t in added:
-                            t.zero_()
-                if not reuse:
-                    kernels[states_pass](q, k, *work, cu_seqlens, table, None, *states_args,
-                                         side_handle)
+            side_handle = None if side is None else side.fork(handle)
+            if not reuse:
+                kernels[states_pass](q, k, *work, cu_seqlens, table, None, *states_args,
+                                     side_handle)
             kernels["state_grad" + split](q, k, do, *work, cu_seqlens, table, dfinal,
                                           ws["dstates"], dinit, handle)
+            if added:
+                with torch.cuda.stream(torch_stream(side_handle, index)):
+                    for t in added:
+                        t.zero_()
             if side is not None:
                 side.join(handle)
             kernels["chunk_grad"](q, k, v, g, beta, cu_seqlens, table, do, *work, states,
