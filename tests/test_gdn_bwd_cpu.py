@@ -628,8 +628,9 @@ def test_only_groups_of_more_than_two_go_through_per_head_buffers(hq, hk, hv, he
 @pytest.mark.parametrize("reuse", [False, True])
 def test_pairs_of_output_heads_add_into_zeroed_gradients(launches, reuse):
     """Two output heads per q / k head (HQ = HK = 4, HV = 8): no finishing kernel and no
-    per-head buffers; dq and dk are zeroed on the side stream (forked after prepare, beside
-    state_grad, joined before chunk_grad), which adds into them; dv is written in place."""
+    per-head buffers; dq and dk are zeroed on the side stream (forked after prepare, queued
+    behind the states pass after state_grad's launch, joined before chunk_grad), which adds
+    into them; dv is written in place."""
     kw = (dict(sample_initial_state=state(), sample_checkpoints=state(rows=CHUNKS, dtype=BF),
                checkpoint_every_n_tokens=64) if reuse else {})
     op = GdnBwdSm90(**samples(hq=4, hk=4), **kw).check_support()
@@ -644,9 +645,9 @@ def test_pairs_of_output_heads_add_into_zeroed_gradients(launches, reuse):
     events = [e for e in launches.events if e[0] in ("launch", "fork", "join", "zero")
               or e[:2] == ("stream", side) or e == ("end stream",)]
     assert events[events.index(("launch", "prepare")):] == [
-        ("launch", "prepare"), ("fork", 5), ("stream", side, None), ("zero", a["dq"]),
-        ("zero", a["dk"]), ("end stream",), *states, ("launch", "state_grad"), ("join", 5),
-        ("launch", "chunk_grad")]
+        ("launch", "prepare"), ("fork", 5), *states, ("launch", "state_grad"),
+        ("stream", side, None), ("zero", a["dq"]), ("zero", a["dk"]), ("end stream",),
+        ("join", 5), ("launch", "chunk_grad")]
     cgrad = launches.calls[-1][1]
     assert same(cgrad[12:15], [a["dq"], a["dk"], a["dv"]])
     assert not any(name in key for key in op._workspaces for name in bwd_module.HEAD_GRADS)
