@@ -266,21 +266,21 @@ class GdnStateGradSm90:
             if issuer:  # the previous chunk's store has read the staging tile
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             self.consumer_sync()
-            # Q's rows times q_f (the contraction of dO^T diag(q_f) Q runs over tokens)
-            self.scale_rows(sQ[None, None, s], factors, consumer_tidx)
             state16.store(acc_state.load().to(self.dtype))
             cute.autovec_copy(state16, t_ds)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            self.consumer_sync()
-            # Three products in flight together, only D K^T on the chain: D K^T and dO^T M
-            # into separate accumulators (dDelta^T = (D K^T) diag(k_f) + dO^T M), and
-            # D <- exp(G_L) D + dO^T (diag(q_f) Q).
             decay = cute.math.exp(factors[G_LAST], fastmath=True)
             for e in cutlass.range_constexpr(cute.size(acc_state)):
                 acc_state[e] = acc_state[e] * decay
+            # Only D K^T is on the chain: it and dO^T M (dDelta^T = (D K^T) diag(k_f) +
+            # dO^T M, separate accumulators) go first; Q's rows are scaled by q_f (the
+            # contraction of dO^T diag(q_f) Q runs over tokens) while they run, then
+            # D <- exp(G_L) D + dO^T (diag(q_f) Q) joins them.
             wgmma(mma_tok, acc_dd, tXrS, tXrK[None, None, None, s], False)
             wgmma(mma_tok_ss, acc_dm, tYrDO[None, None, None, s], tYrM[None, None, None, s],
                   False)
+            self.scale_rows(sQ[None, None, s], factors, consumer_tidx)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.consumer_sync()  # the scaled Q and the staging tile are complete
             wgmma(mma_state_ss, acc_state, tSrDO[None, None, None, s],
                   tSrQ[None, None, None, s], True)
             if issuer:  # the whole warp: the TMA copy elects its lane itself
