@@ -40,7 +40,9 @@ from .gdn_unpack_sm90 import init_ring_barriers, load_packed, one_bits, unpack_r
 from .tiling import check_register_split
 
 THREADS_PER_WG = 128
-STAGES = 2
+# stages of the load ring: three where one consumer warpgroup owns 64 rows of the state
+# (the split, latency-bound form: its loads get a chunk more to land; 184 KB), else two
+SPLIT_STAGES, STAGES = 3, 2
 CONSUMER_BARRIER = 1  # the consumer warpgroups, around the scaled Q and the staging tiles
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
@@ -63,6 +65,7 @@ class GdnStateGradSm90:
         self.v_rows = v_dim // v_splits
         self.nwg = self.v_rows // 64
         self.num_threads = (self.nwg + 1) * THREADS_PER_WG
+        self.stages = SPLIT_STAGES if self.nwg == 1 else STAGES
         self.register_split = check_register_split(
             type(self).__name__, self.num_threads,
             (PRODUCER_REGS,) + (CONSUMER_REGS,) * self.nwg)
@@ -79,9 +82,10 @@ class GdnStateGradSm90:
         V, K) in the io dtype."""
         dt = self.dtype
         K, C, Vc = self.k_dim, CHUNK, self.v_rows
-        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, STAGES)
-        sDO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, STAGES)
-        sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, STAGES)
+        n = self.stages
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, K), dt, n)
+        sDO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, Vc), dt, n)
+        sM_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, C, C), dt, n)
         sDS_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (C, Vc, K), dt, 1)
         one = lambda layout: cute.slice_(layout, (None, None, 0))  # noqa: E731
         g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
@@ -96,7 +100,7 @@ class GdnStateGradSm90:
                                                     one(sDO_layout), (C, Vc))
         store_ds, mDS_t = cpasync.make_tiled_tma_atom(
             s2g, select_modes(mDStates, [2, 3, 1, 0]), one(sDS_layout), (Vc, K))
-        tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(mWork32, STAGES)
+        tma_f, mF_t, sF_layout, factor_bytes = factor_row_loads(mWork32, self.stages)
         # (P, loaded first, has an mbarrier of its own)
         self.stage_bytes = (2 * cute.size_in_bytes(dt, one(sK_layout))
                             + cute.size_in_bytes(dt, one(sDO_layout)) + factor_bytes)
@@ -118,10 +122,10 @@ class GdnStateGradSm90:
 
         @cute.struct
         class SharedStorage:
-            bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             # a stage's P landed (TMA bytes), then its T and M made (UNPACK_WARPS arrivals)
-            p_full: cute.struct.MemRange[cutlass.Int64, STAGES]
-            unpacked: cute.struct.MemRange[cutlass.Int64, STAGES]
+            p_full: cute.struct.MemRange[cutlass.Int64, self.stages]
+            unpacked: cute.struct.MemRange[cutlass.Int64, self.stages]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sT: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sM_layout)], 1024]
@@ -152,10 +156,10 @@ class GdnStateGradSm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.storage)
-        pipe = tma_pipeline(storage.bars.data_ptr(), STAGES, self.stage_bytes,
+        pipe = tma_pipeline(storage.bars.data_ptr(), self.stages, self.stage_bytes,
                             self.nwg * THREADS_PER_WG)
         p_full, unpacked = storage.p_full.data_ptr(), storage.unpacked.data_ptr()
-        init_ring_barriers(p_full, unpacked, STAGES, tidx)
+        init_ring_barriers(p_full, unpacked, self.stages, tidx)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         tiles = tuple(s.get_tensor(layout.outer, swizzle=layout.inner) for s, layout in (
@@ -175,7 +179,8 @@ class GdnStateGradSm90:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             # P (sM) -> T (sT) and M (sM)
             unpack_ring(storage.sM.data_ptr().toint(), storage.sT.data_ptr().toint(), p_full,
-                        unpacked, chunks, warp - 1, STAGES, True, one_bits(self.dtype))
+                        unpacked, chunks, warp - 1, self.stages, True,
+                        one_bits(self.dtype))
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(mmas, tiles, sDS, store, pipe, unpacked, mDFinal, mDInit,
@@ -189,7 +194,8 @@ class GdnStateGradSm90:
         K, C, Vc = self.k_dim, CHUNK, self.v_rows
         (tma_q, mQ), (tma_k, mK), (tma_blk, mW_blk), (tma_do, mDO), (tma_f, mF) = loads
         sQ, sK, _, sM, sDO, sF = tiles  # (T, tiles[2], is made from P by unpack_ring)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                             self.stages)
         for i in cutlass.range(chunks, unroll=1):
             c = chunks - 1 - i
             pipe.producer_acquire(state)
@@ -255,7 +261,8 @@ class GdnStateGradSm90:
             src = self.state_view(thr_state, mDFinal, batch, head, split)
             for e in cutlass.range_constexpr(cute.size(acc_state)):
                 acc_state[e] = src[e]
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                             self.stages)
         for i in cutlass.range(chunks, unroll=1):
             c = chunks - 1 - i
             chunk = first_chunk + c
