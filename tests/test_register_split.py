@@ -3,6 +3,8 @@ asks for more registers than the launch allocated hangs the kernel on the GPU (r
 bench/RESULTS.md), so it must fail when the kernel is built instead. Every kernel that
 uses setmaxnreg calls the check in its constructor; tests/test_cross_compile.py builds
 them all."""
+import struct
+
 import pytest
 
 from precast.kernels.tiling import check_register_split, launch_registers
@@ -60,7 +62,6 @@ def synthetic_cubin(name: str, used: int, most: int) -> bytes:
     """A minimal CUDA ELF image: a symbol table naming one kernel, the .nv.info section
     with its EIATTR_REGCOUNT (after another attribute, as ptxas writes them) and its own
     .nv.info.<kernel> section with EIATTR_MAXREG_COUNT (after a value-less attribute)."""
-    import struct
     shstr = b"\0.shstrtab\0.strtab\0.symtab\0.nv.info\0.nv.info." + name.encode() + b"\0"
     strtab = b"\0" + name.encode() + b"\0"
     symtab = bytes(24) + struct.pack("<IBBHQQ", 1, 0x12, 0, 0, 0, 0)  # symbol 1: the kernel

@@ -2,6 +2,7 @@
 split their registers with setmaxnreg (pure Python: the host side sizes grids and
 workspaces from it without importing the compiler)."""
 from dataclasses import dataclass
+from typing import Optional
 
 VEC = 8  # elements of a 16-bit dtype in one 16-byte access
 WARP = 32
@@ -18,7 +19,7 @@ def launch_registers(threads: int) -> int:
 
 
 def check_register_split(kernel: str, threads: int, per_warpgroup,
-                         registers: int = None) -> tuple:
+                         registers: Optional[int] = None) -> tuple:
     """setmaxnreg only moves registers within the CTA's launch allocation: a split asking
     for more makes setmaxnreg.inc wait forever (a hung kernel, not an error).
     ``per_warpgroup``: the registers each of the CTA's warpgroups ends with, in order.
