@@ -36,7 +36,8 @@ from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_
                              tma_pipeline, tma_store_tile, transposed, wgmma)
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS, W_FACTORS
 from .gdn_recurrence_sm90 import factor_row_loads, load_factor_row, packed_chunk_start
-from .gdn_unpack_sm90 import init_ring_barriers, load_packed, one_bits, unpack_ring
+from .gdn_unpack_sm90 import (UNPACK_WARPS, init_ring_barriers, load_packed, one_bits,
+                              unpack_ring)
 from .tiling import check_register_split
 
 THREADS_PER_WG = 128
@@ -44,7 +45,7 @@ THREADS_PER_WG = 128
 # (the split form; 184 KB), else two. Measured only together with Q's scaling moved off
 # the chain (-7.7 % on the H100); its consumer barely waits for loads (ncu, session 45)
 SPLIT_STAGES, STAGES = 3, 2
-CONSUMER_BARRIER = 1  # the consumer warpgroups, around the scaled Q and the staging tiles
+CONSUMER_BARRIER = 1  # the consumer warpgroups, around the staging tile
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 
@@ -179,9 +180,19 @@ class GdnStateGradSm90:
         elif warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             # P (sM) -> T (sT) and M (sM)
+            # P (sM) -> T (sT) and M (sM); then, once the stage's other tiles have landed,
+            # Q's rows scaled by q_f (dO^T diag(q_f) Q contracts over tokens): off the
+            # consumers, whose single warp per scheduler is latency-bound (ncu, session 45)
+            sQ, sF = tiles[0], tiles[5]
+            full = storage.bars.data_ptr()  # the ring's full barriers (PipelineTmaAsync)
+
+            def scale_q(stage, round_):
+                cute.arch.mbarrier_wait(full + stage, (round_ // self.stages) % 2)
+                self.scale_rows(sQ[None, None, stage], sF[0, None, stage],
+                                tidx - cute.arch.WARP_SIZE, UNPACK_WARPS * cute.arch.WARP_SIZE)
             unpack_ring(storage.sM.data_ptr().toint(), storage.sT.data_ptr().toint(), p_full,
                         unpacked, chunks, warp - 1, self.stages, True,
-                        one_bits(self.dtype))
+                        one_bits(self.dtype), also=scale_q)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(mmas, tiles, sDS, store, pipe, unpacked, mDFinal, mDInit,
@@ -280,15 +291,13 @@ class GdnStateGradSm90:
             for e in cutlass.range_constexpr(cute.size(acc_state)):
                 acc_state[e] = acc_state[e] * decay
             # Only D K^T is on the chain: it and dO^T M (dDelta^T = (D K^T) diag(k_f) +
-            # dO^T M, separate accumulators) go first; Q's rows are scaled by q_f (the
-            # contraction of dO^T diag(q_f) Q runs over tokens) while they run, then
-            # D <- exp(G_L) D + dO^T (diag(q_f) Q) joins them.
+            # dO^T M, separate accumulators) go first, then D <- exp(G_L) D + dO^T diag(q_f)
+            # Q (Q scaled by the unpacking warps) joins them.
             wgmma(mma_tok, acc_dd, tXrS, tXrK[None, None, None, s], False)
             wgmma(mma_tok_ss, acc_dm, tYrDO[None, None, None, s], tYrM[None, None, None, s],
                   False)
-            self.scale_rows(sQ[None, None, s], factors, consumer_tidx)
             cute.arch.fence_proxy("async.shared", space="cta")
-            self.consumer_sync()  # the scaled Q and the staging tile are complete
+            self.consumer_sync()  # the staging tile is complete
             wgmma(mma_state_ss, acc_state, tSrDO[None, None, None, s],
                   tSrQ[None, None, None, s], True)
             if issuer:  # the whole warp: the TMA copy elects its lane itself
@@ -321,13 +330,12 @@ class GdnStateGradSm90:
                 dst[e] = acc_state[e]
 
     @cute.jit
-    def scale_rows(self, sQ, factors, consumer_tidx: Int32):
-        """sQ[i, :] *= q_f[i] over the consumer threads (one stage, 64 x K), 8 elements
-        (16 bytes) per access."""
+    def scale_rows(self, sQ, factors, tidx: Int32, threads: cutlass.Constexpr):
+        """sQ[i, :] *= q_f[i] over ``threads`` threads, this one ``tidx`` (one stage, 64 x
+        K), 8 elements (16 bytes) per access."""
         K, C = self.k_dim, CHUNK
-        threads = self.nwg * THREADS_PER_WG
         x8 = cute.make_rmem_tensor(cute.make_layout((1, 8)), self.dtype)
-        for idx in cutlass.range(consumer_tidx, C * K // 8, threads, unroll=2):
+        for idx in cutlass.range(tidx, C * K // 8, threads, unroll=2):
             i = idx // (K // 8)
             tile = cute.local_tile(sQ, (1, 8), (i, idx - i * (K // 8)))
             cute.autovec_copy(tile, x8)

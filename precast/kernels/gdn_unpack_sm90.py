@@ -147,14 +147,16 @@ def load_packed(atom, g, sP, stage: Int32, p_full):
 @cute.jit
 def unpack_ring(p_base: Int32, t_base: Int32, p_full, unpacked, chunks: Int32, warp: Int32,
                 stages: cutlass.Constexpr, with_m: cutlass.Constexpr,
-                one: cutlass.Constexpr):
+                one: cutlass.Constexpr, also=None):
     """The unpacking warps of a recurrence (``warp`` of UNPACK_WARPS), for the ring of
     ``stages`` P tiles at ``p_base`` and T tiles at ``t_base`` (TILE_BYTES apart): T's
     upper blocks zeroed once, then for each of ``chunks`` rounds, once P has landed
     (``p_full``, see load_packed), split_packed; then each warp arrives on the stage's
     ``unpacked`` mbarrier (initialized for UNPACK_WARPS arrivals), which the consumers
     wait on beside the ring's own. A stage is refilled only after the consumers released
-    it, which they do after waiting on ``unpacked``."""
+    it, which they do after waiting on ``unpacked``. ``also(stage, round)``, when given,
+    runs after split_packed on the same warps, before the fence and the arrival (more work
+    on the stage's tiles that the consumers would otherwise do on their chain)."""
     for s in cutlass.range_constexpr(stages):
         zero_t_upper(t_base + s * TILE_BYTES, warp, UNPACK_WARPS)
     for c in cutlass.range(chunks, unroll=1):
@@ -162,6 +164,8 @@ def unpack_ring(p_base: Int32, t_base: Int32, p_full, unpacked, chunks: Int32, w
         cute.arch.mbarrier_wait(p_full + s, (c // stages) % 2)
         split_packed(p_base + s * TILE_BYTES, t_base + s * TILE_BYTES, warp, UNPACK_WARPS,
                      with_m, one)
+        if const_expr(also is not None):
+            also(s, c)
         # generic-proxy stores, read next by wgmma
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
