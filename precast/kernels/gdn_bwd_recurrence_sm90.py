@@ -32,8 +32,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
-                             tma_pipeline, tma_store_tile, transposed, wgmma)
+from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, store_stmatrix,
+                             tma_load_tile, tma_pipeline, tma_store_tile, transposed, wgmma)
 from .gdn_layout import CHUNK, G_LAST, K_FACTORS, Q_FACTORS, W_FACTORS
 from .gdn_recurrence_sm90 import factor_row_loads, load_factor_row, packed_chunk_start
 from .gdn_unpack_sm90 import (UNPACK_WARPS, init_ring_barriers, load_packed, one_bits,
@@ -264,8 +264,6 @@ class GdnStateGradSm90:
         neg_dd16 = cute.make_rmem_tensor(acc_dd.layout, self.dtype)
         tXrS = cute.make_tensor(state16.iterator, acc_as_operand_a(acc_state.layout))
         tSrD = cute.make_tensor(neg_dd16.iterator, acc_as_operand_a(acc_dd.layout))
-        # the staging view of D (V rows x K) in accumulator order
-        t_ds = thr_state.partition_C(sDS[None, None, 0])
         by_token = cute.make_layout((rows, C), stride=(0, 1))
 
         acc_state.fill(0.0)
@@ -286,7 +284,8 @@ class GdnStateGradSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             self.consumer_sync()
             state16.store(acc_state.load().to(self.dtype))
-            cute.autovec_copy(state16, t_ds)
+            # D's staging copy by stmatrix (element-wise, 32 STS and 48 PRMT a chunk)
+            store_stmatrix(state16, mma_state, sDS[None, None, 0], consumer_tidx)
             decay = cute.math.exp(factors[G_LAST], fastmath=True)
             for e in cutlass.range_constexpr(cute.size(acc_state)):
                 acc_state[e] = acc_state[e] * decay
