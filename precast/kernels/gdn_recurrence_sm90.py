@@ -39,8 +39,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, tma_load_tile,
-                             tma_pipeline, tma_store_tile, transposed, wgmma)
+from .attention_sm90 import (acc_as_operand_a, advanced, select_modes, store_stmatrix,
+                             tma_load_tile, tma_pipeline, tma_store_tile, transposed, wgmma)
 from .gdn_layout import (CHUNK, FACTOR_COLS, FACTOR_ROWS, G_LAST, K_FACTORS, Q_FACTORS,
                          U_FACTORS, W_FACTORS)
 from .gdn_seq_table_sm90 import find_in_table, has_table
@@ -701,24 +701,32 @@ class GdnChunkRecurrenceSm90:
     def save_state_staged(self, parts, staged, row: Int32, head: Int32):
         """The state (16-bit) into checkpoint row ``row`` through the staging tile."""
         sCk, store_ck, mCk_t = staged
-        self.store_staged(parts, parts.acc_state, parts.thr_state.partition_C(sCk[None, None, 0]),
-                          store_ck, sCk, lambda: cute.local_tile(
-                              mCk_t[None, None, head, row], (self.v_rows, self.k_dim),
-                              (parts.split, 0)))
+
+        def write():  # by stmatrix (element-wise: ~190 instructions a chunk in the states
+            # pass); state16 is free here: chunk_update remakes it from acc_state first
+            parts.state16.store(parts.acc_state.load().to(self.dtype))
+            store_stmatrix(parts.state16, parts.mma_state, sCk[None, None, 0],
+                           parts.consumer_tidx)
+        self.store_staged(parts, write, None, store_ck, sCk, lambda: cute.local_tile(
+            mCk_t[None, None, head, row], (self.v_rows, self.k_dim), (parts.split, 0)))
 
     @cute.jit
     def store_staged(self, parts, values, t_stage, atom, s_tile, global_tile, send=None):
         """A consumer thread's ``values`` into its elements ``t_stage`` of the 16-bit staging
-        tile ``s_tile`` (once the previous store from it has read it), then one TMA store
-        of the tile to ``global_tile()`` issued by the first consumer warp (if ``send``,
-        when given, holds)."""
+        tile ``s_tile`` (or, with ``t_stage`` None, ``values()`` writes the tile), once the
+        previous store from it has read it, then one TMA store of the tile to
+        ``global_tile()`` issued by the first consumer warp (if ``send``, when given,
+        holds)."""
         issuer = parts.consumer_tidx < cute.arch.WARP_SIZE
         # the previous store has read the tile (a no-op in threads that issued none: no
         # branch, which ptxas would have to fence between wgmma issues)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
-        for e in cutlass.range_constexpr(cute.size(values)):
-            t_stage[e] = values[e].to(self.dtype)
+        if const_expr(t_stage is None):
+            values()
+        else:
+            for e in cutlass.range_constexpr(cute.size(values)):
+                t_stage[e] = values[e].to(self.dtype)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
         if const_expr(send is not None):
