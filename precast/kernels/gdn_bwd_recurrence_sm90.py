@@ -306,8 +306,11 @@ class GdnStateGradSm90:
             warpgroup.wait_group(1)  # D K^T and dO^T M (the state's product may run on)
             t_kf = thr_tok.partition_C(cute.make_tensor(
                 cute.domain_offset((K_FACTORS,), factors).iterator, by_token))
+            # in fp32, then converted as a whole (pairs per F2FP; negating after an
+            # element-wise conversion cost a bf16 HFMA2 and a PRMT per element)
             for e in cutlass.range_constexpr(cute.size(acc_dd)):
-                neg_dd16[e] = (-(acc_dd[e] * t_kf[e] + acc_dm[e])).to(self.dtype)
+                acc_dd[e] = -(acc_dd[e] * t_kf[e]) - acc_dm[e]
+            neg_dd16.store(acc_dd.load().to(self.dtype))
             # D -= dDelta^T W = (dDelta^T T diag(t_w)) Kc: one more 64-deep product on the
             # chain, 8 KB fewer loads
             wgmma(mma_t, acc_p, tSrD, tPrT[None, None, None, s], False)
@@ -315,7 +318,8 @@ class GdnStateGradSm90:
                 cute.domain_offset((W_FACTORS,), sF[1, None, s]).iterator, by_token))
             warpgroup.wait_group(0)
             for e in cutlass.range_constexpr(cute.size(acc_p)):
-                p16[e] = (acc_p[e] * t_w[e]).to(self.dtype)
+                acc_p[e] = acc_p[e] * t_w[e]
+            p16.store(acc_p.load().to(self.dtype))
             wgmma(mma_state, acc_state, tSrP, tSrW[None, None, None, s], True)
             warpgroup.wait_group(0)
             cute.arch.sync_warp()
