@@ -6,8 +6,8 @@ transposed gradient of the state leaving the chunk (V x K, fp32 in the registers
 consumer warpgroups; it starts as the final state's gradient, or zeros). It reads stage 1's
 M and factor rows [q_f | k_f | G_L], [t_w | t_u] and, instead of W = T diag(t_w) Kc,
 T = (I + A)^-1 itself (t_w = beta gamma r_k; with M in work16's packed block, split by the
-idle producer warps, see gdn_unpack_sm90), and the chunk's raw q, k and do rows. In the notation of
-precast/reference/gdn_backward.py (transposed; q_f = scale gamma r_q, k_f = exp(G_L - G) r_k
+idle producer warps, see gdn_unpack_sm90, which also scale q's rows by q_f), and the
+chunk's raw q, k and do rows. In the notation of precast/reference/gdn_backward.py (transposed; q_f = scale gamma r_q, k_f = exp(G_L - G) r_k
 and M the scaled, gated, causal Q K^T as stage 1 stores them):
 
     dDelta^T = (D K^T) diag(k_f) + dO^T M                 (V x 64)
@@ -179,10 +179,9 @@ class GdnStateGradSm90:
             self.produce(loads, tiles, pipe, p_full, head, start, first_chunk, chunks, split)
         elif warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            # P (sM) -> T (sT) and M (sM)
             # P (sM) -> T (sT) and M (sM); then, once the stage's other tiles have landed,
-            # Q's rows scaled by q_f (dO^T diag(q_f) Q contracts over tokens): off the
-            # consumers, whose single warp per scheduler is latency-bound (ncu, session 45)
+            # Q's rows scaled by q_f (dO^T diag(q_f) Q contracts over tokens): work the
+            # consumers no longer do on their chain (state_grad_split -1.5 %, run 46a)
             sQ, sF = tiles[0], tiles[5]
             full = storage.bars.data_ptr()  # the ring's full barriers (PipelineTmaAsync)
 
@@ -284,7 +283,7 @@ class GdnStateGradSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             self.consumer_sync()
             state16.store(acc_state.load().to(self.dtype))
-            # D's staging copy by stmatrix (element-wise, 32 STS and 48 PRMT a chunk)
+            # D's staging copy by stmatrix (was element-wise: 32 STS and 48 PRMT a chunk)
             store_stmatrix(state16, mma_state, sDS[None, None, 0], consumer_tidx)
             decay = cute.math.exp(factors[G_LAST], fastmath=True)
             for e in cutlass.range_constexpr(cute.size(acc_state)):

@@ -702,8 +702,8 @@ class GdnChunkRecurrenceSm90:
         """The state (16-bit) into checkpoint row ``row`` through the staging tile."""
         sCk, store_ck, mCk_t = staged
 
-        def write():  # by stmatrix (element-wise: ~190 instructions a chunk in the states
-            # pass); state16 is free here: chunk_update remakes it from acc_state first
+        def write():  # by stmatrix (was element-wise: ~190 instructions a chunk in the
+            # states pass); state16 is free here: chunk_update remakes it from acc_state first
             parts.state16.store(parts.acc_state.load().to(self.dtype))
             store_stmatrix(parts.state16, parts.mma_state, sCk[None, None, 0],
                            parts.consumer_tidx)
