@@ -34,7 +34,7 @@ def kernel_events(prof):
 
 
 def short(name: str) -> str:
-    for key in ("GdnStateGrad", "GdnChunkGrad", "GdnRecurrence", "GdnChunkPrepare",
+    for key in ("GdnStateGrad", "GdnChunkGrad", "GdnChunkRecurrence", "GdnChunkPrepare",
                 "GdnSeqTable", "GdnBwdFinish", "fill", "copy", "zero"):
         if key.lower() in name.lower():
             return key
