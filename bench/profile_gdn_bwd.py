@@ -35,7 +35,7 @@ def kernel_events(prof):
 
 def short(name: str) -> str:
     for key in ("GdnStateGrad", "GdnChunkGrad", "GdnChunkRecurrence", "GdnChunkPrepare",
-                "GdnSeqTable", "GdnBwdFinish", "fill", "copy", "zero"):
+                "GdnSeqTable", "GdnGradFinish", "fill", "copy", "zero"):
         if key.lower() in name.lower():
             return key
     return name[:40]

@@ -7,8 +7,9 @@ consumer warpgroups; it starts as the final state's gradient, or zeros). It read
 M and factor rows [q_f | k_f | G_L], [t_w | t_u] and, instead of W = T diag(t_w) Kc,
 T = (I + A)^-1 itself (t_w = beta gamma r_k; with M in work16's packed block, split by the
 idle producer warps, see gdn_unpack_sm90, which also scale q's rows by q_f), and the
-chunk's raw q, k and do rows. In the notation of precast/reference/gdn_backward.py (transposed; q_f = scale gamma r_q, k_f = exp(G_L - G) r_k
-and M the scaled, gated, causal Q K^T as stage 1 stores them):
+chunk's raw q, k and do rows. In the notation of precast/reference/gdn_backward.py
+(transposed; q_f = scale gamma r_q, k_f = exp(G_L - G) r_k and M the scaled, gated,
+causal Q K^T as stage 1 stores them):
 
     dDelta^T = (D K^T) diag(k_f) + dO^T M                 (V x 64)
     D       <- exp(G_L) D + dO^T diag(q_f) Q - (dDelta^T T diag(t_w))_16 Kc
@@ -183,10 +184,9 @@ class GdnStateGradSm90:
             # Q's rows scaled by q_f (dO^T diag(q_f) Q contracts over tokens): work the
             # consumers no longer do on their chain (state_grad_split -1.5 %, run 46a)
             sQ, sF = tiles[0], tiles[5]
-            full = storage.bars.data_ptr()  # the ring's full barriers (PipelineTmaAsync)
 
-            def scale_q(stage, round_):
-                cute.arch.mbarrier_wait(full + stage, (round_ // self.stages) % 2)
+            def scale_q(stage, round_):  # (a wait on the ring's full barrier, no arrival)
+                pipe.sync_object_full.wait(stage, (round_ // self.stages) % 2)
                 self.scale_rows(sQ[None, None, stage], sF[0, None, stage],
                                 tidx - cute.arch.WARP_SIZE, UNPACK_WARPS * cute.arch.WARP_SIZE)
             unpack_ring(storage.sM.data_ptr().toint(), storage.sT.data_ptr().toint(), p_full,
