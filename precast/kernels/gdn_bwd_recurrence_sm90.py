@@ -185,8 +185,8 @@ class GdnStateGradSm90:
             # consumers no longer do on their chain (state_grad_split -1.5 %, run 46a)
             sQ, sF = tiles[0], tiles[5]
 
-            def scale_q(stage, round_):  # (a wait on the ring's full barrier, no arrival)
-                pipe.sync_object_full.wait(stage, (round_ // self.stages) % 2)
+            def scale_q(stage, phase):  # (a wait on the ring's full barrier, no arrival)
+                pipe.sync_object_full.wait(stage, phase)
                 self.scale_rows(sQ[None, None, stage], sF[0, None, stage],
                                 tidx - cute.arch.WARP_SIZE, UNPACK_WARPS * cute.arch.WARP_SIZE)
             unpack_ring(storage.sM.data_ptr().toint(), storage.sT.data_ptr().toint(), p_full,

@@ -693,7 +693,11 @@ class GdnChunkRecurrenceSm90:
         V, C = 64 * self.nwg, CHUNK
         s_t = parts.thr_tok.partition_C(cute.composition(
             sO[None, None, 0], cute.make_ordered_layout((V, C), order=(1, 0))))
-        self.store_staged(parts, values, s_t, store_o, sO, lambda: cute.local_tile(
+
+        def write():  # this thread's elements of O^T, element-wise
+            for e in cutlass.range_constexpr(cute.size(values)):
+                s_t[e] = values[e].to(self.dtype)
+        self.store_staged(parts, write, store_o, sO, lambda: cute.local_tile(
             cute.domain_offset((start + c * C, 0), mO_t[None, None, head]), (C, V),
             (0, parts.split)), send)
 
@@ -707,26 +711,21 @@ class GdnChunkRecurrenceSm90:
             parts.state16.store(parts.acc_state.load().to(self.dtype))
             store_stmatrix(parts.state16, parts.mma_state, sCk[None, None, 0],
                            parts.consumer_tidx)
-        self.store_staged(parts, write, None, store_ck, sCk, lambda: cute.local_tile(
+        self.store_staged(parts, write, store_ck, sCk, lambda: cute.local_tile(
             mCk_t[None, None, head, row], (self.v_rows, self.k_dim), (parts.split, 0)))
 
     @cute.jit
-    def store_staged(self, parts, values, t_stage, atom, s_tile, global_tile, send=None):
-        """A consumer thread's ``values`` into its elements ``t_stage`` of the 16-bit staging
-        tile ``s_tile`` (or, with ``t_stage`` None, ``values()`` writes the tile), once the
-        previous store from it has read it, then one TMA store of the tile to
-        ``global_tile()`` issued by the first consumer warp (if ``send``, when given,
-        holds)."""
+    def store_staged(self, parts, write, atom, s_tile, global_tile, send=None):
+        """``write()`` (each consumer thread its part of the 16-bit staging tile
+        ``s_tile``) once the previous store from the tile has read it, then one TMA store of
+        the tile to ``global_tile()`` issued by the first consumer warp (if ``send``, when
+        given, holds)."""
         issuer = parts.consumer_tidx < cute.arch.WARP_SIZE
         # the previous store has read the tile (a no-op in threads that issued none: no
         # branch, which ptxas would have to fence between wgmma issues)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
-        if const_expr(t_stage is None):
-            values()
-        else:
-            for e in cutlass.range_constexpr(cute.size(values)):
-                t_stage[e] = values[e].to(self.dtype)
+        write()
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=O_BARRIER, number_of_threads=self.nwg * THREADS_PER_WG)
         if const_expr(send is not None):

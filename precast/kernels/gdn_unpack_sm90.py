@@ -154,18 +154,19 @@ def unpack_ring(p_base: Int32, t_base: Int32, p_full, unpacked, chunks: Int32, w
     (``p_full``, see load_packed), split_packed; then each warp arrives on the stage's
     ``unpacked`` mbarrier (initialized for UNPACK_WARPS arrivals), which the consumers
     wait on beside the ring's own. A stage is refilled only after the consumers released
-    it, which they do after waiting on ``unpacked``. ``also(stage, round)``, when given,
+    it, which they do after waiting on ``unpacked``. ``also(stage, phase)``, when given,
     runs after split_packed on the same warps, before the fence and the arrival (more work
-    on the stage's tiles that the consumers would otherwise do on their chain)."""
+    on the stage's tiles that the consumers would otherwise do on their chain); ``phase``
+    is this round's parity of the stage's barriers."""
     for s in cutlass.range_constexpr(stages):
         zero_t_upper(t_base + s * TILE_BYTES, warp, UNPACK_WARPS)
     for c in cutlass.range(chunks, unroll=1):
-        s = c % stages
-        cute.arch.mbarrier_wait(p_full + s, (c // stages) % 2)
+        s, phase = c % stages, (c // stages) % 2
+        cute.arch.mbarrier_wait(p_full + s, phase)
         split_packed(p_base + s * TILE_BYTES, t_base + s * TILE_BYTES, warp, UNPACK_WARPS,
                      with_m, one)
         if const_expr(also is not None):
-            also(s, c)
+            also(s, phase)
         # generic-proxy stores, read next by wgmma
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
