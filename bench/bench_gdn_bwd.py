@@ -83,11 +83,10 @@ def peer_backward(q, k, v, g, beta, cu, do):
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
 
 
-def timed_pair(inputs, forward_options: dict, backward_options_of) -> tuple:
-    """(forward us, backward us, the forward's result): gated_delta_net with
-    ``forward_options`` and gated_delta_net_backward with ``backward_options_of(result)``
-    (what the backward takes from that forward), each run once (loading its op) before
-    timing."""
+def pair(inputs, forward_options: dict, backward_options_of) -> tuple:
+    """(forward, backward, the forward's result): callables of gated_delta_net with
+    ``forward_options`` and of gated_delta_net_backward with ``backward_options_of(result)``
+    (what the backward takes from that forward), each run once (loading its op)."""
     q, k, v, g, beta, cu, do = inputs
     fwd = lambda: gated_delta_net(q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True,  # noqa
                                   output_final_state=True, **forward_options)
@@ -97,6 +96,12 @@ def timed_pair(inputs, forward_options: dict, backward_options_of) -> tuple:
                                            use_qk_l2norm_in_kernel=True, **options)
     bwd()
     torch.cuda.synchronize()
+    return fwd, bwd, result
+
+
+def timed_pair(inputs, forward_options: dict, backward_options_of) -> tuple:
+    """(forward us, backward us, the forward's result) of ``pair``'s two calls."""
+    fwd, bwd, result = pair(inputs, forward_options, backward_options_of)
     return do_bench(fwd) * 1e3, do_bench(bwd) * 1e3, result
 
 

@@ -17,9 +17,9 @@ import statistics
 
 import torch
 
-from bench_gdn_bwd import CASES, make_inputs
+from bench_gdn_bwd import CASES, make_inputs, pair
 
-from precast import gated_delta_net, gated_delta_net_backward
+from precast import gated_delta_net_backward
 
 
 def kernel_events(prof):
@@ -42,13 +42,9 @@ def short(name: str) -> str:
 
 
 def timeline(inputs, rounds: int = 7) -> None:
-    q, k, v, g, beta, cu, do = inputs
-    r = gated_delta_net(q, k, v, g, beta, cu, use_qk_l2norm_in_kernel=True,
-                        output_final_state=True, keep_workspace=True)
-    bwd = lambda: gated_delta_net_backward(q, k, v, g, beta, cu, do,  # noqa: E731
-                                           use_qk_l2norm_in_kernel=True,
-                                           forward_workspace=r.workspace)
-    for _ in range(3):
+    _, bwd, _ = pair(inputs, dict(keep_workspace=True),  # bench_gdn_bwd's kept backward
+                     lambda r: dict(forward_workspace=r.workspace))
+    for _ in range(2):
         bwd()
     torch.cuda.synchronize()
     runs = []
