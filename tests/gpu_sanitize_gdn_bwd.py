@@ -3,14 +3,16 @@ precompiled artifacts of tests/gpu_plan.toml's bf16 K = V = 128, 4-head, l2norm 
 forward with the final state, backward with its gradient):
 
     compute-sanitizer --tool memcheck --report-api-errors no python tests/gpu_sanitize_gdn_bwd.py
-    compute-sanitizer --tool racecheck python tests/gpu_sanitize_gdn_bwd.py [BATCH ...]
+    compute-sanitizer --tool racecheck python tests/gpu_sanitize_gdn_bwd.py [BATCH ...] [--pairs]
 
 Ragged lengths with empty and one-token sequences and a partial last chunk, then 40 such
 sequences (more than 32: the kernels read the per-sequence table; the batches and inputs of
 tests/gpu_sanitize_gdn.py; racecheck of "ragged" alone takes under a minute, of both
 several), through autograd (o, s = gated_delta_net(...);
 loss.backward()); the gradients are checked against
-the float64 chunked backward so a silent wrong answer fails too."""
+the float64 chunked backward so a silent wrong answer fails too. --pairs: v, the gates and
+beta (bf16) with twice the heads of q and k, so that each chunk_grad CTA takes a pair of
+output heads (the plan's 4 / 4 / 8-head entries)."""
 import sys
 
 import torch
@@ -21,12 +23,18 @@ from precast.reference.gated_delta_net import rms_error_ratio
 from precast.reference.gdn_backward import gdn_chunked_backward_reference
 
 TOL = 4e-2  # RMS error ratio (bf16), the backward's bar
+pairs = "--pairs" in sys.argv[1:]
 failures = []
-for what, lens in chosen_batches(sys.argv[1:]).items():
+for what, lens in chosen_batches([a for a in sys.argv[1:] if a != "--pairs"]).items():
     (q, k, v, gate, beta, cu), g = inputs(lens)
     T, N = sum(lens), len(lens)
-    do = torch.randn(T, H, V, device="cuda", generator=g).bfloat16()
-    dfinal = 0.1 * torch.randn(N, H, V, K, device="cuda", generator=g)
+    HO = 2 * H if pairs else H
+    if pairs:
+        v = torch.randn(T, HO, V, device="cuda", generator=g).bfloat16()
+        gate = -0.05 * torch.rand(T, HO, device="cuda", generator=g)
+        beta = torch.rand(T, HO, device="cuda", generator=g).bfloat16()
+    do = torch.randn(T, HO, V, device="cuda", generator=g).bfloat16()
+    dfinal = 0.1 * torch.randn(N, HO, V, K, device="cuda", generator=g)
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v, gate, beta)]
     o, final = gated_delta_net(*leaves, cu, output_final_state=True,
