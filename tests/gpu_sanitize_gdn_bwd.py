@@ -11,8 +11,8 @@ tests/gpu_sanitize_gdn.py; racecheck of "ragged" alone takes under a minute, of 
 several), through autograd (o, s = gated_delta_net(...);
 loss.backward()); the gradients are checked against
 the float64 chunked backward so a silent wrong answer fails too. --pairs: v, the gates and
-beta (bf16) with twice the heads of q and k, so that each chunk_grad CTA takes a pair of
-output heads (the plan's 4 / 4 / 8-head entries)."""
+beta (bf16) with twice the heads of q and k, so that two output heads add into each head's
+dq and dk (chunk_grad's TMA reduce-adds and atomics; the plan's 4 / 4 / 8-head entries)."""
 import sys
 
 import torch
