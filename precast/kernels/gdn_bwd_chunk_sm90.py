@@ -11,7 +11,7 @@ state leaving the chunk). Every formula of precast/reference/gdn_backward.py's
 _chunk_backward that does not involve the recurrence runs here, each product a wgmma on
 16-bit tiles in shared memory (a few take their A operand from registers). The warpgroups
 take different products: warpgroup 0 the q side (Delta = T Z, dM', dq, dk's Delta and
-dQK^T terms), warpgroup 1 the WY side (Z, dDelta, dW, dT, dv, dBk, dA, dP and their dk
+dQK^T terms), warpgroup 1 the WY side (Z, dDelta, dT, dv, dBk, dA, dP and their dk
 terms);
 mbarriers and a CTA barrier order the shared-memory tiles one hands to the other. q and k
 rows are normalized in shared memory first. With Qn,
@@ -27,6 +27,8 @@ stores it (scale Gamma * Qn Kn^T, causal):
     dq_n  = diag(scale gamma) dO S^T + dQK Kn
     dW    = -dDelta S^T                   dT  = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma)
     dv    = diag(beta) T^T dDelta         dBk = T^T dW      dA = strict_tril(-T^T dT T^T)
+    (dW is not formed: with Z's definition dT = dDelta Z^T, and dBk = -(T^T dDelta) S^T
+    takes dv's product before its row scale; session 48)
     dP    = diag(beta) (dA * Gamma)
     dk_n  = diag(d) Delta dS'^T + dQK^T Qn + diag(beta gamma) dBk + (dP + dP^T) Kn
     dbeta = rowsum(T^T dDelta * V) + gamma rowsum(dBk * Kn) + rowsum(dA * Gamma * Kn Kn^T)
@@ -78,8 +80,8 @@ WG_BARRIER = (1, 2)
 # warpgroup 1 K, then the gate scan) while S, V and T, the operands of Delta, are on their
 # way (FIRST_LOADS)
 # LATE_LOADS: dS', which no side needs before its second step
-# Z_READY: warpgroup 1 wrote Z = diag(beta) (V - diag(gamma) Kn S) (into sDD, free until
-# dDelta), so warpgroup 0 may compute Delta = T Z; STATES_FREE: warpgroup 0 read S
+# Z_READY: warpgroup 1 wrote Z = diag(beta) (V - diag(gamma) Kn S) (into sZ; dT reads it
+# too), so warpgroup 0 may compute Delta = T Z; STATES_FREE: warpgroup 0 read S
 # and dS', so warpgroup 1's dk terms may go there; DK_READY: they are there; M_READ:
 # warpgroup 1's M^T dO (dDelta) has read M, so warpgroup 0's dQK may go over it;
 # M_READY: warpgroup 0 has split work16's packed P (loaded into sM, QK_LOADS) into T
@@ -181,7 +183,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 mma(mn_major, mn_major, K), mma(mn_major, mn_major, V),
                 mma(mn_major, mn_major, C),
                 # A from registers: diag(d) Kn (scaled after ldmatrix) for dDelta, then
-                # dDelta itself for dW and dT, and dW for dT
+                # dDelta itself for dT, and T^T dDelta for dBk
                 mma(k_major, k_major, V, rmem), mma(k_major, mn_major, K, rmem),
                 mma(k_major, k_major, C, rmem),
                 mma(k_major, mn_major, V))  # Delta = T Z
@@ -198,7 +200,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_k)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_v)], 1024]
             sDO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_v)], 1024]
-            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_k)], 1024]
+            sZ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_v)], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_v)], 1024]
             sM: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_c)], 1024]
             sT: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_c)], 1024]
@@ -243,7 +245,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             storage = smem.allocate(self.storage)
             tiles = tuple(s.get_tensor(layout.outer, swizzle=layout.inner) for s, layout in (
                 (storage.sQ, lay_k), (storage.sK, lay_k), (storage.sV, lay_v),
-                (storage.sDO, lay_v), (storage.sW, lay_k), (storage.sU, lay_v),
+                (storage.sDO, lay_v), (storage.sZ, lay_v), (storage.sU, lay_v),
                 (storage.sM, lay_c), (storage.sT, lay_c), (storage.sS, lay_s),
                 (storage.sDS, lay_s), (storage.sDD, lay_v)))
             sRows = storage.rows.get_tensor(cute.make_layout((ROW_VALUES, C), stride=(C, 1)))
@@ -298,7 +300,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         arrive on: Q, K, P (QK_LOADS; P into sM), S, V (FIRST_LOADS), dO (REST_LOADS),
         dS' (LATE_LOADS)."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
-        sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
+        sQ, sK, sV, sDO, sZ, sU, sM, sT, sS, sDS, sDD = tiles
         lq, lk, lv, ldo, lw, ls, lds = loads  # lw: work16's packed 64 x 64 block
 
         def token_tile(atom, m, s, h, cols, bar):  # rows [start + 64 chunk, +64) of head h
@@ -490,12 +492,13 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
     @cute.jit
     def delta_rhs(self, mma_kk_v, tiles, sRows, bars, rows: Int32, wtidx: Int32):
-        """Warpgroup 1: Z = diag(beta) (V - diag(gamma) Kn S) (16-bit) into sDD, free
-        until dDelta; Z_READY once written and fenced for warpgroup 0's T Z. Rows past
+        """Warpgroup 1: Z = diag(beta) (V - diag(gamma) Kn S) (16-bit) into sZ (read by
+        warpgroup 0's Delta = T Z, then by dT = dDelta Z^T); Z_READY once written and
+        fenced for warpgroup 0. Rows past
         the sequence end are zeros (selected: V's rows there, the next sequence's, are
         not zeroed yet, and need not be finite)."""
         V, C = self.v_dim, CHUNK
-        sK, sV, sS, sDD = tiles[1], tiles[2], tiles[8], tiles[10]
+        sK, sV, sZ, sS = tiles[1], tiles[2], tiles[4], tiles[8]
         thr = mma_kk_v.get_slice(wtidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((C, V)), Float32)
         self.ss(mma_kk_v, acc, stage0(sK), stage0(sS), False)
@@ -508,7 +511,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             h = row_half(e)
             z = ctx["beta_r"][h] * (v[e].to(Float32) - ctx["eg_r"][h] * acc[e])
             z16[e] = Float32(cutlass.select_(real[h], z, Float32(0.0))).to(self.dtype)
-        store_stmatrix(z16, mma_kk_v, stage0(sDD), wtidx)
+        store_stmatrix(z16, mma_kk_v, stage0(sZ), wtidx)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_arrive(bars + Z_READY)
 
@@ -516,10 +519,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     def delta(self, mma_kmn_v, tiles, wtidx: Int32):
         """Warpgroup 0: Delta = T Z into sU (each thread its own elements)."""
         V, C = self.v_dim, CHUNK
-        sU, sT, sDD = tiles[5], tiles[7], tiles[10]
+        sZ, sU, sT = tiles[4], tiles[5], tiles[7]
         thr = mma_kmn_v.get_slice(wtidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((C, V)), Float32)
-        self.ss(mma_kmn_v, acc, stage0(sT), stage0_t(sDD, C, V), False)
+        self.ss(mma_kmn_v, acc, stage0(sT), stage0_t(sZ, C, V), False)
         warpgroup.wait_group(0)
         self.store_acc(acc, mma_kmn_v, stage0(sU), wtidx)
 
@@ -533,7 +536,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         K, V, C = self.k_dim, self.v_dim, CHUNK
         mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas[:6]
         mma_rs_v, mma_rs_k, mma_rs_c = mmas[6:9]
-        sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
+        sQ, sK, sV, sDO, sZ, sU, sM, sT, sS, sDS, sDD = tiles
         ctx = self.row_context(sRows, wtidx)
         rows_of, cols_of, g_r, eg_r, d_r = (ctx[n] for n in ("rows_of", "cols_of", "g_r",
                                                              "eg_r", "d_r"))
@@ -618,16 +621,15 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, staged_dv,
                 acc_dk, acc_v, first: Int32, rows: Int32, head: Int32, wtidx: Int32):
         """Warpgroup 1: dDelta = M^T dO (issued by the caller into ``acc_v``) + diag(d) Kn
-        dS'^T; dW = -dDelta S^T (into sW);
-        dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma); dv = diag(beta) T^T dDelta;
-        dBk = T^T dW; dA = strict_tril(-(T^T dT) T^T); dP = diag(beta) (dA Gamma), E's
+        dS'^T; dT = dDelta Z^T; dv = diag(beta) T^T dDelta; dBk = -(T^T dDelta) S^T;
+        dA = strict_tril(-(T^T dT) T^T); dP = diag(beta) (dA Gamma), E's
         second term; dk_n's diag(beta gamma) dBk + dP Kn + dP^T Kn (to warpgroup 0 through
         shared memory); dbeta and dG's WY-side terms."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         dt = self.dtype
         mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas[:6]
         mma_rs_v, mma_rs_k, mma_rs_c = mmas[6:9]
-        sQ, sK, sV, sDO, sW, sU, sM, sT, sS, sDS, sDD = tiles
+        sQ, sK, sV, sDO, sZ, sU, sM, sT, sS, sDS, sDD = tiles
         lay_c = layouts[2]
         ctx = self.row_context(sRows, wtidx)
         rows_of, cols_of, g_r, eg_r, beta_r = (ctx[n] for n in ("rows_of", "cols_of", "g_r",
@@ -635,13 +637,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         sdT, sX2, sP = (cute.make_tensor(
             cute.recast_ptr(storage.sWY.data_ptr() + n * cute.cosize(lay_c.outer),
                             swizzle_=lay_c.inner, dtype=dt), lay_c.outer) for n in range(3))
-        sdW = sW
         dg_part = [Float32(0.0), Float32(0.0)]
         db_part = [Float32(0.0), Float32(0.0)]
         # ---- dDelta = M^T dO (issued before the CTA barrier, in acc_v) + diag(d) Kn dS'^T;
-        # once M^T dO has read M, warpgroup 0 may write dQK over it (M_READ). dDelta and dW
-        # then feed the next products from registers, while their 16-bit copies go to
-        # shared memory (sDD, sW) for the later products that take them as B operands.
+        # once M^T dO has read M, warpgroup 0 may write dQK over it (M_READ). dDelta then
+        # feeds dT from registers, while its 16-bit copy goes to shared memory (sDD) for
+        # dv's product, which takes it as the B operand.
         kd = self.loaded(mma_kmn_k, stage0(sK), acc_dk)  # (acc_dk: for its (64, K) layout)
         for e in cutlass.range_constexpr(cute.size(kd)):
             kd[e] = (kd[e].to(Float32) * ctx["d_r"][row_half(e)]).to(dt)
@@ -652,51 +653,42 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         warpgroup.wait_group(0)
         dd16 = cute.make_rmem_tensor(acc_v.layout, dt)
         dd16.store(acc_v.load().to(dt))
-        # ---- dW = -dDelta S^T (into sW: W itself is never loaded)
-        thr_k = mma_rs_k.get_slice(wtidx)
-        acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
-        self.rs(mma_rs_k, acc_k, dd16, stage0_t(sS, V, K), False)
-        store_stmatrix(dd16, mma_mnmn_v, stage0(sDD), wtidx)
-        warpgroup.wait_group(0)
-        dw16 = cute.make_rmem_tensor(acc_k.layout, dt)
-        dw16.store((-acc_k.load()).to(dt))
-        # ---- dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma)
+        # ---- dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma) = dDelta Z^T (dW =
+        # -dDelta S^T, and Z = diag(beta) (V - diag(gamma) Kn S)): one product from
+        # registers, without dW
         thr_c = mma_rs_c.get_slice(wtidx)
         acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
-        acc_t2 = cute.make_rmem_tensor(acc_c.layout, Float32)
-        self.rs(mma_rs_c, acc_c, dd16, stage0(sV), False)
-        self.rs(mma_rs_c, acc_t2, dw16, stage0(sK), False)
-        store_stmatrix(dw16, mma_kmn_k, stage0(sW), wtidx)
-        self.wg_sync(1, fence=True)  # dDelta and dW written
-        g_c = [sRows[R_G, j] for j in cols_of]
-        beta_c = [sRows[R_BETA, j] for j in cols_of]
-        warpgroup.wait_group(0)
-        eg_c = [cute.math.exp(x, fastmath=True) for x in g_c]
-        for e in cutlass.range_constexpr(cute.size(acc_c)):
-            sl = col_slot(e)
-            acc_c[e] = beta_c[sl] * (acc_c[e] + acc_t2[e] * eg_c[sl])
-        self.store_acc(acc_c, mma_kk_c, stage0(sdT), wtidx)
+        self.rs(mma_rs_c, acc_c, dd16, stage0(sZ), False)
+        store_stmatrix(dd16, mma_mnmn_v, stage0(sDD), wtidx)
+        self.wg_sync(1, fence=True)  # dDelta written
         # ---- dv = diag(beta) T^T dDelta;  dbeta += rowsum(T^T dDelta * V)
         self.ss(mma_mnmn_v, acc_v, stage0_t(sT, C, C), stage0_t(sDD, C, V), False)
+        warpgroup.wait_group(1)
+        self.store_acc(acc_c, mma_kk_c, stage0(sdT), wtidx)
         warpgroup.wait_group(0)
+        # ---- dBk = T^T dW = -(T^T dDelta) S^T, from registers (acc_dk holds -dBk until
+        # scaled): dk_n = diag(beta gamma) dBk ...; t = rowsum(dBk Kn)
+        tdd16 = cute.make_rmem_tensor(acc_v.layout, dt)
+        tdd16.store(acc_v.load().to(dt))
+        self.rs(mma_rs_k, acc_dk, tdd16, stage0_t(sS, V, K), False)
         part = self.row_dots_then_scale(acc_v, mma_mnmn_v, stage0(sV), beta_r)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
         self.store_out(mma_mnmn_v, mDV, acc_v, rows_of, first, rows, head, staged_dv, 2, 1)
         self.wg_sync(1, fence=True)  # dT written
-        # ---- dBk = T^T dW: dk_n = diag(beta gamma) dBk ...; t = rowsum(dBk Kn)
-        self.ss(mma_mnmn_k, acc_dk, stage0_t(sT, C, C), stage0_t(sdW, C, K), False)
         self.ss(mma_mnmn_c, acc_c, stage0_t(sT, C, C), stage0_t(sdT, C, C), False)  # T^T dT
         warpgroup.wait_group(0)
         part = self.row_dots_then_scale(acc_dk, mma_kmn_k, stage0(sK),
-                                        [b * x for b, x in zip(beta_r, eg_r)])
+                                        [-b * x for b, x in zip(beta_r, eg_r)])
         for h in cutlass.range_constexpr(2):
-            t_i = part[h] * eg_r[h]
+            t_i = -part[h] * eg_r[h]
             db_part[h] = db_part[h] + t_i
             dg_part[h] = dg_part[h] + t_i * beta_r[h]
         # ---- dA = strict_tril(-(T^T dT) T^T); P = Kn Kn^T
         self.store_acc(acc_c, mma_kk_c, stage0(sX2), wtidx)
         self.wg_sync(1, fence=True)
+        g_c = [sRows[R_G, j] for j in cols_of]
+        acc_t2 = cute.make_rmem_tensor(acc_c.layout, Float32)
         self.ss(mma_kk_c, acc_t2, stage0(sX2), stage0(sT), False)
         self.ss(mma_kk_c, acc_c, stage0(sK), stage0(sK), False)
         warpgroup.wait_group(0)
