@@ -11,7 +11,7 @@ state leaving the chunk). Every formula of precast/reference/gdn_backward.py's
 _chunk_backward that does not involve the recurrence runs here, each product a wgmma on
 16-bit tiles in shared memory (a few take their A operand from registers). The warpgroups
 take different products: warpgroup 0 the q side (Delta = T Z, dM', dq, dk's Delta and
-dQK^T terms), warpgroup 1 the WY side (Z, dDelta, dT, dv, dBk, dA, dP and their dk
+dQK^T terms), warpgroup 1 the WY side (Z, dDelta, dv, T^T dT, dBk, dA, dP and their dk
 terms);
 mbarriers and a CTA barrier order the shared-memory tiles one hands to the other. q and k
 rows are normalized in shared memory first. With Qn,
@@ -27,8 +27,9 @@ stores it (scale Gamma * Qn Kn^T, causal):
     dq_n  = diag(scale gamma) dO S^T + dQK Kn
     dW    = -dDelta S^T                   dT  = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma)
     dv    = diag(beta) T^T dDelta         dBk = T^T dW      dA = strict_tril(-T^T dT T^T)
-    (dW is not formed: with Z's definition dT = dDelta Z^T, and dBk = -(T^T dDelta) S^T
-    takes dv's product before its row scale; session 48)
+    (neither dW nor dT is formed: with Z's definition dT = dDelta Z^T, so T^T dT =
+    (T^T dDelta) Z^T, and dBk = -(T^T dDelta) S^T: both take dv's product before its row
+    scale from registers; session 48)
     dP    = diag(beta) (dA * Gamma)
     dk_n  = diag(d) Delta dS'^T + dQK^T Qn + diag(beta gamma) dBk + (dP + dP^T) Kn
     dbeta = rowsum(T^T dDelta * V) + gamma rowsum(dBk * Kn) + rowsum(dA * Gamma * Kn Kn^T)
@@ -183,7 +184,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 mma(mn_major, mn_major, K), mma(mn_major, mn_major, V),
                 mma(mn_major, mn_major, C),
                 # A from registers: diag(d) Kn (scaled after ldmatrix) for dDelta, then
-                # dDelta itself for dT, and T^T dDelta for dBk
+                # T^T dDelta for T^T dT and dBk
                 mma(k_major, k_major, V, rmem), mma(k_major, mn_major, K, rmem),
                 mma(k_major, k_major, C, rmem),
                 mma(k_major, mn_major, V))  # Delta = T Z
@@ -207,8 +208,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             sS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_s)], 1024]
             sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_s)], 1024]
             sDD: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_v)], 1024]
-            # warpgroup 1's dT, T^T dT and dP
-            sWY: cute.struct.Align[cute.struct.MemRange[dt, 3 * cute.cosize(lay_c)], 1024]
+            # warpgroup 1's T^T dT and dP
+            sWY: cute.struct.Align[cute.struct.MemRange[dt, 2 * cute.cosize(lay_c)], 1024]
 
         self.storage = SharedStorage
         chunks = mWork32.shape[0]
@@ -621,8 +622,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, staged_dv,
                 acc_dk, acc_v, first: Int32, rows: Int32, head: Int32, wtidx: Int32):
         """Warpgroup 1: dDelta = M^T dO (issued by the caller into ``acc_v``) + diag(d) Kn
-        dS'^T; dT = dDelta Z^T; dv = diag(beta) T^T dDelta; dBk = -(T^T dDelta) S^T;
-        dA = strict_tril(-(T^T dT) T^T); dP = diag(beta) (dA Gamma), E's
+        dS'^T; dv = diag(beta) T^T dDelta; T^T dT = (T^T dDelta) Z^T; dBk = -(T^T dDelta)
+        S^T; dA = strict_tril(-(T^T dT) T^T); dP = diag(beta) (dA Gamma), E's
         second term; dk_n's diag(beta gamma) dBk + dP Kn + dP^T Kn (to warpgroup 0 through
         shared memory); dbeta and dG's WY-side terms."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
@@ -634,15 +635,15 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         ctx = self.row_context(sRows, wtidx)
         rows_of, cols_of, g_r, eg_r, beta_r = (ctx[n] for n in ("rows_of", "cols_of", "g_r",
                                                                 "eg_r", "beta_r"))
-        sdT, sX2, sP = (cute.make_tensor(
+        sX2, sP = (cute.make_tensor(
             cute.recast_ptr(storage.sWY.data_ptr() + n * cute.cosize(lay_c.outer),
-                            swizzle_=lay_c.inner, dtype=dt), lay_c.outer) for n in range(3))
+                            swizzle_=lay_c.inner, dtype=dt), lay_c.outer) for n in range(2))
         dg_part = [Float32(0.0), Float32(0.0)]
         db_part = [Float32(0.0), Float32(0.0)]
         # ---- dDelta = M^T dO (issued before the CTA barrier, in acc_v) + diag(d) Kn dS'^T;
-        # once M^T dO has read M, warpgroup 0 may write dQK over it (M_READ). dDelta then
-        # feeds dT from registers, while its 16-bit copy goes to shared memory (sDD) for
-        # dv's product, which takes it as the B operand.
+        # once M^T dO has read M, warpgroup 0 may write dQK over it (M_READ). Its 16-bit
+        # copy goes to shared memory (sDD) for dv's product, which takes it as the B
+        # operand.
         kd = self.loaded(mma_kmn_k, stage0(sK), acc_dk)  # (acc_dk: for its (64, K) layout)
         for e in cutlass.range_constexpr(cute.size(kd)):
             kd[e] = (kd[e].to(Float32) * ctx["d_r"][row_half(e)]).to(dt)
@@ -653,44 +654,42 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         warpgroup.wait_group(0)
         dd16 = cute.make_rmem_tensor(acc_v.layout, dt)
         dd16.store(acc_v.load().to(dt))
-        # ---- dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma) = dDelta Z^T (dW =
-        # -dDelta S^T, and Z = diag(beta) (V - diag(gamma) Kn S)): one product from
-        # registers, without dW
-        thr_c = mma_rs_c.get_slice(wtidx)
-        acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
-        self.rs(mma_rs_c, acc_c, dd16, stage0(sZ), False)
         store_stmatrix(dd16, mma_mnmn_v, stage0(sDD), wtidx)
         self.wg_sync(1, fence=True)  # dDelta written
         # ---- dv = diag(beta) T^T dDelta;  dbeta += rowsum(T^T dDelta * V)
         self.ss(mma_mnmn_v, acc_v, stage0_t(sT, C, C), stage0_t(sDD, C, V), False)
-        warpgroup.wait_group(1)
-        self.store_acc(acc_c, mma_kk_c, stage0(sdT), wtidx)
         warpgroup.wait_group(0)
-        # ---- dBk = T^T dW = -(T^T dDelta) S^T, from registers (acc_dk holds -dBk until
-        # scaled): dk_n = diag(beta gamma) dBk ...; t = rowsum(dBk Kn)
+        # ---- T^T dT and dBk, both from T^T dDelta in registers: with Z's definition
+        # dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma) = dDelta Z^T (dW =
+        # -dDelta S^T, Z = diag(beta) (V - diag(gamma) Kn S)), so T^T dT = (T^T dDelta) Z^T,
+        # and dBk = T^T dW = -(T^T dDelta) S^T (acc_dk holds -dBk until scaled): neither dW
+        # nor dT is formed
         tdd16 = cute.make_rmem_tensor(acc_v.layout, dt)
         tdd16.store(acc_v.load().to(dt))
+        thr_c = mma_rs_c.get_slice(wtidx)
+        acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
+        self.rs(mma_rs_c, acc_c, tdd16, stage0(sZ), False)  # T^T dT: next on the chain
         self.rs(mma_rs_k, acc_dk, tdd16, stage0_t(sS, V, K), False)
         part = self.row_dots_then_scale(acc_v, mma_mnmn_v, stage0(sV), beta_r)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
         self.store_out(mma_mnmn_v, mDV, acc_v, rows_of, first, rows, head, staged_dv, 2, 1)
-        self.wg_sync(1, fence=True)  # dT written
-        self.ss(mma_mnmn_c, acc_c, stage0_t(sT, C, C), stage0_t(sdT, C, C), False)  # T^T dT
-        warpgroup.wait_group(0)
-        part = self.row_dots_then_scale(acc_dk, mma_kmn_k, stage0(sK),
-                                        [-b * x for b, x in zip(beta_r, eg_r)])
-        for h in cutlass.range_constexpr(2):
-            t_i = -part[h] * eg_r[h]
-            db_part[h] = db_part[h] + t_i
-            dg_part[h] = dg_part[h] + t_i * beta_r[h]
         # ---- dA = strict_tril(-(T^T dT) T^T); P = Kn Kn^T
+        warpgroup.wait_group(1)  # T^T dT
         self.store_acc(acc_c, mma_kk_c, stage0(sX2), wtidx)
         self.wg_sync(1, fence=True)
         g_c = [sRows[R_G, j] for j in cols_of]
         acc_t2 = cute.make_rmem_tensor(acc_c.layout, Float32)
         self.ss(mma_kk_c, acc_t2, stage0(sX2), stage0(sT), False)
         self.ss(mma_kk_c, acc_c, stage0(sK), stage0(sK), False)
+        # ---- dk_n = diag(beta gamma) dBk ...; t = rowsum(dBk Kn), while dA and P run
+        warpgroup.wait_group(2)  # dBk
+        part = self.row_dots_then_scale(acc_dk, mma_kmn_k, stage0(sK),
+                                        [-b * x for b, x in zip(beta_r, eg_r)])
+        for h in cutlass.range_constexpr(2):
+            t_i = -part[h] * eg_r[h]
+            db_part[h] = db_part[h] + t_i
+            dg_part[h] = dg_part[h] + t_i * beta_r[h]
         warpgroup.wait_group(0)
         # ---- dP = diag(beta) (dA Gamma) (into sP); dbeta += rowsum(dA Gamma P); E = dP P
         e_cols = [Float32(0.0)] * len(cols_of)
