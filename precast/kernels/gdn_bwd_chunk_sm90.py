@@ -182,7 +182,6 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                                                      a_source)
         mmas = (mma(k_major, k_major, V), mma(k_major, k_major, C), mma(k_major, mn_major, K),
                 mma(mn_major, mn_major, K), mma(mn_major, mn_major, V),
-                mma(mn_major, mn_major, C),
                 # A from registers: diag(d) Kn (scaled after ldmatrix) for dDelta, then
                 # T^T dDelta for T^T dT and dBk
                 mma(k_major, k_major, V, rmem), mma(k_major, mn_major, K, rmem),
@@ -416,7 +415,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cute.arch.mbarrier_arrive(bars + M_READY)
             cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)  # S, V (V's tail is zeroed below)
             cute.arch.mbarrier_wait(bars + Z_READY, 0)
-            self.delta(mmas[9], tiles, tidx % 128)
+            self.delta(mmas[8], tiles, tidx % 128)
             if rows < C:
                 self.zero_tail((tiles[2],), rows, tidx, 128)
             # Delta's (and V's zeros') generic-proxy stores, before wgmmas read them
@@ -535,8 +534,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         and dQK^T Qn terms into ``acc_dk`` (finish_dk adds warpgroup 1's); dG's q-side
         terms."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
-        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas[:6]
-        mma_rs_v, mma_rs_k, mma_rs_c = mmas[6:9]
+        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v = mmas[:5]
+        mma_rs_v, mma_rs_k, mma_rs_c = mmas[5:8]
         sQ, sK, sV, sDO, sZ, sU, sM, sT, sS, sDS, sDD = tiles
         ctx = self.row_context(sRows, wtidx)
         rows_of, cols_of, g_r, eg_r, d_r = (ctx[n] for n in ("rows_of", "cols_of", "g_r",
@@ -628,8 +627,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         shared memory); dbeta and dG's WY-side terms."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         dt = self.dtype
-        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v, mma_mnmn_c = mmas[:6]
-        mma_rs_v, mma_rs_k, mma_rs_c = mmas[6:9]
+        mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v = mmas[:5]
+        mma_rs_v, mma_rs_k, mma_rs_c = mmas[5:8]
         sQ, sK, sV, sDO, sZ, sU, sM, sT, sS, sDS, sDD = tiles
         lay_c = layouts[2]
         ctx = self.row_context(sRows, wtidx)
