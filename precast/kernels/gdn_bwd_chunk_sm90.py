@@ -1,6 +1,7 @@
 """Gated DeltaNet backward for SM90, the chunk-parallel gradients of q, k, v, g and beta.
 
-Verified on an H200 (2026-11-30) by tests/test_gdn_bwd_gpu.py.
+Verified on an H200 (2026-11-30) by tests/test_gdn_bwd_gpu.py; again on an H100
+(2026-12-07) after dW and dT left it, with tests/gpu_sanitize_gdn_bwd.py's racecheck.
 
 One CTA of two warpgroups per (64-token chunk, output head), after the forward's stage 1
 (of its factors only M and T = (I + A)^-1 are read here: W and U would cost
