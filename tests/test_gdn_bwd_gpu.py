@@ -63,12 +63,14 @@ CONFIGS = {
 }
 WITHOUT_CHECKPOINTS = sorted(n for n, c in CONFIGS.items() if c["checkpoint_dtype"] == "none")
 # Forward configurations only these tests run (checkpoints in the io dtype, which the
-# backward reuses), besides test_gdn_fwd_gpu's CONFIGS.
+# backward reuses), or the backward's sanitizer script, besides test_gdn_fwd_gpu's CONFIGS.
 FORWARD_CONFIGS = {
     "bf16-state-io-checkpoints": {**FORWARD_BASE, "state_dtype": "float32",
                                   "checkpoint_dtype": "io"},
     # the workspace kept for the backward (test_forward_workspace_reused)
     "bf16-state": {**FORWARD_BASE, "state_dtype": "float32"},
+    # two output heads per q / k head: tests/gpu_sanitize_gdn_bwd.py --pairs
+    "bf16-hv8": {**FORWARD_BASE, "v_heads": 8, "beta_dtype": "bfloat16"},
 }
 _OPS = {}
 

@@ -1148,8 +1148,9 @@ def planned_configs(path):
 
 
 def test_gpu_tests_use_planned_configurations():
-    """The forward's GPU tests and the backward's (its FORWARD_CONFIGS) run planned
-    configurations, and nothing planned goes unused."""
+    """The forward's GPU tests and the backward's (its FORWARD_CONFIGS, one of them for the
+    backward's sanitizer script) run planned configurations, and nothing planned goes
+    unused."""
     from pathlib import Path
 
     from test_gdn_bwd_gpu import FORWARD_CONFIGS
