@@ -82,8 +82,8 @@ WG_BARRIER = (1, 2)
 # warpgroup 1 K, then the gate scan) while S, V and T, the operands of Delta, are on their
 # way (FIRST_LOADS)
 # LATE_LOADS: dS', which no side needs before its second step
-# Z_READY: warpgroup 1 wrote Z = diag(beta) (V - diag(gamma) Kn S) (into sZ; dT reads it
-# too), so warpgroup 0 may compute Delta = T Z; STATES_FREE: warpgroup 0 read S
+# Z_READY: warpgroup 1 wrote Z = diag(beta) (V - diag(gamma) Kn S) (into sZ; T^T dT's
+# product reads it too), so warpgroup 0 may compute Delta = T Z; STATES_FREE: warpgroup 0 read S
 # and dS', so warpgroup 1's dk terms may go there; DK_READY: they are there; M_READ:
 # warpgroup 1's M^T dO (dDelta) has read M, so warpgroup 0's dQK may go over it;
 # M_READY: warpgroup 0 has split work16's packed P (loaded into sM, QK_LOADS) into T
@@ -494,10 +494,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     @cute.jit
     def delta_rhs(self, mma_kk_v, tiles, sRows, bars, rows: Int32, wtidx: Int32):
         """Warpgroup 1: Z = diag(beta) (V - diag(gamma) Kn S) (16-bit) into sZ (read by
-        warpgroup 0's Delta = T Z, then by dT = dDelta Z^T); Z_READY once written and
-        fenced for warpgroup 0. Rows past
-        the sequence end are zeros (selected: V's rows there, the next sequence's, are
-        not zeroed yet, and need not be finite)."""
+        warpgroup 0's Delta = T Z, then by T^T dT = (T^T dDelta) Z^T); Z_READY once written
+        and fenced for warpgroup 0. Rows past the sequence end are zeros (selected: V's rows
+        there, the next sequence's, are not zeroed yet, and need not be finite)."""
         V, C = self.v_dim, CHUNK
         sK, sV, sZ, sS = tiles[1], tiles[2], tiles[4], tiles[8]
         thr = mma_kk_v.get_slice(wtidx)
