@@ -136,3 +136,42 @@ def test_state_gradient_is_affine_in_dfinal_through_the_forward_transition(l2nor
                                    use_qk_l2norm_in_kernel=l2norm)["transition"]
     want = dfinal @ transition.transpose(-1, -2) + without["dinitial_state"]
     assert_close(with_dfinal["dinitial_state"], want, "dinitial_state")
+
+
+@pytest.mark.parametrize("length", [64, 37])
+def test_chunk_kernel_products_equal_the_reference_chain_rule(length):
+    """What the chunk kernel (gdn_bwd_chunk_sm90) computes instead of the reference's
+    dW, dT and dBk (session 48): with Z = diag(beta) V - diag(beta gamma) K S (so
+    Delta = T Z), dT = dDelta Z^T, hence T^T dT = (T^T dDelta) Z^T, and
+    dBk = T^T dW = -(T^T dDelta) S^T; and T^T dDelta = (T^T M^T) dO + (T^T Kd) dS', the
+    split a kernel that forms no dDelta would use. One chunk (a partial one too), float64."""
+    from precast.reference.gated_delta_net import _chunk_factors
+    HO, K, V, scale = 2, 16, 8, 0.25
+    x, _, do, _ = problem([length], HO, HO, HO, K, V, seed=5, state=False)
+    g = torch.Generator().manual_seed(6)
+    G, Gamma, T, U, W, Kd, _, kc, _, pad = _chunk_factors(x["k"], x["v"], x["g"],
+                                                          x["beta"], 64)
+    G, Gamma, T, U, W, Kd, kc = (t[:, 0] for t in (G, Gamma, T, U, W, Kd, kc))
+    qc = torch.nn.functional.pad(x["q"], (0, 0, 0, 0, 0, pad)).movedim(1, 0)
+    vc = torch.nn.functional.pad(x["v"], (0, 0, 0, 0, 0, pad)).movedim(1, 0)
+    beta = torch.nn.functional.pad(x["beta"], (0, 0, 0, pad)).movedim(1, 0)
+    dOs = scale * torch.nn.functional.pad(do, (0, 0, 0, 0, 0, pad)).movedim(1, 0)
+    S = torch.randn(HO, K, V, generator=g, **F64)
+    dSn = torch.randn(HO, K, V, generator=g, **F64)
+    tr = lambda t: t.transpose(-1, -2)  # noqa: E731
+    gamma = torch.exp(G)
+    M = Gamma * (qc @ tr(kc))  # Gamma is zero above the diagonal
+    Bv, Bk = beta[..., None] * vc, (beta * gamma)[..., None] * kc
+    # the reference's chain rule (precast/reference/gdn_backward.py, _chunk_backward)
+    dDelta = Kd @ dSn + tr(M) @ dOs
+    dW = -dDelta @ tr(S)
+    dT = dDelta @ tr(Bv) + dW @ tr(Bk)
+    dBk = tr(T) @ dW
+    # the kernel's forms
+    Z = Bv - Bk @ S
+    assert_close(T @ Z, U - W @ S, "Delta = T Z")
+    tdd = tr(T) @ dDelta
+    assert_close(dDelta @ tr(Z), dT, "dT = dDelta Z^T")
+    assert_close(tdd @ tr(Z), tr(T) @ dT, "T^T dT = (T^T dDelta) Z^T")
+    assert_close(-tdd @ tr(S), dBk, "dBk = -(T^T dDelta) S^T")
+    assert_close((tr(T) @ tr(M)) @ dOs + (tr(T) @ Kd) @ dSn, tdd, "T^T dDelta, split")
