@@ -146,17 +146,13 @@ def test_chunk_kernel_products_equal_the_reference_chain_rule(length):
     dBk = T^T dW = -(T^T dDelta) S^T; and what the candidates of NOTES (end of session
     48) would use: (T^T dT) T^T = (T^T dDelta) Delta^T, and the split
     T^T dDelta = (T^T M^T) dO + (T^T Kd) dS'. One chunk (a partial one too), float64."""
-    from precast.reference.gated_delta_net import _chunk_factors
+    from precast.reference.gated_delta_net import _chunk_factors, to_chunks
     HO, K, V, scale = 2, 16, 8, 0.25
     x, _, do, _ = problem([length], HO, HO, HO, K, V, seed=5, state=False)
     g = torch.Generator().manual_seed(6)
-    G, Gamma, T, U, W, Kd, _, kc, _, pad = _chunk_factors(x["k"], x["v"], x["g"],
-                                                          x["beta"], 64)
+    G, Gamma, T, U, W, Kd, _, kc, _, _ = _chunk_factors(x["k"], x["v"], x["g"], x["beta"], 64)
     G, Gamma, T, U, W, Kd, kc = (t[:, 0] for t in (G, Gamma, T, U, W, Kd, kc))
-    qc = torch.nn.functional.pad(x["q"], (0, 0, 0, 0, 0, pad)).movedim(1, 0)
-    vc = torch.nn.functional.pad(x["v"], (0, 0, 0, 0, 0, pad)).movedim(1, 0)
-    beta = torch.nn.functional.pad(x["beta"], (0, 0, 0, pad)).movedim(1, 0)
-    dOs = scale * torch.nn.functional.pad(do, (0, 0, 0, 0, 0, pad)).movedim(1, 0)
+    qc, vc, beta, dOs = (to_chunks(t, 64)[:, 0] for t in (x["q"], x["v"], x["beta"], scale * do))
     S = torch.randn(HO, K, V, generator=g, **F64)
     dSn = torch.randn(HO, K, V, generator=g, **F64)
     tr = lambda t: t.transpose(-1, -2)  # noqa: E731
