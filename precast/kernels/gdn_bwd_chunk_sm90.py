@@ -83,8 +83,8 @@ WG_BARRIER = (1, 2)
 # way (FIRST_LOADS)
 # LATE_LOADS: dS', which no side needs before its second step
 # Z_READY: warpgroup 1 wrote Z = diag(beta) (V - diag(gamma) Kn S) (into sZ; T^T dT's
-# product reads it too), so warpgroup 0 may compute Delta = T Z; STATES_FREE: warpgroup 0 read S
-# and dS', so warpgroup 1's dk terms may go there; DK_READY: they are there; M_READ:
+# product reads it too), so warpgroup 0 may compute Delta = T Z; STATES_FREE: warpgroup 0
+# read S and dS', so warpgroup 1's dk terms may go there; DK_READY: they are there; M_READ:
 # warpgroup 1's M^T dO (dDelta) has read M, so warpgroup 0's dQK may go over it;
 # M_READY: warpgroup 0 has split work16's packed P (loaded into sM, QK_LOADS) into T
 # (sT) and M (sM in place), so warpgroup 1 may read M
