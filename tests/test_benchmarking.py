@@ -125,3 +125,43 @@ def test_sass_stats_hot_loop_finds_the_wgmma_loop_and_its_skipped_regions():
     assert sum(sass_stats.opcode(t) == "HGMMA" for _, t in body) == 2
     assert skipped == [(top + 0x30, after, 45)]
     assert sass_stats.hot_loop(code, min_mma=3) is None
+
+
+def test_recorded_launches_records_in_order_and_restores_the_kernels():
+    """bench/common.recorded_launches (kernel_times and the group probe replay what it
+    records): every launch of one execute, in order and with its arguments, none run, and
+    the op's kernels are its own again afterwards, also when execute raises."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from common import recorded_launches
+
+    ran = []
+    kernels = {"states": lambda *a: ran.append(("states", a)),
+               "chunk_grad": lambda *a: ran.append(("chunk_grad", a))}
+    real = dict(kernels)
+
+    class Op:
+        def _ready(self, device_index):
+            assert device_index == 3
+            return kernels
+
+    def execute():
+        kernels["chunk_grad"](1, "s0")
+        kernels["states"](2, "s1")
+        kernels["chunk_grad"](4, "s0")
+
+    got = recorded_launches(Op(), 3, execute)
+    assert [(m, a) for m, _, a in got] == [("chunk_grad", (1, "s0")), ("states", (2, "s1")),
+                                          ("chunk_grad", (4, "s0"))]
+    assert [f for _, f, _ in got] == [real["chunk_grad"], real["states"], real["chunk_grad"]]
+    assert ran == [] and kernels == real
+
+    def failing():
+        kernels["states"](0, "s")
+        raise RuntimeError("launch refused")
+
+    with pytest.raises(RuntimeError, match="launch refused"):
+        recorded_launches(Op(), 3, failing)
+    assert kernels == real and ran == []
