@@ -542,12 +542,16 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                                                              "eg_r", "d_r"))
         sDelta, sX = sU, sM
         dg_part = [Float32(0.0), Float32(0.0)]
-        # ---- dM' = tril(dO Delta^T); dQK = scale dM' Gamma (over M); E = dM' * M
+        # ---- dM' = tril(dO Delta^T); dQK = scale dM' Gamma (over M); E = dM' * M, while
+        # dq's first product dO S^T (independent of Delta) runs behind it
         thr_c = mma_kk_c.get_slice(wtidx)
         acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
         self.ss(mma_kk_c, acc_c, stage0(sDO), stage0(sDelta), False)
+        thr_k = mma_kmn_k.get_slice(wtidx)
+        acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
+        self.ss(mma_kmn_k, acc_k, stage0(sDO), stage0_t(sS, V, K), False)
         g_c = [sRows[R_G, j] for j in cols_of]
-        warpgroup.wait_group(0)
+        warpgroup.wait_group(1)  # dM'
         e_cols = [Float32(0.0)] * len(cols_of)
         e_rows = [Float32(0.0), Float32(0.0)]
         m16 = self.loaded(mma_kk_c, stage0(sM), acc_c)
@@ -569,22 +573,20 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         store_stmatrix(dqk16, mma_kk_c, stage0(sX), wtidx)
         self.flush_e(e_rows, e_cols, dg_part, storage)
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
-        thr_k = mma_kmn_k.get_slice(wtidx)
-        acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
-        self.ss(mma_kmn_k, acc_k, stage0(sDO), stage0_t(sS, V, K), False)
-        warpgroup.wait_group(0)
+        warpgroup.wait_group(0)  # dO S^T
         part = self.row_dots_then_scale(acc_k, mma_kmn_k, stage0(sQ), [scale * x for x in eg_r])
         for h in cutlass.range_constexpr(2):
             dg_part[h] = dg_part[h] + part[h] * scale * eg_r[h]
         self.rs(mma_rs_k, acc_k, dqk16, stage0_t(sK, C, K), True)
+        # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms, finish_dk): its
+        # first product runs while dq is finished and stored
         cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS'
+        self.ss(mma_kmn_k, acc_dk, stage0(sDelta), stage0_t(sDS, V, K), False)
         self.state_dot(sS, sDS, storage, wtidx)
-        warpgroup.wait_group(0)
+        warpgroup.wait_group(1)  # dQK Kn
         self.store_grad(mma_kmn_k, mDQ, acc_k, stage0(sQ), R_Q, 0, sRows, rows_of, first,
                         rows, head, staged_dq, 0)
-        # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms, finish_dk)
-        self.ss(mma_kmn_k, acc_dk, stage0(sDelta), stage0_t(sDS, V, K), False)
-        warpgroup.wait_group(0)
+        warpgroup.wait_group(0)  # diag(d) Delta dS'^T
         # S and dS' are read (by this warpgroup; warpgroup 1 reads neither)
         cute.arch.mbarrier_arrive(bars + STATES_FREE)
         part = self.row_dots_then_scale(acc_dk, mma_kmn_k, stage0(sK), d_r)
