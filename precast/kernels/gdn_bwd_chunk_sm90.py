@@ -402,9 +402,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # Q, K and P land first: each warpgroup normalizes one of Q and K while S and V are
         # on their way; warpgroup 0 splits P into T and M, warpgroup 1 scans the gates, makes
         # Z (delta_rhs) and issues dDelta's M^T dO, while warpgroup 0 turns Z into
-        # Delta = T Z (into sU). Rows of a partial chunk past the sequence end: warpgroup 0
-        # zeroes V's (once Z, which reads them times beta = 0, is made), warpgroup 1 dO's
-        # (before M^T dO reads it).
+        # Delta = T Z (into sU); before Z is made, warpgroup 0 issues dq's first product
+        # dO S^T. Rows of a partial chunk past the sequence end: warpgroup 0 zeroes dO's
+        # (before its dO S^T and warpgroup 1's M^T dO read it) and V's (once Z, which reads
+        # them times beta = 0, is made).
         if wg == 0:
             self.normalize_tile(tiles[0], sRows, R_Q, 0, bars, rows, tidx % 128)
             # P landed with Q (normalize_tile waited): T into sT, M over P in sM
@@ -412,19 +413,28 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             split_packed(p_base, t_base, warp, 4, True, one_bits(self.dtype))
             zero_t_upper(t_base, warp, 4)
-            self.wg_sync(0, fence=True)  # T (Delta's wgmma) and M (warpgroup 1's) made
-            cute.arch.mbarrier_arrive(bars + M_READY)
             cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)  # S, V (V's tail is zeroed below)
+            cute.arch.mbarrier_wait(bars + REST_LOADS, 0)  # dO
+            if rows < C:
+                self.zero_tail((tiles[3],), rows, tidx, 128)
+            # T (Delta's wgmma), M (warpgroup 1's) and dO's zeros (both sides') made
+            self.wg_sync(0, fence=True)
+            cute.arch.mbarrier_arrive(bars + M_READY)
+            # dq's first product, dO S^T, while warpgroup 1 makes Z (delta waits for it)
+            mma_kmn_k = mmas[2]
+            acc_k = cute.make_rmem_tensor(
+                mma_kmn_k.get_slice(tidx % 128).partition_shape_C((C, self.k_dim)), Float32)
+            self.ss(mma_kmn_k, acc_k, stage0(tiles[3]), stage0_t(tiles[8], self.v_dim,
+                                                                 self.k_dim), False)
             cute.arch.mbarrier_wait(bars + Z_READY, 0)
             self.delta(mmas[8], tiles, tidx % 128)
             if rows < C:
                 self.zero_tail((tiles[2],), rows, tidx, 128)
             # Delta's (and V's zeros') generic-proxy stores, before wgmmas read them
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.mbarrier_wait(bars + REST_LOADS, 0)
             cute.arch.sync_threads()
-            self.q_side(mmas, tiles, storage, sRows, sDG, bars, mDQ, staged[0], acc_dk, first,
-                        rows, head, scale, tidx % 128)
+            self.q_side(mmas, tiles, storage, sRows, sDG, bars, mDQ, staged[0], acc_dk, acc_k,
+                        first, rows, head, scale, tidx % 128)
         else:
             wtidx = tidx - 128
             self.normalize_tile(tiles[1], sRows, R_K, 1, bars, rows, wtidx)
@@ -433,11 +443,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             self.wg_sync(1)  # G, and Kn (fenced by normalize_tile) for this warpgroup's wgmma
             cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)  # S, V
             self.delta_rhs(mmas[0], tiles, sRows, bars, rows, wtidx)
-            cute.arch.mbarrier_wait(bars + REST_LOADS, 0)
-            if rows < C:
-                self.zero_tail((tiles[3],), rows, wtidx, 128)
-                self.wg_sync(1, fence=True)
-            cute.arch.mbarrier_wait(bars + M_READY, 0)
+            cute.arch.mbarrier_wait(bars + M_READY, 0)  # ... and dO landed, its tail zeroed
             # dDelta's first term, M^T dO, while warpgroup 0 computes Delta
             mma_mnmn_v = mmas[4]  # (64, V), both operands MN-major
             thr_v = mma_mnmn_v.get_slice(wtidx)
@@ -527,12 +533,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.store_acc(acc, mma_kmn_v, stage0(sU), wtidx)
 
     @cute.jit
-    def q_side(self, mmas, tiles, storage, sRows, sDG, bars, mDQ, staged_dq, acc_dk,
+    def q_side(self, mmas, tiles, storage, sRows, sDG, bars, mDQ, staged_dq, acc_dk, acc_k,
                first: Int32, rows: Int32, head: Int32, scale: Float32, wtidx: Int32):
         """Warpgroup 0: dM' = tril(dO Delta^T), dQK = scale dM' Gamma (over M), E's first
         term; dq_n = diag(scale gamma) dO S^T + dQK Kn; <S, dS'>; dk_n's diag(d) Delta dS'^T
         and dQK^T Qn terms into ``acc_dk`` (finish_dk adds warpgroup 1's); dG's q-side
-        terms."""
+        terms. ``acc_k``: dO S^T, made before Delta."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v = mmas[:5]
         mma_rs_v, mma_rs_k, mma_rs_c = mmas[5:8]
@@ -542,16 +548,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                                                              "eg_r", "d_r"))
         sDelta, sX = sU, sM
         dg_part = [Float32(0.0), Float32(0.0)]
-        # ---- dM' = tril(dO Delta^T); dQK = scale dM' Gamma (over M); E = dM' * M, while
-        # dq's first product dO S^T (independent of Delta) runs behind it
+        # ---- dM' = tril(dO Delta^T); dQK = scale dM' Gamma (over M); E = dM' * M
         thr_c = mma_kk_c.get_slice(wtidx)
         acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
         self.ss(mma_kk_c, acc_c, stage0(sDO), stage0(sDelta), False)
-        thr_k = mma_kmn_k.get_slice(wtidx)
-        acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
-        self.ss(mma_kmn_k, acc_k, stage0(sDO), stage0_t(sS, V, K), False)
         g_c = [sRows[R_G, j] for j in cols_of]
-        warpgroup.wait_group(1)  # dM'
+        warpgroup.wait_group(0)
         e_cols = [Float32(0.0)] * len(cols_of)
         e_rows = [Float32(0.0), Float32(0.0)]
         m16 = self.loaded(mma_kk_c, stage0(sM), acc_c)
@@ -573,7 +575,6 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         store_stmatrix(dqk16, mma_kk_c, stage0(sX), wtidx)
         self.flush_e(e_rows, e_cols, dg_part, storage)
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
-        warpgroup.wait_group(0)  # dO S^T
         part = self.row_dots_then_scale(acc_k, mma_kmn_k, stage0(sQ), [scale * x for x in eg_r])
         for h in cutlass.range_constexpr(2):
             dg_part[h] = dg_part[h] + part[h] * scale * eg_r[h]
