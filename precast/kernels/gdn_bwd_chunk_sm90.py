@@ -443,7 +443,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             self.wg_sync(1)  # G, and Kn (fenced by normalize_tile) for this warpgroup's wgmma
             cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)  # S, V
             self.delta_rhs(mmas[0], tiles, sRows, bars, rows, wtidx)
-            cute.arch.mbarrier_wait(bars + M_READY, 0)  # ... and dO landed, its tail zeroed
+            cute.arch.mbarrier_wait(bars + REST_LOADS, 0)  # dO (this side's own wait on it)
+            cute.arch.mbarrier_wait(bars + M_READY, 0)  # ... and dO's tail rows zeroed
             # dDelta's first term, M^T dO, while warpgroup 0 computes Delta
             mma_mnmn_v = mmas[4]  # (64, V), both operands MN-major
             thr_v = mma_mnmn_v.get_slice(wtidx)
