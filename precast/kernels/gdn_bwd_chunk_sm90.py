@@ -12,8 +12,7 @@ state leaving the chunk). Every formula of precast/reference/gdn_backward.py's
 _chunk_backward that does not involve the recurrence runs here, each product a wgmma on
 16-bit tiles in shared memory (a few take their A operand from registers). The warpgroups
 take different products: warpgroup 0 the q side (Delta = T Z, dM', dq, dk's Delta and
-dQK^T terms), warpgroup 1 the WY side (Z, dDelta, dv, T^T dT, dBk, dA, dP and their dk
-terms);
+dQK^T terms), warpgroup 1 the WY side (Z, dDelta, dv, dA, dBk, dP and their dk terms);
 mbarriers and a CTA barrier order the shared-memory tiles one hands to the other. q and k
 rows are normalized in shared memory first. With Qn,
 Kn the L2-normalized rows (diag(r_q) Q, diag(r_k) K; r = 1 without the norm),
@@ -28,9 +27,9 @@ stores it (scale Gamma * Qn Kn^T, causal):
     dq_n  = diag(scale gamma) dO S^T + dQK Kn
     dW    = -dDelta S^T                   dT  = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma)
     dv    = diag(beta) T^T dDelta         dBk = T^T dW      dA = strict_tril(-T^T dT T^T)
-    (neither dW nor dT is formed: with Z's definition dT = dDelta Z^T, so T^T dT =
-    (T^T dDelta) Z^T, and dBk = -(T^T dDelta) S^T: both take dv's product before its row
-    scale from registers; session 48)
+    (neither dW, dT nor T^T dT is formed: with Z's definition dT = dDelta Z^T, so
+    (T^T dT) T^T = (T^T dDelta) (T Z)^T = (T^T dDelta) Delta^T, and dBk = -(T^T dDelta) S^T:
+    both take dv's product before its row scale from registers; session 48)
     dP    = diag(beta) (dA * Gamma)
     dk_n  = diag(d) Delta dS'^T + dQK^T Qn + diag(beta gamma) dBk + (dP + dP^T) Kn
     dbeta = rowsum(T^T dDelta * V) + gamma rowsum(dBk * Kn) + rowsum(dA * Gamma * Kn Kn^T)
@@ -82,9 +81,9 @@ WG_BARRIER = (1, 2)
 # warpgroup 1 K, then the gate scan) while S, V and T, the operands of Delta, are on their
 # way (FIRST_LOADS)
 # LATE_LOADS: dS', which no side needs before its second step
-# Z_READY: warpgroup 1 wrote Z = diag(beta) (V - diag(gamma) Kn S) (into sZ; T^T dT's
-# product reads it too), so warpgroup 0 may compute Delta = T Z; STATES_FREE: warpgroup 0
-# read S and dS', so warpgroup 1's dk terms may go there; DK_READY: they are there; M_READ:
+# Z_READY: warpgroup 1 wrote Z = diag(beta) (V - diag(gamma) Kn S) (into sZ), so
+# warpgroup 0 may compute Delta = T Z; STATES_FREE: warpgroup 0 read S and dS', so
+# warpgroup 1's dk terms may go there; DK_READY: they are there; M_READ:
 # warpgroup 1's M^T dO (dDelta) has read M, so warpgroup 0's dQK may go over it;
 # M_READY: warpgroup 0 has split work16's packed P (loaded into sM, QK_LOADS) into T
 # (sT) and M (sM in place), so warpgroup 1 may read M
@@ -184,7 +183,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         mmas = (mma(k_major, k_major, V), mma(k_major, k_major, C), mma(k_major, mn_major, K),
                 mma(mn_major, mn_major, K), mma(mn_major, mn_major, V),
                 # A from registers: diag(d) Kn (scaled after ldmatrix) for dDelta, then
-                # T^T dDelta for T^T dT and dBk
+                # T^T dDelta for dA and dBk
                 mma(k_major, k_major, V, rmem), mma(k_major, mn_major, K, rmem),
                 mma(k_major, k_major, C, rmem),
                 mma(k_major, mn_major, V))  # Delta = T Z
@@ -208,8 +207,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             sS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_s)], 1024]
             sDS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_s)], 1024]
             sDD: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_v)], 1024]
-            # warpgroup 1's T^T dT and dP
-            sWY: cute.struct.Align[cute.struct.MemRange[dt, 2 * cute.cosize(lay_c)], 1024]
+            # warpgroup 1's dP
+            sWY: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(lay_c)], 1024]
 
         self.storage = SharedStorage
         chunks = mWork32.shape[0]
@@ -402,9 +401,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # Q, K and P land first: each warpgroup normalizes one of Q and K while S and V are
         # on their way; warpgroup 0 splits P into T and M, warpgroup 1 scans the gates, makes
         # Z (delta_rhs) and issues dDelta's M^T dO, while warpgroup 0 turns Z into
-        # Delta = T Z (into sU). Rows of a partial chunk past the sequence end: warpgroup 0
-        # zeroes V's (once Z, which reads them times beta = 0, is made), warpgroup 1 dO's
-        # (before M^T dO reads it).
+        # Delta = T Z (into sU); before Z is made, warpgroup 0 issues dq's first product
+        # dO S^T. Rows of a partial chunk past the sequence end: warpgroup 0 zeroes dO's
+        # (before its dO S^T and warpgroup 1's M^T dO read it) and V's (once Z, which reads
+        # them times beta = 0, is made).
         if wg == 0:
             self.normalize_tile(tiles[0], sRows, R_Q, 0, bars, rows, tidx % 128)
             # P landed with Q (normalize_tile waited): T into sT, M over P in sM
@@ -412,19 +412,28 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             split_packed(p_base, t_base, warp, 4, True, one_bits(self.dtype))
             zero_t_upper(t_base, warp, 4)
-            self.wg_sync(0, fence=True)  # T (Delta's wgmma) and M (warpgroup 1's) made
-            cute.arch.mbarrier_arrive(bars + M_READY)
             cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)  # S, V (V's tail is zeroed below)
+            cute.arch.mbarrier_wait(bars + REST_LOADS, 0)  # dO
+            if rows < C:
+                self.zero_tail((tiles[3],), rows, tidx, 128)
+            # T (Delta's wgmma), M (warpgroup 1's) and dO's zeros (both sides') made
+            self.wg_sync(0, fence=True)
+            cute.arch.mbarrier_arrive(bars + M_READY)
+            # dq's first product, dO S^T, while warpgroup 1 makes Z (delta waits for it)
+            mma_kmn_k = mmas[2]
+            acc_k = cute.make_rmem_tensor(
+                mma_kmn_k.get_slice(tidx % 128).partition_shape_C((C, self.k_dim)), Float32)
+            self.ss(mma_kmn_k, acc_k, stage0(tiles[3]), stage0_t(tiles[8], self.v_dim,
+                                                                 self.k_dim), False)
             cute.arch.mbarrier_wait(bars + Z_READY, 0)
             self.delta(mmas[8], tiles, tidx % 128)
             if rows < C:
                 self.zero_tail((tiles[2],), rows, tidx, 128)
             # Delta's (and V's zeros') generic-proxy stores, before wgmmas read them
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.mbarrier_wait(bars + REST_LOADS, 0)
             cute.arch.sync_threads()
-            self.q_side(mmas, tiles, storage, sRows, sDG, bars, mDQ, staged[0], acc_dk, first,
-                        rows, head, scale, tidx % 128)
+            self.q_side(mmas, tiles, storage, sRows, sDG, bars, mDQ, staged[0], acc_dk, acc_k,
+                        first, rows, head, scale, tidx % 128)
         else:
             wtidx = tidx - 128
             self.normalize_tile(tiles[1], sRows, R_K, 1, bars, rows, wtidx)
@@ -433,11 +442,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             self.wg_sync(1)  # G, and Kn (fenced by normalize_tile) for this warpgroup's wgmma
             cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)  # S, V
             self.delta_rhs(mmas[0], tiles, sRows, bars, rows, wtidx)
-            cute.arch.mbarrier_wait(bars + REST_LOADS, 0)
-            if rows < C:
-                self.zero_tail((tiles[3],), rows, wtidx, 128)
-                self.wg_sync(1, fence=True)
-            cute.arch.mbarrier_wait(bars + M_READY, 0)
+            cute.arch.mbarrier_wait(bars + REST_LOADS, 0)  # dO (this side's own wait on it)
+            cute.arch.mbarrier_wait(bars + M_READY, 0)  # ... and dO's tail rows zeroed
             # dDelta's first term, M^T dO, while warpgroup 0 computes Delta
             mma_mnmn_v = mmas[4]  # (64, V), both operands MN-major
             thr_v = mma_mnmn_v.get_slice(wtidx)
@@ -493,10 +499,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
     @cute.jit
     def delta_rhs(self, mma_kk_v, tiles, sRows, bars, rows: Int32, wtidx: Int32):
-        """Warpgroup 1: Z = diag(beta) (V - diag(gamma) Kn S) (16-bit) into sZ (read by
-        warpgroup 0's Delta = T Z, then by T^T dT = (T^T dDelta) Z^T); Z_READY once written
-        and fenced for warpgroup 0. Rows past the sequence end are zeros (selected: V's rows
-        there, the next sequence's, are not zeroed yet, and need not be finite)."""
+        """Warpgroup 1: Z = diag(beta) (V - diag(gamma) Kn S) (16-bit) into sZ, for
+        warpgroup 0's Delta = T Z (Z_READY once written and fenced). Rows past the sequence
+        end are zeros (selected: V's rows there, the next sequence's, are not zeroed yet,
+        and need not be finite)."""
         V, C = self.v_dim, CHUNK
         sK, sV, sZ, sS = tiles[1], tiles[2], tiles[4], tiles[8]
         thr = mma_kk_v.get_slice(wtidx)
@@ -527,12 +533,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.store_acc(acc, mma_kmn_v, stage0(sU), wtidx)
 
     @cute.jit
-    def q_side(self, mmas, tiles, storage, sRows, sDG, bars, mDQ, staged_dq, acc_dk,
+    def q_side(self, mmas, tiles, storage, sRows, sDG, bars, mDQ, staged_dq, acc_dk, acc_k,
                first: Int32, rows: Int32, head: Int32, scale: Float32, wtidx: Int32):
         """Warpgroup 0: dM' = tril(dO Delta^T), dQK = scale dM' Gamma (over M), E's first
         term; dq_n = diag(scale gamma) dO S^T + dQK Kn; <S, dS'>; dk_n's diag(d) Delta dS'^T
         and dQK^T Qn terms into ``acc_dk`` (finish_dk adds warpgroup 1's); dG's q-side
-        terms."""
+        terms. ``acc_k``: dO S^T, made before Delta."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         mma_kk_v, mma_kk_c, mma_kmn_k, mma_mnmn_k, mma_mnmn_v = mmas[:5]
         mma_rs_v, mma_rs_k, mma_rs_c = mmas[5:8]
@@ -569,22 +575,19 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         store_stmatrix(dqk16, mma_kk_c, stage0(sX), wtidx)
         self.flush_e(e_rows, e_cols, dg_part, storage)
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
-        thr_k = mma_kmn_k.get_slice(wtidx)
-        acc_k = cute.make_rmem_tensor(thr_k.partition_shape_C((C, K)), Float32)
-        self.ss(mma_kmn_k, acc_k, stage0(sDO), stage0_t(sS, V, K), False)
-        warpgroup.wait_group(0)
         part = self.row_dots_then_scale(acc_k, mma_kmn_k, stage0(sQ), [scale * x for x in eg_r])
         for h in cutlass.range_constexpr(2):
             dg_part[h] = dg_part[h] + part[h] * scale * eg_r[h]
         self.rs(mma_rs_k, acc_k, dqk16, stage0_t(sK, C, K), True)
+        # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms, finish_dk): its
+        # first product runs while dq is finished and stored
         cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS'
+        self.ss(mma_kmn_k, acc_dk, stage0(sDelta), stage0_t(sDS, V, K), False)
         self.state_dot(sS, sDS, storage, wtidx)
-        warpgroup.wait_group(0)
+        warpgroup.wait_group(1)  # dQK Kn
         self.store_grad(mma_kmn_k, mDQ, acc_k, stage0(sQ), R_Q, 0, sRows, rows_of, first,
                         rows, head, staged_dq, 0)
-        # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms, finish_dk)
-        self.ss(mma_kmn_k, acc_dk, stage0(sDelta), stage0_t(sDS, V, K), False)
-        warpgroup.wait_group(0)
+        warpgroup.wait_group(0)  # diag(d) Delta dS'^T
         # S and dS' are read (by this warpgroup; warpgroup 1 reads neither)
         cute.arch.mbarrier_arrive(bars + STATES_FREE)
         part = self.row_dots_then_scale(acc_dk, mma_kmn_k, stage0(sK), d_r)
@@ -621,8 +624,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, staged_dv,
                 acc_dk, acc_v, first: Int32, rows: Int32, head: Int32, wtidx: Int32):
         """Warpgroup 1: dDelta = M^T dO (issued by the caller into ``acc_v``) + diag(d) Kn
-        dS'^T; dv = diag(beta) T^T dDelta; T^T dT = (T^T dDelta) Z^T; dBk = -(T^T dDelta)
-        S^T; dA = strict_tril(-(T^T dT) T^T); dP = diag(beta) (dA Gamma), E's
+        dS'^T; dv = diag(beta) T^T dDelta; dA = strict_tril(-(T^T dDelta) Delta^T);
+        dBk = -(T^T dDelta) S^T; dP = diag(beta) (dA Gamma), E's
         second term; dk_n's diag(beta gamma) dBk + dP Kn + dP^T Kn (to warpgroup 0 through
         shared memory); dbeta and dG's WY-side terms."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
@@ -634,9 +637,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         ctx = self.row_context(sRows, wtidx)
         rows_of, cols_of, g_r, eg_r, beta_r = (ctx[n] for n in ("rows_of", "cols_of", "g_r",
                                                                 "eg_r", "beta_r"))
-        sX2, sP = (cute.make_tensor(
-            cute.recast_ptr(storage.sWY.data_ptr() + n * cute.cosize(lay_c.outer),
-                            swizzle_=lay_c.inner, dtype=dt), lay_c.outer) for n in range(2))
+        sP = cute.make_tensor(cute.recast_ptr(storage.sWY.data_ptr(), swizzle_=lay_c.inner,
+                                              dtype=dt), lay_c.outer)
         dg_part = [Float32(0.0), Float32(0.0)]
         db_part = [Float32(0.0), Float32(0.0)]
         # ---- dDelta = M^T dO (issued before the CTA barrier, in acc_v) + diag(d) Kn dS'^T;
@@ -658,38 +660,25 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # ---- dv = diag(beta) T^T dDelta;  dbeta += rowsum(T^T dDelta * V)
         self.ss(mma_mnmn_v, acc_v, stage0_t(sT, C, C), stage0_t(sDD, C, V), False)
         warpgroup.wait_group(0)
-        # ---- T^T dT and dBk, both from T^T dDelta in registers: with Z's definition
+        # ---- dA and dBk, both from T^T dDelta in registers: with Z's definition
         # dT = dDelta V^T diag(beta) + dW Kn^T diag(beta gamma) = dDelta Z^T (dW =
-        # -dDelta S^T, Z = diag(beta) (V - diag(gamma) Kn S)), so T^T dT = (T^T dDelta) Z^T,
-        # and dBk = T^T dW = -(T^T dDelta) S^T (acc_dk holds -dBk until scaled): neither dW
-        # nor dT is formed
+        # -dDelta S^T, Z = diag(beta) (V - diag(gamma) Kn S)), so (T^T dT) T^T =
+        # (T^T dDelta) (T Z)^T = (T^T dDelta) Delta^T, and dBk = T^T dW = -(T^T dDelta) S^T
+        # (acc_dk holds -dBk until scaled): neither dW nor dT nor T^T dT is formed
         tdd16 = cute.make_rmem_tensor(acc_v.layout, dt)
         tdd16.store(acc_v.load().to(dt))
         thr_c = mma_rs_c.get_slice(wtidx)
-        acc_c = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
-        self.rs(mma_rs_c, acc_c, tdd16, stage0(sZ), False)  # T^T dT: next on the chain
+        acc_t2 = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
+        self.rs(mma_rs_c, acc_t2, tdd16, stage0(sU), False)  # dA before tril and sign
+        acc_c = cute.make_rmem_tensor(acc_t2.layout, Float32)
+        self.ss(mma_kk_c, acc_c, stage0(sK), stage0(sK), False)  # P = Kn Kn^T
         self.rs(mma_rs_k, acc_dk, tdd16, stage0_t(sS, V, K), False)
         part = self.row_dots_then_scale(acc_v, mma_mnmn_v, stage0(sV), beta_r)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
         self.store_out(mma_mnmn_v, mDV, acc_v, rows_of, first, rows, head, staged_dv, 2, 1)
-        # ---- dA = strict_tril(-(T^T dT) T^T); P = Kn Kn^T
-        warpgroup.wait_group(1)  # T^T dT
-        self.store_acc(acc_c, mma_kk_c, stage0(sX2), wtidx)
-        self.wg_sync(1, fence=True)
         g_c = [sRows[R_G, j] for j in cols_of]
-        acc_t2 = cute.make_rmem_tensor(acc_c.layout, Float32)
-        self.ss(mma_kk_c, acc_t2, stage0(sX2), stage0(sT), False)
-        self.ss(mma_kk_c, acc_c, stage0(sK), stage0(sK), False)
-        # ---- dk_n = diag(beta gamma) dBk ...; t = rowsum(dBk Kn), while dA and P run
-        warpgroup.wait_group(2)  # dBk
-        part = self.row_dots_then_scale(acc_dk, mma_kmn_k, stage0(sK),
-                                        [-b * x for b, x in zip(beta_r, eg_r)])
-        for h in cutlass.range_constexpr(2):
-            t_i = -part[h] * eg_r[h]
-            db_part[h] = db_part[h] + t_i
-            dg_part[h] = dg_part[h] + t_i * beta_r[h]
-        warpgroup.wait_group(0)
+        warpgroup.wait_group(0)  # dA's product, P and dBk (T^T dDelta's registers free)
         # ---- dP = diag(beta) (dA Gamma) (into sP); dbeta += rowsum(dA Gamma P); E = dP P
         e_cols = [Float32(0.0)] * len(cols_of)
         e_rows = [Float32(0.0), Float32(0.0)]
@@ -710,7 +699,14 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             db_part[h] = db_part[h] + part[h]
         self.store_acc(acc_t2, mma_kk_c, stage0(sP), wtidx)
         self.flush_e(e_rows, e_cols, dg_part, storage)
-        self.wg_sync(1, fence=True)
+        # ---- dk_n = diag(beta gamma) dBk ...; t = rowsum(dBk Kn)
+        part = self.row_dots_then_scale(acc_dk, mma_kmn_k, stage0(sK),
+                                        [-b * x for b, x in zip(beta_r, eg_r)])
+        for h in cutlass.range_constexpr(2):
+            t_i = -part[h] * eg_r[h]
+            db_part[h] = db_part[h] + t_i
+            dg_part[h] = dg_part[h] + t_i * beta_r[h]
+        self.wg_sync(1, fence=True)  # dP written
         # ---- dk_n += dP Kn + dP^T Kn, to warpgroup 0 (over S, once it is free)
         self.ss(mma_kmn_k, acc_dk, stage0(sP), stage0_t(sK, C, K), True)
         self.ss(mma_mnmn_k, acc_dk, stage0_t(sP, C, C), stage0_t(sK, C, K), True)
