@@ -1,7 +1,8 @@
 """Gated DeltaNet backward for SM90, the chunk-parallel gradients of q, k, v, g and beta.
 
 Verified on an H200 (2026-11-30) by tests/test_gdn_bwd_gpu.py; again on an H100
-(2026-12-07) after dW and dT left it, with tests/gpu_sanitize_gdn_bwd.py's racecheck.
+(2026-12-07) after dW and dT left it and again after the q side's reorder (session 50),
+with tests/gpu_sanitize_gdn_bwd.py's racecheck and memcheck.
 
 One CTA of two warpgroups per (64-token chunk, output head), after the forward's stage 1
 (of its factors only M and T = (I + A)^-1 are read here: W and U would cost
