@@ -143,10 +143,10 @@ def test_chunk_kernel_products_equal_the_reference_chain_rule(length):
     """What the chunk kernel (gdn_bwd_chunk_sm90) computes instead of the reference's
     dW, dT and dBk (session 48): with Z = diag(beta) V - diag(beta gamma) K S (so
     Delta = T Z), dT = dDelta Z^T, hence T^T dT = (T^T dDelta) Z^T, and
-    dBk = T^T dW = -(T^T dDelta) S^T; and what unmerged branches use (NOTES, sessions
-    48-49): (T^T dT) T^T = (T^T dDelta) Delta^T (gdn-da, in the q-side candidates
-    gdn-qovda and gdn-qov3), and the split T^T dDelta = (T^T M^T) dO + (T^T Kd) dS'
-    (gdn-tddf, measured slower in session 49). One chunk (a partial one too), float64."""
+    dBk = T^T dW = -(T^T dDelta) S^T; since session 50 (gdn-qovda merged) also dA's
+    product (T^T dT) T^T = (T^T dDelta) Delta^T; and what an unmerged branch uses (NOTES,
+    session 48): the split T^T dDelta = (T^T M^T) dO + (T^T Kd) dS' (gdn-tddf, measured
+    slower in session 49). One chunk (a partial one too), float64."""
     from precast.reference.gated_delta_net import _chunk_factors, to_chunks
     HO, K, V, scale = 2, 16, 8, 0.25
     x, _, do, _ = problem([length], HO, HO, HO, K, V, seed=5, state=False)
@@ -171,7 +171,7 @@ def test_chunk_kernel_products_equal_the_reference_chain_rule(length):
     tdd = tr(T) @ dDelta
     assert_close(dDelta @ tr(Z), dT, "dT = dDelta Z^T")
     assert_close(tdd @ tr(Z), tr(T) @ dT, "T^T dT = (T^T dDelta) Z^T")
-    # dA's product without T^T dT (gdn-da, gdn-qovda, gdn-qov3)
+    # dA's product without T^T dT (the kernel's since session 50)
     assert_close(tdd @ tr(T @ Z), tr(T) @ dT @ tr(T), "(T^T dT) T^T = (T^T dDelta) Delta^T")
     assert_close(-tdd @ tr(S), dBk, "dBk = -(T^T dDelta) S^T")
     assert_close((tr(T) @ tr(M)) @ dOs + (tr(T) @ Kd) @ dSn, tdd, "T^T dDelta, split")

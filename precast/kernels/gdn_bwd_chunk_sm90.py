@@ -669,9 +669,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         tdd16 = cute.make_rmem_tensor(acc_v.layout, dt)
         tdd16.store(acc_v.load().to(dt))
         thr_c = mma_rs_c.get_slice(wtidx)
-        acc_t2 = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)
-        self.rs(mma_rs_c, acc_t2, tdd16, stage0(sU), False)  # dA before tril and sign
-        acc_c = cute.make_rmem_tensor(acc_t2.layout, Float32)
+        acc_da = cute.make_rmem_tensor(thr_c.partition_shape_C((C, C)), Float32)  # dA, then dP
+        self.rs(mma_rs_c, acc_da, tdd16, stage0(sU), False)  # dA before tril and sign
+        acc_c = cute.make_rmem_tensor(acc_da.layout, Float32)
         self.ss(mma_kk_c, acc_c, stage0(sK), stage0(sK), False)  # P = Kn Kn^T
         self.rs(mma_rs_k, acc_dk, tdd16, stage0_t(sS, V, K), False)
         part = self.row_dots_then_scale(acc_v, mma_mnmn_v, stage0(sV), beta_r)
@@ -689,16 +689,16 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             below = cols_of[sl] < rows_of[h]
             gamma_ij = cute.math.exp(cutlass.select_(below, g_r[h] - g_c[sl], Float32(0.0)),
                                      fastmath=True)
-            da_g = cutlass.select_(below, -acc_t2[e], Float32(0.0)) * gamma_ij
+            da_g = cutlass.select_(below, -acc_da[e], Float32(0.0)) * gamma_ij
             part[h] = part[h] + da_g * acc_c[e]
             dp = beta_r[h] * da_g
             e_rows[h] = e_rows[h] + dp * acc_c[e]
             e_cols[sl] = e_cols[sl] + dp * acc_c[e]
-            acc_t2[e] = dp
+            acc_da[e] = dp
         part = self.quad_sums(part)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
-        self.store_acc(acc_t2, mma_kk_c, stage0(sP), wtidx)
+        self.store_acc(acc_da, mma_kk_c, stage0(sP), wtidx)
         self.flush_e(e_rows, e_cols, dg_part, storage)
         # ---- dk_n = diag(beta gamma) dBk ...; t = rowsum(dBk Kn)
         part = self.row_dots_then_scale(acc_dk, mma_kmn_k, stage0(sK),
