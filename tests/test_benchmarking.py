@@ -1,8 +1,21 @@
 """The benchmark helpers shared by bench/ and `precast quickstart` (CPU; burst_ms on the GPU)."""
+import importlib
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from precast.benchmarking import gdn_inputs
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def bench_module(name: str):
+    """A module of bench/ (its scripts import each other as top-level modules)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
 
 
 def test_gdn_inputs_shapes_dtypes_and_offsets():
@@ -28,15 +41,9 @@ def test_gdn_inputs_follow_the_seed():
 def test_dq_conversion_stats_knows_the_kernels_slice():
     """bench/dq_conversion_stats.py runs where the DSL is not installed, so it states the
     fused backward's dQ slice height itself: it must be the kernel's."""
-    import sys
-    from pathlib import Path
-
-    import pytest
     pytest.importorskip("cutlass")
     from precast.kernels.hstu_attention_bwd_sm90 import SLICE_ROWS
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import dq_conversion_stats
-    assert dq_conversion_stats.SLICE_ROWS == SLICE_ROWS
+    assert bench_module("dq_conversion_stats").SLICE_ROWS == SLICE_ROWS
 
 
 @pytest.mark.gpu
@@ -65,9 +72,7 @@ def test_ab_run_gives_each_leg_its_tree_and_cache(tmp_path):
     PYTHONPATH and PRECAST_CACHE_DIR at the leg's cache, legs interleaved per round, lines
     prefixed by the leg; the exit status counts the failed commands."""
     import subprocess
-    import sys
-    from pathlib import Path
-    ab = Path(__file__).resolve().parents[1] / "bench" / "ab.py"
+    ab = BENCH / "ab.py"
     for leg in ("one", "two"):
         (tmp_path / leg).mkdir()
     show = ("import os, sys; print(os.getcwd(), os.environ['PYTHONPATH'].split(os.pathsep)[0], "
@@ -91,11 +96,7 @@ def test_sass_stats_hot_loop_finds_the_wgmma_loop_and_its_skipped_regions():
     """bench/sass_stats.py --loop: the smallest loop holding min_mma HGMMA (not a loop with
     fewer; a retry stub after EXIT that jumps back is not a loop), its body, and the forward
     branches in it over more than SKIPPED_REGION instructions."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import sass_stats
+    sass_stats = bench_module("sass_stats")
 
     lines, addr = [], 0
 
@@ -131,11 +132,7 @@ def test_recorded_launches_records_in_order_and_restores_the_kernels():
     """bench/common.recorded_launches (kernel_times and the group probe replay what it
     records): every launch of one execute, in order and with its arguments, none run, and
     the op's kernels are its own again afterwards, also when execute raises."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from common import recorded_launches
+    recorded_launches = bench_module("common").recorded_launches
 
     ran = []
     kernels = {"states": lambda *a: ran.append(("states", a)),
