@@ -121,9 +121,16 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     cumulative_gates)."""
 
     def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
-                 v_heads: int, l2norm: bool, g_dtype, beta_dtype):
+                 v_heads: int, l2norm: bool, g_dtype, beta_dtype, initial_state: bool = True,
+                 final_grad: bool = True):
+        """initial_state / final_grad: whether the forward had an initial state / the
+        backward a final state's gradient. Without one, the state entering a sequence's
+        first chunk (without the other, dS' of its last chunk) is zero: the tile is made
+        zero in shared memory instead of loaded, and the recurrences need not write it
+        (in a one-chunk sequence they do not)."""
         super().__init__(dtype, k_dim, v_dim, q_heads, k_heads, v_heads, l2norm, g_dtype,
                          beta_dtype)
+        self.zero_first_state, self.zero_last_dstate = not initial_state, not final_grad
         # dq, dk, dv: final here where that input has at most two output heads per head
         # (the L2 norm's Jacobian applied, in the io dtype); otherwise the normalized rows'
         # gradients per output head (io dtype), for gdn_bwd_finish_sm90.
@@ -267,7 +274,10 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if warp == 0:
-                self.load_all(loads, tiles, bars, start, chunk, packed, head)
+                # (a sequence's first chunk, its last)
+                edges = (chunk == 0, mCuSeqlens[batch + 1] - first <= C)
+                self.load_all(loads, tiles, (storage.sS, storage.sDS), bars, start, chunk,
+                              packed, head, edges)
             # by warpgroup 1 (its threads 0..63), which scans them
             self.load_gates(mG, mBeta, sRows[R_G, None], sRows[R_BETA, None], first, rows,
                             head, (tidx + 128) % THREADS)
@@ -295,14 +305,25 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         return tuple(out)
 
     @cute.jit
-    def load_all(self, loads, tiles, bars, start: Int32, chunk: Int32, packed: Int32,
-                 head: Int32):
+    def load_all(self, loads, tiles, state_buffers, bars, start: Int32, chunk: Int32,
+                 packed: Int32, head: Int32, edges):
         """Warp 0: the chunk's tiles by TMA, issued in the order of the barriers they
         arrive on: Q, K, P (QK_LOADS; P into sM), S, V (FIRST_LOADS), dO (REST_LOADS),
-        dS' (LATE_LOADS)."""
+        dS' (LATE_LOADS). S of a sequence's first chunk without an initial state, and dS'
+        of its last without dfinal, are zero: written here (state_buffers: the two tiles'
+        memory) before the barrier's arrival instead of loaded."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         sQ, sK, sV, sDO, sZ, sU, sM, sT, sS, sDS, sDD = tiles
         lq, lk, lv, ldo, lw, ls, lds = loads  # lw: work16's packed 64 x 64 block
+        is_first, is_last = edges
+        zero_s = Int32(0)  # 1: this chunk's S (dS') is zero, not loaded
+        zero_ds = Int32(0)
+        if const_expr(self.zero_first_state):
+            if is_first:
+                zero_s = Int32(1)
+        if const_expr(self.zero_last_dstate):
+            if is_last:
+                zero_ds = Int32(1)
 
         def token_tile(atom, m, s, h, cols, bar):  # rows [start + 64 chunk, +64) of head h
             g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
@@ -312,18 +333,59 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         def block_tile(atom, m, s, bar):  # this (chunk, head)'s whole row block
             tma_load_tile(atom, m[None, None, head, packed], s, 0, bars + bar)
 
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + QK_LOADS, self.qk_bytes)
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + FIRST_LOADS, self.first_bytes)
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + REST_LOADS, self.rest_bytes)
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + LATE_LOADS, self.late_bytes)
-        token_tile(*lq, sQ, head // self.q_group, K, QK_LOADS)
-        token_tile(*lk, sK, head // self.k_group, K, QK_LOADS)
-        block_tile(*lw, sM, QK_LOADS)
-        block_tile(*ls, sS, FIRST_LOADS)
-        token_tile(*lv, sV, head // self.v_group, V, FIRST_LOADS)
-        token_tile(*ldo, sDO, head, V, REST_LOADS)
-        block_tile(*lds, sDS, LATE_LOADS)
+        if const_expr(not (self.zero_first_state or self.zero_last_dstate)):
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + QK_LOADS, self.qk_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + FIRST_LOADS, self.first_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + REST_LOADS, self.rest_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + LATE_LOADS, self.late_bytes)
+            token_tile(*lq, sQ, head // self.q_group, K, QK_LOADS)
+            token_tile(*lk, sK, head // self.k_group, K, QK_LOADS)
+            block_tile(*lw, sM, QK_LOADS)
+            block_tile(*ls, sS, FIRST_LOADS)
+            token_tile(*lv, sV, head // self.v_group, V, FIRST_LOADS)
+            token_tile(*ldo, sDO, head, V, REST_LOADS)
+            block_tile(*lds, sDS, LATE_LOADS)
+        else:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + QK_LOADS, self.qk_bytes)
+            token_tile(*lq, sQ, head // self.q_group, K, QK_LOADS)
+            token_tile(*lk, sK, head // self.k_group, K, QK_LOADS)
+            block_tile(*lw, sM, QK_LOADS)
+            # a zero tile is written before its barrier's arrival, which publishes it
+            if zero_s == 1:
+                self.zero_tile(state_buffers[0])
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    bars + FIRST_LOADS, self.first_bytes - zero_s * self.late_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + REST_LOADS, self.rest_bytes)
+            if zero_s == 0:  # (no closure may be called under a dynamic branch)
+                tma_load_tile(ls[0], ls[1][None, None, head, packed], sS, 0, bars + FIRST_LOADS)
+            token_tile(*lv, sV, head // self.v_group, V, FIRST_LOADS)
+            token_tile(*ldo, sDO, head, V, REST_LOADS)
+            if zero_ds == 1:
+                self.zero_tile(state_buffers[1])
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    bars + LATE_LOADS, self.late_bytes - zero_ds * self.late_bytes)
+            if zero_ds == 0:
+                tma_load_tile(lds[0], lds[1][None, None, head, packed], sDS, 0,
+                              bars + LATE_LOADS)
+
+    @cute.jit
+    def zero_tile(self, buffer):
+        """A (V x K) 16-bit state tile's memory (``buffer``: its struct field) zeroed by
+        the calling warp, 16 bytes a store, then fenced for the tensor cores (the caller's
+        mbarrier arrival publishes it to the other warps)."""
+        vectors = self.v_dim * self.k_dim // 8
+        flat = buffer.get_tensor(cute.make_layout((8, vectors), stride=(1, 8)))
+        zeros = cute.make_rmem_tensor(cute.make_layout((8,)), self.dtype)
+        zeros.fill(0.0)
+        lane = cute.arch.lane_idx()
+        for i in cutlass.range(lane, vectors, cute.arch.WARP_SIZE, unroll=4):
+            cute.autovec_copy(zeros, flat[None, i])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
 
     @cute.jit
     def zero_tail(self, tiles, rows: Int32, tidx: Int32, threads: int):
