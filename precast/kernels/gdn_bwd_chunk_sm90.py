@@ -260,7 +260,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             bars = storage.bars.data_ptr()
             start = mCuSeqlens[batch]
             first = start + chunk * C
-            rows = cutlass.min(mCuSeqlens[batch + 1] - first, C)
+            left = mCuSeqlens[batch + 1] - first  # tokens from this chunk's first on
+            rows = cutlass.min(left, C)
             if tidx == 0:
                 cute.arch.mbarrier_init(bars + FIRST_LOADS, 1)
                 cute.arch.mbarrier_init(bars + REST_LOADS, 1)
@@ -275,7 +276,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cute.arch.sync_threads()
             if warp == 0:
                 # (a sequence's first chunk, its last)
-                edges = (chunk == 0, mCuSeqlens[batch + 1] - first <= C)
+                edges = (chunk == 0, left <= C)
                 self.load_all(loads, tiles, (storage.sS, storage.sDS), bars, start, chunk,
                               packed, head, edges)
             # by warpgroup 1 (its threads 0..63), which scans them
