@@ -51,8 +51,12 @@ those buffers' traffic, written here and read there; a rounding of ~2^-9 per ter
 inside the gradients' tolerance). dg and dbeta are
 written in g's and beta's dtypes. Rows of a partial chunk past the sequence end are zero in
 shared memory (and have g = beta = 0), so they add nothing; only real rows are written.
-Every sum inside the kernel runs in a fixed order, and the pairs' adds commute: the
-results are bitwise reproducible.
+The state entering a sequence's first chunk without an initial state, and dS' of its last
+chunk without dfinal, are zero: such a tile is not loaded, and the products that read it
+(Kn S, dO S^T, -(T^T dDelta) S^T, Delta dS'^T, diag(d) Kn dS'^T, <S, dS'>) are not issued:
+a one-chunk sequence's chunk does under half a middle chunk's tensor work. Every sum
+inside the kernel runs in a fixed order, and the pairs' adds commute: the results are
+bitwise reproducible.
 """
 import cuda.bindings.driver as cuda
 
