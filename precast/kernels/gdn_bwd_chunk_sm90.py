@@ -129,9 +129,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                  final_grad: bool = True):
         """initial_state / final_grad: whether the forward had an initial state / the
         backward a final state's gradient. Without one, the state entering a sequence's
-        first chunk (without the other, dS' of its last chunk) is zero: the tile is made
-        zero in shared memory instead of loaded, and the recurrences need not write it
-        (in a one-chunk sequence they do not)."""
+        first chunk (without the other, dS' of its last chunk) is zero: the tile is not
+        loaded and the products that read it are not issued, and the recurrences need not
+        write it (in a one-chunk sequence they do not)."""
         super().__init__(dtype, k_dim, v_dim, q_heads, k_heads, v_heads, l2norm, g_dtype,
                          beta_dtype)
         self.zero_first_state, self.zero_last_dstate = not initial_state, not final_grad
