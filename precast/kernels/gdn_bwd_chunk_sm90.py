@@ -53,8 +53,10 @@ written in g's and beta's dtypes. Rows of a partial chunk past the sequence end 
 shared memory (and have g = beta = 0), so they add nothing; only real rows are written.
 The state entering a sequence's first chunk without an initial state, and dS' of its last
 chunk without dfinal, are zero: such a tile is not loaded, and the products that read it
-(Kn S, dO S^T, -(T^T dDelta) S^T, Delta dS'^T, diag(d) Kn dS'^T, <S, dS'>) are not issued:
-a one-chunk sequence's chunk does under half a middle chunk's tensor work. Every sum
+(Kn S, dO S^T, Delta dS'^T, diag(d) Kn dS'^T, <S, dS'>) are not issued: a one-chunk
+sequence's chunk does about half a middle chunk's tensor work. (dBk = -(T^T dDelta) S^T
+still runs, on a zero S written into shared memory: skipping it too made ptxas spill, or
+serialize every wgmma where only S can be zero.) Every sum
 inside the kernel runs in a fixed order, and the pairs' adds commute: the results are
 bitwise reproducible.
 """
@@ -130,7 +132,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         """initial_state / final_grad: whether the forward had an initial state / the
         backward a final state's gradient. Without one, the state entering a sequence's
         first chunk (without the other, dS' of its last chunk) is zero: the tile is not
-        loaded and the products that read it are not issued, and the recurrences need not
+        loaded and (but for dBk's) the products that read it are not issued, and the
+        recurrences need not
         write it (in a one-chunk sequence they do not)."""
         super().__init__(dtype, k_dim, v_dim, q_heads, k_heads, v_heads, l2norm, g_dtype,
                          beta_dtype)
@@ -289,7 +292,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 zero_ds = cutlass.select_(left <= C, Int32(1), Int32(0))
             zeros = (zero_s, zero_ds)
             if warp == 0:
-                self.load_all(loads, tiles, bars, start, chunk, packed, head, zeros)
+                self.load_all(loads, tiles, storage.sS, bars, start, chunk, packed, head,
+                              zeros)
             # by warpgroup 1 (its threads 0..63), which scans them
             self.load_gates(mG, mBeta, sRows[R_G, None], sRows[R_BETA, None], first, rows,
                             head, (tidx + 128) % THREADS)
@@ -317,12 +321,14 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         return tuple(out)
 
     @cute.jit
-    def load_all(self, loads, tiles, bars, start: Int32, chunk: Int32, packed: Int32,
-                 head: Int32, zeros):
+    def load_all(self, loads, tiles, s_buffer, bars, start: Int32, chunk: Int32,
+                 packed: Int32, head: Int32, zeros):
         """Warp 0: the chunk's tiles by TMA, issued in the order of the barriers they
         arrive on: Q, K, P (QK_LOADS; P into sM), S, V (FIRST_LOADS), dO (REST_LOADS),
         dS' (LATE_LOADS). A zero S or dS' (``zeros``, kernel) is not loaded: its barrier
-        expects that many bytes fewer (nothing reads the tile)."""
+        expects that many bytes fewer. Nothing reads a zero dS'; a zero S is written here
+        (``s_buffer``: its memory) before its barrier's arrival, which publishes it, for
+        the one product that still reads it (dBk)."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         sQ, sK, sV, sDO, sZ, sU, sM, sT, sS, sDS, sDD = tiles
         lq, lk, lv, ldo, lw, ls, lds = loads  # lw: work16's packed 64 x 64 block
@@ -352,14 +358,17 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         else:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(bars + QK_LOADS, self.qk_bytes)
-                cute.arch.mbarrier_arrive_and_expect_tx(
-                    bars + FIRST_LOADS, self.first_bytes - zero_s * self.late_bytes)
                 cute.arch.mbarrier_arrive_and_expect_tx(bars + REST_LOADS, self.rest_bytes)
                 cute.arch.mbarrier_arrive_and_expect_tx(
                     bars + LATE_LOADS, self.late_bytes - zero_ds * self.late_bytes)
             token_tile(*lq, sQ, head // self.q_group, K, QK_LOADS)
             token_tile(*lk, sK, head // self.k_group, K, QK_LOADS)
             block_tile(*lw, sM, QK_LOADS)
+            if zero_s == 1:
+                self.zero_tile(s_buffer)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    bars + FIRST_LOADS, self.first_bytes - zero_s * self.late_bytes)
             if zero_s == 0:  # (no closure may be called under a dynamic branch)
                 tma_load_tile(ls[0], ls[1][None, None, head, packed], sS, 0, bars + FIRST_LOADS)
             token_tile(*lv, sV, head // self.v_group, V, FIRST_LOADS)
@@ -367,6 +376,21 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             if zero_ds == 0:
                 tma_load_tile(lds[0], lds[1][None, None, head, packed], sDS, 0,
                               bars + LATE_LOADS)
+
+    @cute.jit
+    def zero_tile(self, buffer):
+        """A (V x K) 16-bit state tile's memory (``buffer``: its struct field) zeroed by
+        the calling warp, 16 bytes a store, then fenced for the tensor cores (the caller's
+        mbarrier arrival publishes it to the other warps)."""
+        vectors = self.v_dim * self.k_dim // 8
+        flat = buffer.get_tensor(cute.make_layout((8, vectors), stride=(1, 8)))
+        zeros = cute.make_rmem_tensor(cute.make_layout((8,)), self.dtype)
+        zeros.fill(0.0)
+        lane = cute.arch.lane_idx()
+        for i in cutlass.range(lane, vectors, cute.arch.WARP_SIZE, unroll=4):
+            cute.autovec_copy(zeros, flat[None, i])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
 
     @cute.jit
     def zero_tail(self, tiles, rows: Int32, tidx: Int32, threads: int):
@@ -728,7 +752,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.rs(mma_rs_c, acc_da, tdd16, stage0(sU), False)  # dA before tril and sign
         acc_c = cute.make_rmem_tensor(acc_da.layout, Float32)
         self.ss(mma_kk_c, acc_c, stage0(sK), stage0(sK), False)  # P = Kn Kn^T
-        self.product_unless(zeros[0], mma_rs_k, acc_dk, tdd16, stage0_t(sS, V, K))
+        # (issued on a zero S too, zeroed for it by load_all: skipping it made ptxas spill)
+        self.rs(mma_rs_k, acc_dk, tdd16, stage0_t(sS, V, K), False)
         part = self.row_dots_then_scale(acc_v, mma_mnmn_v, stage0(sV), beta_r)
         for h in cutlass.range_constexpr(2):
             db_part[h] = db_part[h] + part[h]
@@ -759,12 +784,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.row_dots_then_scale(acc_dk, mma_kmn_k, stage0(sK),
                                         [-b * x for b, x in zip(beta_r, eg_r)])
         for h in cutlass.range_constexpr(2):
-            t_i = self.unless_zero(zeros[0], -part[h] * eg_r[h])
+            t_i = -part[h] * eg_r[h]
             db_part[h] = db_part[h] + t_i
             dg_part[h] = dg_part[h] + t_i * beta_r[h]
         self.wg_sync(1, fence=True)  # dP written
         # ---- dk_n += dP Kn + dP^T Kn, to warpgroup 0 (over S, once it is free)
-        self.ss(mma_kmn_k, acc_dk, stage0(sP), stage0_t(sK, C, K), self.made(zeros[0]))
+        self.ss(mma_kmn_k, acc_dk, stage0(sP), stage0_t(sK, C, K), True)
         self.ss(mma_mnmn_k, acc_dk, stage0_t(sP, C, C), stage0_t(sK, C, K), True)
         if ctx["leader"]:
             for h in cutlass.range_constexpr(2):
