@@ -56,9 +56,8 @@ chunk without dfinal, are zero: such a tile is not loaded, and the products that
 (Kn S, dO S^T, Delta dS'^T, diag(d) Kn dS'^T, <S, dS'>) are not issued: a one-chunk
 sequence's chunk does about half a middle chunk's tensor work. (dBk = -(T^T dDelta) S^T
 still runs, on a zero S written into shared memory: skipping it too made ptxas spill, or
-serialize every wgmma where only S can be zero.) Every sum
-inside the kernel runs in a fixed order, and the pairs' adds commute: the results are
-bitwise reproducible.
+serialize every wgmma where only S can be zero.) Every sum inside the kernel runs in a
+fixed order, and the pairs' adds commute: the results are bitwise reproducible.
 """
 import cuda.bindings.driver as cuda
 
@@ -133,8 +132,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         backward a final state's gradient. Without one, the state entering a sequence's
         first chunk (without the other, dS' of its last chunk) is zero: the tile is not
         loaded and (but for dBk's) the products that read it are not issued, and the
-        recurrences need not
-        write it (in a one-chunk sequence they do not)."""
+        recurrences need not write it (in a one-chunk sequence they do not)."""
         super().__init__(dtype, k_dim, v_dim, q_heads, k_heads, v_heads, l2norm, g_dtype,
                          beta_dtype)
         self.zero_first_state, self.zero_last_dstate = not initial_state, not final_grad
@@ -282,9 +280,9 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             # S of a sequence's first chunk without an initial state and dS' of its last
-            # without dfinal are zero: 1 where this chunk's is (neither loaded nor read:
-            # the products that read it are skipped), None where the configuration rules
-            # it out (no branch is made)
+            # without dfinal are zero: 1 where this chunk's is (not loaded; the products
+            # that read it are not issued, but for dBk on a zero-filled S), None where the
+            # configuration rules it out (no branch is made)
             zero_s, zero_ds = None, None
             if const_expr(self.zero_first_state):
                 zero_s = cutlass.select_(chunk == 0, Int32(1), Int32(0))
@@ -494,7 +492,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             acc_k = cute.make_rmem_tensor(
                 mma_kmn_k.get_slice(tidx % 128).partition_shape_C((C, self.k_dim)), Float32)
             self.product_unless(zeros[0], mma_kmn_k, acc_k, stage0(tiles[3]),
-                                  stage0_t(tiles[8], self.v_dim, self.k_dim))
+                                stage0_t(tiles[8], self.v_dim, self.k_dim))
             cute.arch.mbarrier_wait(bars + Z_READY, 0)
             self.delta(mmas[8], tiles, tidx % 128)
             if rows < C:
@@ -654,7 +652,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # first product runs while dq is finished and stored
         cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS'
         self.product_unless(zeros[1], mma_kmn_k, acc_dk, stage0(sDelta),
-                              stage0_t(sDS, V, K))
+                            stage0_t(sDS, V, K))
         self.state_dot(sS, sDS, storage, zeros, wtidx)
         if const_expr(zeros[1] is None):
             warpgroup.wait_group(1)  # dQK Kn
