@@ -4,6 +4,7 @@ forward with the final state, backward with its gradient):
 
     compute-sanitizer --tool memcheck --report-api-errors no python tests/gpu_sanitize_gdn_bwd.py
     compute-sanitizer --tool racecheck python tests/gpu_sanitize_gdn_bwd.py [BATCH ...] [--pairs]
+        [--no-dfinal]
 
 Ragged lengths with empty and one-token sequences and a partial last chunk, then 40 such
 sequences (more than 32: the kernels read the per-sequence table; the batches and inputs of
@@ -12,7 +13,9 @@ several), through autograd (o, s = gated_delta_net(...);
 loss.backward()); the gradients are checked against
 the float64 chunked backward so a silent wrong answer fails too. --pairs: v, the gates and
 beta (bf16) with twice the heads of q and k, so that two output heads add into each head's
-dq and dk (chunk_grad's TMA reduce-adds and atomics; the plan's 4 / 4 / 8-head entries)."""
+dq and dk (chunk_grad's TMA reduce-adds and atomics; the plan's 4 / 4 / 8-head entries).
+--no-dfinal: the loss on o alone (no final state's gradient: the last chunk's dS' is zero,
+made in shared memory, and one-chunk sequences skip state_grad's work)."""
 import sys
 
 import torch
@@ -23,9 +26,10 @@ from precast.reference.gated_delta_net import rms_error_ratio
 from precast.reference.gdn_backward import gdn_chunked_backward_reference
 
 TOL = 4e-2  # RMS error ratio (bf16), the backward's bar
-pairs = "--pairs" in sys.argv[1:]
+FLAGS = ("--pairs", "--no-dfinal")
+pairs, with_dfinal = "--pairs" in sys.argv[1:], "--no-dfinal" not in sys.argv[1:]
 failures = []
-for what, lens in chosen_batches([a for a in sys.argv[1:] if a != "--pairs"]).items():
+for what, lens in chosen_batches([a for a in sys.argv[1:] if a not in FLAGS]).items():
     (q, k, v, gate, beta, cu), g = inputs(lens)
     T, N = sum(lens), len(lens)
     HO = 2 * H if pairs else H
@@ -34,12 +38,13 @@ for what, lens in chosen_batches([a for a in sys.argv[1:] if a != "--pairs"]).it
         gate = -0.05 * torch.rand(T, HO, device="cuda", generator=g)
         beta = torch.rand(T, HO, device="cuda", generator=g).bfloat16()
     do = torch.randn(T, HO, V, device="cuda", generator=g).bfloat16()
-    dfinal = 0.1 * torch.randn(N, HO, V, K, device="cuda", generator=g)
+    dfinal = 0.1 * torch.randn(N, HO, V, K, device="cuda", generator=g) if with_dfinal else None
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v, gate, beta)]
     o, final = gated_delta_net(*leaves, cu, output_final_state=True,
                                use_qk_l2norm_in_kernel=True)
-    ((o.float() * do.float()).sum() + (final * dfinal).sum()).backward()
+    loss = (o.float() * do.float()).sum()
+    (loss + (final * dfinal).sum() if with_dfinal else loss).backward()
     torch.cuda.synchronize()
     ref = gdn_chunked_backward_reference(q, k, v, gate, beta, cu, do, dfinal=dfinal,
                                          use_qk_l2norm_in_kernel=True)

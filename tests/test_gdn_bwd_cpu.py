@@ -1113,3 +1113,23 @@ def test_default_plan_has_the_backward_of_every_planned_forward_shape():
         fields = {k: cfg[k] for k in FORWARD_FIELDS}
         for final_grad in (True, False):
             assert {**fields, "final_state_grad": final_grad} in planned, cfg
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("state_dtype,final_grad", [("none", False), ("none", True),
+                                                     ("float32", False), ("io", True)])
+def test_zero_state_tiles_follow_the_configuration(state_dtype, final_grad):
+    """Without an initial state the state entering a sequence's first chunk is zero, and
+    without dfinal so is dS' of its last: the chunk kernel then neither loads that tile
+    nor issues the products that read it, the states pass writes no state for a one-chunk sequence, and state_grad
+    makes no first-chunk step unless the initial state's gradient needs it."""
+    op = GdnBwdSm90.from_config(state_dtype=state_dtype,
+                                final_state_grad=final_grad).check_support()
+    builders = op._kernel_builders()
+    chunk, _ = builders["chunk_grad"]()
+    states, _ = builders["states"]()
+    state_grad, _ = builders["state_grad"]()
+    assert chunk.zero_first_state == (state_dtype == "none") == states.zero_first
+    assert chunk.zero_last_dstate == (not final_grad) == (not state_grad.final_grad)
+    assert state_grad.init_grad == (state_dtype != "none")
+    assert not states.final_state  # the states pass skips each sequence's last update

@@ -140,15 +140,15 @@ def load_ldmatrix(tiled_mma, tile, vals, tidx: Int32):
 
 
 @cute.jit
-def wgmma(tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr,
-          k_blocks: cutlass.Constexpr = None):
+def wgmma(tiled_mma, acc, tCrA, tCrB, accumulate, k_blocks: cutlass.Constexpr = None):
     """acc (+)= A B over the k-blocks of the fragments (the first ``k_blocks`` of them when
-    given), issued as one wgmma group (not waited for)."""
+    given), issued as one wgmma group (not waited for). ``accumulate``: a Python bool, or a
+    dynamic Boolean (then the first k-block's scale-d predicate)."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its ACCUMULATE flag is mutated
     blocks = cute.size(tCrA.shape[2]) if const_expr(k_blocks is None) else k_blocks
     for k in cutlass.range_constexpr(blocks):
-        atom.set(warpgroup.Field.ACCUMULATE, accumulate or k != 0)
+        atom.set(warpgroup.Field.ACCUMULATE, accumulate if const_expr(k == 0) else True)
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
     warpgroup.commit_group()
 

@@ -51,8 +51,13 @@ those buffers' traffic, written here and read there; a rounding of ~2^-9 per ter
 inside the gradients' tolerance). dg and dbeta are
 written in g's and beta's dtypes. Rows of a partial chunk past the sequence end are zero in
 shared memory (and have g = beta = 0), so they add nothing; only real rows are written.
-Every sum inside the kernel runs in a fixed order, and the pairs' adds commute: the
-results are bitwise reproducible.
+The state entering a sequence's first chunk without an initial state, and dS' of its last
+chunk without dfinal, are zero: such a tile is not loaded, and the products that read it
+(Kn S, dO S^T, Delta dS'^T, diag(d) Kn dS'^T, <S, dS'>) are not issued: a one-chunk
+sequence's chunk does about half a middle chunk's tensor work. (dBk = -(T^T dDelta) S^T
+still runs, on a zero S written into shared memory: skipping it too made ptxas spill, or
+serialize every wgmma where only S can be zero.) Every sum inside the kernel runs in a
+fixed order, and the pairs' adds commute: the results are bitwise reproducible.
 """
 import cuda.bindings.driver as cuda
 
@@ -121,9 +126,16 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
     cumulative_gates)."""
 
     def __init__(self, dtype, k_dim: int, v_dim: int, q_heads: int, k_heads: int,
-                 v_heads: int, l2norm: bool, g_dtype, beta_dtype):
+                 v_heads: int, l2norm: bool, g_dtype, beta_dtype, initial_state: bool = True,
+                 final_grad: bool = True):
+        """initial_state / final_grad: whether the forward had an initial state / the
+        backward a final state's gradient. Without one, the state entering a sequence's
+        first chunk (without the other, dS' of its last chunk) is zero: the tile is not
+        loaded and (but for dBk's) the products that read it are not issued, and the
+        recurrences need not write it (in a one-chunk sequence they do not)."""
         super().__init__(dtype, k_dim, v_dim, q_heads, k_heads, v_heads, l2norm, g_dtype,
                          beta_dtype)
+        self.zero_first_state, self.zero_last_dstate = not initial_state, not final_grad
         # dq, dk, dv: final here where that input has at most two output heads per head
         # (the L2 norm's Jacobian applied, in the io dtype); otherwise the normalized rows'
         # gradients per output head (io dtype), for gdn_bwd_finish_sm90.
@@ -253,7 +265,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             bars = storage.bars.data_ptr()
             start = mCuSeqlens[batch]
             first = start + chunk * C
-            rows = cutlass.min(mCuSeqlens[batch + 1] - first, C)
+            left = mCuSeqlens[batch + 1] - first  # tokens from this chunk's first on
+            rows = cutlass.min(left, C)
             if tidx == 0:
                 cute.arch.mbarrier_init(bars + FIRST_LOADS, 1)
                 cute.arch.mbarrier_init(bars + REST_LOADS, 1)
@@ -266,14 +279,25 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 cute.arch.mbarrier_init(bars + M_READY, 128)
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
+            # S of a sequence's first chunk without an initial state and dS' of its last
+            # without dfinal are zero: 1 where this chunk's is (not loaded; the products
+            # that read it are not issued, but for dBk on a zero-filled S), None where the
+            # configuration rules it out (no branch is made)
+            zero_s, zero_ds = None, None
+            if const_expr(self.zero_first_state):
+                zero_s = cutlass.select_(chunk == 0, Int32(1), Int32(0))
+            if const_expr(self.zero_last_dstate):
+                zero_ds = cutlass.select_(left <= C, Int32(1), Int32(0))
+            zeros = (zero_s, zero_ds)
             if warp == 0:
-                self.load_all(loads, tiles, bars, start, chunk, packed, head)
+                self.load_all(loads, tiles, storage.sS, bars, start, chunk, packed, head,
+                              zeros)
             # by warpgroup 1 (its threads 0..63), which scans them
             self.load_gates(mG, mBeta, sRows[R_G, None], sRows[R_BETA, None], first, rows,
                             head, (tidx + 128) % THREADS)
             staged = self.staged_outputs(out_stores, tiles, storage, lay_k)
             self.gradients(mmas, tiles, layouts, storage, sRows, bars, mDQ, mDK, mDV, mDG,
-                           mDBeta, staged, first, rows, head, scale, tidx)
+                           mDBeta, staged, zeros, first, rows, head, scale, tidx)
             if warp % 4 == 0:  # the issuers' output stores have read shared memory
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -295,14 +319,18 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         return tuple(out)
 
     @cute.jit
-    def load_all(self, loads, tiles, bars, start: Int32, chunk: Int32, packed: Int32,
-                 head: Int32):
+    def load_all(self, loads, tiles, s_buffer, bars, start: Int32, chunk: Int32,
+                 packed: Int32, head: Int32, zeros):
         """Warp 0: the chunk's tiles by TMA, issued in the order of the barriers they
         arrive on: Q, K, P (QK_LOADS; P into sM), S, V (FIRST_LOADS), dO (REST_LOADS),
-        dS' (LATE_LOADS)."""
+        dS' (LATE_LOADS). A zero S or dS' (``zeros``, kernel) is not loaded: its barrier
+        expects that many bytes fewer. Nothing reads a zero dS'; a zero S is written here
+        (``s_buffer``: its memory) before its barrier's arrival, which publishes it, for
+        the one product that still reads it (dBk)."""
         K, V, C = self.k_dim, self.v_dim, CHUNK
         sQ, sK, sV, sDO, sZ, sU, sM, sT, sS, sDS, sDD = tiles
         lq, lk, lv, ldo, lw, ls, lds = loads  # lw: work16's packed 64 x 64 block
+        zero_s, zero_ds = (Int32(0) if const_expr(z is None) else z for z in zeros)
 
         def token_tile(atom, m, s, h, cols, bar):  # rows [start + 64 chunk, +64) of head h
             g = cute.local_tile(cute.domain_offset((start, 0), m[None, None, h]), (C, cols),
@@ -312,18 +340,55 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         def block_tile(atom, m, s, bar):  # this (chunk, head)'s whole row block
             tma_load_tile(atom, m[None, None, head, packed], s, 0, bars + bar)
 
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + QK_LOADS, self.qk_bytes)
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + FIRST_LOADS, self.first_bytes)
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + REST_LOADS, self.rest_bytes)
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + LATE_LOADS, self.late_bytes)
-        token_tile(*lq, sQ, head // self.q_group, K, QK_LOADS)
-        token_tile(*lk, sK, head // self.k_group, K, QK_LOADS)
-        block_tile(*lw, sM, QK_LOADS)
-        block_tile(*ls, sS, FIRST_LOADS)
-        token_tile(*lv, sV, head // self.v_group, V, FIRST_LOADS)
-        token_tile(*ldo, sDO, head, V, REST_LOADS)
-        block_tile(*lds, sDS, LATE_LOADS)
+        if const_expr(all(z is None for z in zeros)):
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + QK_LOADS, self.qk_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + FIRST_LOADS, self.first_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + REST_LOADS, self.rest_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + LATE_LOADS, self.late_bytes)
+            token_tile(*lq, sQ, head // self.q_group, K, QK_LOADS)
+            token_tile(*lk, sK, head // self.k_group, K, QK_LOADS)
+            block_tile(*lw, sM, QK_LOADS)
+            block_tile(*ls, sS, FIRST_LOADS)
+            token_tile(*lv, sV, head // self.v_group, V, FIRST_LOADS)
+            token_tile(*ldo, sDO, head, V, REST_LOADS)
+            block_tile(*lds, sDS, LATE_LOADS)
+        else:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + QK_LOADS, self.qk_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + REST_LOADS, self.rest_bytes)
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    bars + LATE_LOADS, self.late_bytes - zero_ds * self.late_bytes)
+            token_tile(*lq, sQ, head // self.q_group, K, QK_LOADS)
+            token_tile(*lk, sK, head // self.k_group, K, QK_LOADS)
+            block_tile(*lw, sM, QK_LOADS)
+            if zero_s == 1:
+                self.zero_tile(s_buffer)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(
+                    bars + FIRST_LOADS, self.first_bytes - zero_s * self.late_bytes)
+            if zero_s == 0:  # (no closure may be called under a dynamic branch)
+                tma_load_tile(ls[0], ls[1][None, None, head, packed], sS, 0, bars + FIRST_LOADS)
+            token_tile(*lv, sV, head // self.v_group, V, FIRST_LOADS)
+            token_tile(*ldo, sDO, head, V, REST_LOADS)
+            if zero_ds == 0:
+                tma_load_tile(lds[0], lds[1][None, None, head, packed], sDS, 0,
+                              bars + LATE_LOADS)
+
+    @cute.jit
+    def zero_tile(self, buffer):
+        """A (V x K) 16-bit state tile's memory (``buffer``: its struct field) zeroed by
+        the calling warp, 16 bytes a store, then fenced for the tensor cores (the caller's
+        mbarrier arrival publishes it to the other warps)."""
+        vectors = self.v_dim * self.k_dim // 8
+        flat = buffer.get_tensor(cute.make_layout((8, vectors), stride=(1, 8)))
+        zeros = cute.make_rmem_tensor(cute.make_layout((8,)), self.dtype)
+        zeros.fill(0.0)
+        lane = cute.arch.lane_idx()
+        for i in cutlass.range(lane, vectors, cute.arch.WARP_SIZE, unroll=4):
+            cute.autovec_copy(zeros, flat[None, i])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
 
     @cute.jit
     def zero_tail(self, tiles, rows: Int32, tidx: Int32, threads: int):
@@ -387,10 +452,12 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
     @cute.jit
     def gradients(self, mmas, tiles, layouts, storage, sRows, bars, mDQ, mDK, mDV, mDG,
-                  mDBeta, staged, first: Int32, rows: Int32, head: Int32, scale: Float32,
-                  tidx: Int32):
+                  mDBeta, staged, zeros, first: Int32, rows: Int32, head: Int32,
+                  scale: Float32, tidx: Int32):
         """Every product and reduction of the chunk (module docstring), the q side on
-        warpgroup 0 and the WY side on warpgroup 1, then dg and dbeta from both."""
+        warpgroup 0 and the WY side on warpgroup 1, then dg and dbeta from both. A product
+        that reads a zero S or dS' (``zeros``, kernel) is not issued: its result is zeros
+        (or nothing is added)."""
         C, V = CHUNK, self.v_dim
         wg = tidx // 128
         sDG = storage.dg.get_tensor(cute.make_layout((WGS, C), stride=(C, 1)))
@@ -424,8 +491,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             mma_kmn_k = mmas[2]
             acc_k = cute.make_rmem_tensor(
                 mma_kmn_k.get_slice(tidx % 128).partition_shape_C((C, self.k_dim)), Float32)
-            self.ss(mma_kmn_k, acc_k, stage0(tiles[3]), stage0_t(tiles[8], self.v_dim,
-                                                                 self.k_dim), False)
+            self.product_unless(zeros[0], mma_kmn_k, acc_k, stage0(tiles[3]),
+                                stage0_t(tiles[8], self.v_dim, self.k_dim))
             cute.arch.mbarrier_wait(bars + Z_READY, 0)
             self.delta(mmas[8], tiles, tidx % 128)
             if rows < C:
@@ -434,7 +501,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             self.q_side(mmas, tiles, storage, sRows, sDG, bars, mDQ, staged[0], acc_dk, acc_k,
-                        first, rows, head, scale, tidx % 128)
+                        zeros, first, rows, head, scale, tidx % 128)
         else:
             wtidx = tidx - 128
             self.normalize_tile(tiles[1], sRows, R_K, 1, bars, rows, wtidx)
@@ -442,7 +509,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                 self.cumulative_gates(sRows[R_G, None])
             self.wg_sync(1)  # G, and Kn (fenced by normalize_tile) for this warpgroup's wgmma
             cute.arch.mbarrier_wait(bars + FIRST_LOADS, 0)  # S, V
-            self.delta_rhs(mmas[0], tiles, sRows, bars, rows, wtidx)
+            self.delta_rhs(mmas[0], tiles, sRows, bars, zeros[0], rows, wtidx)
             cute.arch.mbarrier_wait(bars + REST_LOADS, 0)  # dO (this side's own wait on it)
             cute.arch.mbarrier_wait(bars + M_READY, 0)  # ... and dO's tail rows zeroed
             # dDelta's first term, M^T dO, while warpgroup 0 computes Delta
@@ -453,7 +520,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                     False)
             cute.arch.sync_threads()
             self.wy_side(mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, staged[2],
-                         acc_dk, acc_v, first, rows, head, wtidx)
+                         acc_dk, acc_v, zeros, first, rows, head, wtidx)
         # dG's partial sums are written (every thread meets this barrier at one instruction)
         cute.arch.sync_threads()
         if wg == 0:
@@ -499,7 +566,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
                     leader=lane % 4 == 0)
 
     @cute.jit
-    def delta_rhs(self, mma_kk_v, tiles, sRows, bars, rows: Int32, wtidx: Int32):
+    def delta_rhs(self, mma_kk_v, tiles, sRows, bars, zero_s, rows: Int32, wtidx: Int32):
         """Warpgroup 1: Z = diag(beta) (V - diag(gamma) Kn S) (16-bit) into sZ, for
         warpgroup 0's Delta = T Z (Z_READY once written and fenced). Rows past the sequence
         end are zeros (selected: V's rows there, the next sequence's, are not zeroed yet,
@@ -508,7 +575,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         sK, sV, sZ, sS = tiles[1], tiles[2], tiles[4], tiles[8]
         thr = mma_kk_v.get_slice(wtidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((C, V)), Float32)
-        self.ss(mma_kk_v, acc, stage0(sK), stage0(sS), False)
+        self.product_unless(zero_s, mma_kk_v, acc, stage0(sK), stage0(sS))
         ctx = self.row_context(sRows, wtidx)
         warpgroup.wait_group(0)
         v = self.loaded(mma_kk_v, stage0(sV), acc)
@@ -516,7 +583,8 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         real = [r < rows for r in ctx["rows_of"]]
         for e in cutlass.range_constexpr(cute.size(acc)):
             h = row_half(e)
-            z = ctx["beta_r"][h] * (v[e].to(Float32) - ctx["eg_r"][h] * acc[e])
+            z = ctx["beta_r"][h] * (v[e].to(Float32) - self.unless_zero(
+                zero_s, ctx["eg_r"][h] * acc[e]))
             z16[e] = Float32(cutlass.select_(real[h], z, Float32(0.0))).to(self.dtype)
         store_stmatrix(z16, mma_kk_v, stage0(sZ), wtidx)
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -535,7 +603,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
     @cute.jit
     def q_side(self, mmas, tiles, storage, sRows, sDG, bars, mDQ, staged_dq, acc_dk, acc_k,
-               first: Int32, rows: Int32, head: Int32, scale: Float32, wtidx: Int32):
+               zeros, first: Int32, rows: Int32, head: Int32, scale: Float32, wtidx: Int32):
         """Warpgroup 0: dM' = tril(dO Delta^T), dQK = scale dM' Gamma (over M), E's first
         term; dq_n = diag(scale gamma) dO S^T + dQK Kn; <S, dS'>; dk_n's diag(d) Delta dS'^T
         and dQK^T Qn terms into ``acc_dk`` (finish_dk adds warpgroup 1's); dG's q-side
@@ -578,14 +646,21 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # ---- dq_n = diag(scale gamma) dO S^T + dQK Kn;  dG += scale gamma rowsum((dO S^T) Qn)
         part = self.row_dots_then_scale(acc_k, mma_kmn_k, stage0(sQ), [scale * x for x in eg_r])
         for h in cutlass.range_constexpr(2):
-            dg_part[h] = dg_part[h] + part[h] * scale * eg_r[h]
-        self.rs(mma_rs_k, acc_k, dqk16, stage0_t(sK, C, K), True)
+            dg_part[h] = dg_part[h] + self.unless_zero(zeros[0], part[h] * scale * eg_r[h])
+        self.rs(mma_rs_k, acc_k, dqk16, stage0_t(sK, C, K), self.made(zeros[0]))
         # ---- dk_n = diag(d) Delta dS'^T + dQK^T Qn + (warpgroup 1's terms, finish_dk): its
         # first product runs while dq is finished and stored
         cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS'
-        self.ss(mma_kmn_k, acc_dk, stage0(sDelta), stage0_t(sDS, V, K), False)
-        self.state_dot(sS, sDS, storage, wtidx)
-        warpgroup.wait_group(1)  # dQK Kn
+        self.product_unless(zeros[1], mma_kmn_k, acc_dk, stage0(sDelta),
+                            stage0_t(sDS, V, K))
+        self.state_dot(sS, sDS, storage, zeros, wtidx)
+        if const_expr(zeros[1] is None):
+            warpgroup.wait_group(1)  # dQK Kn
+        else:
+            if zeros[1] == 1:  # (the dS' product was not issued)
+                warpgroup.wait_group(0)
+            else:
+                warpgroup.wait_group(1)
         self.store_grad(mma_kmn_k, mDQ, acc_k, stage0(sQ), R_Q, 0, sRows, rows_of, first,
                         rows, head, staged_dq, 0)
         warpgroup.wait_group(0)  # diag(d) Delta dS'^T
@@ -594,13 +669,14 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         part = self.row_dots_then_scale(acc_dk, mma_kmn_k, stage0(sK), d_r)
         dd_sum = Float32(0.0)  # sum of dd over this thread's rows (leaders only count)
         for h in cutlass.range_constexpr(2):
-            dd = part[h] * d_r[h]
+            dd = self.unless_zero(zeros[1], part[h] * d_r[h])
             dg_part[h] = dg_part[h] - dd
             dd_sum = dd_sum + dd
         self.warp_reduce_to(storage, 4 + wtidx // 32,
                             cutlass.select_(ctx["leader"], dd_sum, Float32(0.0)))
         self.wg_sync(0, fence=True)  # dQK's shared copy written (dq took it from registers)
-        self.ss(mma_mnmn_k, acc_dk, stage0_t(sX, C, C), stage0_t(sQ, C, K), True)
+        self.ss(mma_mnmn_k, acc_dk, stage0_t(sX, C, C), stage0_t(sQ, C, K),
+                self.made(zeros[1]))
         if ctx["leader"]:
             for h in cutlass.range_constexpr(2):
                 sDG[0, rows_of[h]] = dg_part[h]
@@ -623,7 +699,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
     @cute.jit
     def wy_side(self, mmas, tiles, layouts, storage, sRows, sDG, sDB, bars, mDV, staged_dv,
-                acc_dk, acc_v, first: Int32, rows: Int32, head: Int32, wtidx: Int32):
+                acc_dk, acc_v, zeros, first: Int32, rows: Int32, head: Int32, wtidx: Int32):
         """Warpgroup 1: dDelta = M^T dO (issued by the caller into ``acc_v``) + diag(d) Kn
         dS'^T; dv = diag(beta) T^T dDelta; dA = strict_tril(-(T^T dDelta) Delta^T);
         dBk = -(T^T dDelta) S^T; dP = diag(beta) (dA Gamma), E's
@@ -646,13 +722,14 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         # once M^T dO has read M, warpgroup 0 may write dQK over it (M_READ). Its 16-bit
         # copy goes to shared memory (sDD) for dv's product, which takes it as the B
         # operand.
-        kd = self.loaded(mma_kmn_k, stage0(sK), acc_dk)  # (acc_dk: for its (64, K) layout)
-        for e in cutlass.range_constexpr(cute.size(kd)):
-            kd[e] = (kd[e].to(Float32) * ctx["d_r"][row_half(e)]).to(dt)
-        warpgroup.wait_group(0)
-        cute.arch.mbarrier_arrive(bars + M_READ)
-        cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS'
-        self.rs(mma_rs_v, acc_v, kd, stage0(sDS), True)
+        if const_expr(zeros[1] is None):
+            self.ddelta_state_term(mmas, tiles, bars, acc_dk, acc_v, ctx["d_r"])
+        else:
+            if zeros[1] == 1:  # no dS' term
+                warpgroup.wait_group(0)
+                cute.arch.mbarrier_arrive(bars + M_READ)
+            else:
+                self.ddelta_state_term(mmas, tiles, bars, acc_dk, acc_v, ctx["d_r"])
         warpgroup.wait_group(0)
         dd16 = cute.make_rmem_tensor(acc_v.layout, dt)
         dd16.store(acc_v.load().to(dt))
@@ -673,6 +750,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         self.rs(mma_rs_c, acc_da, tdd16, stage0(sU), False)  # dA before tril and sign
         acc_c = cute.make_rmem_tensor(acc_da.layout, Float32)
         self.ss(mma_kk_c, acc_c, stage0(sK), stage0(sK), False)  # P = Kn Kn^T
+        # (issued on a zero S too, zeroed for it by load_all: skipping it made ptxas spill)
         self.rs(mma_rs_k, acc_dk, tdd16, stage0_t(sS, V, K), False)
         part = self.row_dots_then_scale(acc_v, mma_mnmn_v, stage0(sV), beta_r)
         for h in cutlass.range_constexpr(2):
@@ -722,16 +800,63 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             dk_wy[e * 128 + wtidx] = acc_dk[e]
         cute.arch.mbarrier_arrive(bars + DK_READY)
 
+    @cute.jit
+    def ddelta_state_term(self, mmas, tiles, bars, acc_dk, acc_v, d_r):
+        """Warpgroup 1: diag(d) Kn dS'^T added to M^T dO (in ``acc_v``, waited for here;
+        then M_READ), once dS' has landed (not waited for)."""
+        mma_kmn_k, mma_rs_v = mmas[2], mmas[5]
+        sK, sDS = tiles[1], tiles[9]
+        kd = self.loaded(mma_kmn_k, stage0(sK), acc_dk)  # (acc_dk: for its (64, K) layout)
+        for e in cutlass.range_constexpr(cute.size(kd)):
+            kd[e] = (kd[e].to(Float32) * d_r[row_half(e)]).to(self.dtype)
+        warpgroup.wait_group(0)
+        cute.arch.mbarrier_arrive(bars + M_READ)
+        cute.arch.mbarrier_wait(bars + LATE_LOADS, 0)  # dS'
+        self.rs(mma_rs_v, acc_v, kd, stage0(sDS), True)
+
     # ---------------------------------------------------------------- helpers
     @cute.jit
-    def ss(self, mma, acc, sA, sB, accumulate: cutlass.Constexpr):
-        """acc (+)= A B^T, both from shared memory, on this warpgroup."""
+    def product_unless(self, zero, mma, acc, a, sB):
+        """acc = A B^T (A from shared memory, or from registers where ``a`` is a register
+        fragment: ss, rs), not issued where ``zero`` (an operand is zero, kernel's flags;
+        None: never) is 1: acc is then undefined, so its readers take unless_zero and the
+        next product into it overwrites (made). No register of it is written here: ptxas
+        serializes every wgmma of a kernel where other instructions write an accumulator
+        while a wgmma is in flight."""
+        if const_expr(zero is None):
+            self.ss_or_rs(mma, acc, a, sB)
+        else:
+            if zero == 0:
+                self.ss_or_rs(mma, acc, a, sB)
+
+    def unless_zero(self, zero, value):
+        """``value``, or 0 where ``zero`` is 1 (value read a product_unless not issued)."""
+        if const_expr(zero is None):
+            return value
+        return cutlass.select_(zero == 1, Float32(0.0), value)
+
+    def made(self, zero):
+        """Whether the product_unless guarded by ``zero`` was issued: the next product's
+        accumulate flag (a wgmma's scale-d predicate may be dynamic)."""
+        return True if const_expr(zero is None) else zero == 0
+
+    @cute.jit
+    def ss_or_rs(self, mma, acc, a, sB):
+        if const_expr(a.memspace == cute.AddressSpace.rmem):
+            self.rs(mma, acc, a, sB, False)
+        else:
+            self.ss(mma, acc, a, sB, False)
+
+    @cute.jit
+    def ss(self, mma, acc, sA, sB, accumulate):
+        """acc (+)= A B^T, both from shared memory, on this warpgroup (``accumulate``: a
+        Python bool, or a dynamic Boolean)."""
         thr = mma.get_slice(cute.arch.thread_idx()[0] % 128)
         wgmma(mma, acc, thr.make_fragment_A(thr.partition_A(sA)),
               thr.make_fragment_B(thr.partition_B(sB)), accumulate)
 
     @cute.jit
-    def rs(self, mma, acc, vals, sB, accumulate: cutlass.Constexpr):
+    def rs(self, mma, acc, vals, sB, accumulate):
         """acc (+)= A B^T with A the 16-bit fragment ``vals`` in registers (laid out as an
         accumulator, like store_stmatrix's), B from shared memory, on this warpgroup."""
         thr = mma.get_slice(cute.arch.thread_idx()[0] % 128)
@@ -811,9 +936,22 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             storage.reduce.get_tensor(cute.make_layout(REDUCE_SLOTS))[slot] = value
 
     @cute.jit
-    def state_dot(self, sS, sDS, storage, wtidx: Int32):
+    def state_dot(self, sS, sDS, storage, zeros, wtidx: Int32):
         """One warpgroup: <S, dS'> over the (V, K) tiles, 8 elements (16 bytes) per load;
-        per-warp partial sums into reduce slots 0..3."""
+        per-warp partial sums into reduce slots 0..3 (zeros where either is zero)."""
+        acc = Float32(0.0)
+        present = [z for z in zeros if z is not None]
+        if const_expr(len(present) == 0):
+            acc = self.state_dot_partial(sS, sDS, wtidx)
+        else:
+            either = present[0] if const_expr(len(present) == 1) else present[0] | present[1]
+            if either == 0:
+                acc = self.state_dot_partial(sS, sDS, wtidx)
+        self.warp_reduce_to(storage, wtidx // cute.arch.WARP_SIZE, acc)
+
+    @cute.jit
+    def state_dot_partial(self, sS, sDS, wtidx: Int32) -> Float32:
+        """This thread's part of <S, dS'>."""
         K, V = self.k_dim, self.v_dim
         acc = Float32(0.0)
         a8 = cute.make_rmem_tensor(cute.make_layout((1, 8)), self.dtype)
@@ -825,7 +963,7 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
             cute.autovec_copy(cute.local_tile(stage0(sDS), (1, 8), (r, c8)), b8)
             for u in cutlass.range_constexpr(8):
                 acc = acc + a8[u].to(Float32) * b8[u].to(Float32)
-        self.warp_reduce_to(storage, wtidx // cute.arch.WARP_SIZE, acc)
+        return acc
 
     @cute.jit
     def store_rows(self, mma, mOut, acc, rows_of, first: Int32, rows: Int32, head: Int32,

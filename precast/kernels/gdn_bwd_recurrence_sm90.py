@@ -16,8 +16,10 @@ causal Q K^T as stage 1 stores them):
                                                           (the gradient entering the chunk)
 
 Every chunk's D (the gradient *leaving* it, 16-bit) goes to ``dstates`` by a TMA store from
-a staging tile, at the chunk's packed number (stage 1's numbering); the gradient entering
-the first chunk goes to the initial state's gradient (fp32). dDelta is not stored: the
+a staging tile, at the chunk's packed number (stage 1's numbering), but for a one-chunk
+sequence's without dfinal (zero; the chunk kernel does not load it); the gradient entering
+the first chunk goes to the initial state's gradient (fp32), and without one the first
+chunk's step is not made. dDelta is not stored: the
 chunk kernel (gdn_bwd_chunk_sm90) recomputes it from dS' and the chunk's own tiles, which
 costs less than writing and reading it. Rows of a partial last chunk past the sequence end have
 q_f = k_f = 0 and zero rows of M, so they add nothing (do rows there belong to the next
@@ -175,9 +177,13 @@ class GdnStateGradSm90:
         length = mCuSeqlens[batch + 1] - start
         chunks = (length + CHUNK - 1) // CHUNK
         first_chunk = packed_chunk_start(mCuSeqlens, batch, mSeqTable)
+        # chunk steps: without the initial state's gradient, the first chunk's would only
+        # make the gradient entering it, which nothing reads (its dS' is stored after them)
+        updates = chunks if const_expr(self.init_grad) else cutlass.max(chunks - 1, 0)
         if warp == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.produce(loads, tiles, pipe, p_full, head, start, first_chunk, chunks, split)
+            self.produce(loads, tiles, pipe, p_full, head, start, first_chunk, chunks, updates,
+                         split)
         elif warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             # P (sM) -> T (sT) and M (sM); then, once the stage's other tiles have landed,
@@ -190,24 +196,26 @@ class GdnStateGradSm90:
                 self.scale_rows(sQ[None, None, stage], sF[0, None, stage],
                                 tidx - cute.arch.WARP_SIZE, UNPACK_WARPS * cute.arch.WARP_SIZE)
             unpack_ring(storage.sM.data_ptr().toint(), storage.sT.data_ptr().toint(), p_full,
-                        unpacked, chunks, warp - 1, self.stages, True,
+                        unpacked, updates, warp - 1, self.stages, True,
                         one_bits(self.dtype), also=scale_q)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.consume(mmas, tiles, sDS, store, pipe, unpacked, mDFinal, mDInit,
-                         batch, head, first_chunk, chunks, tidx - THREADS_PER_WG, split)
+                         batch, head, first_chunk, chunks, updates, tidx - THREADS_PER_WG,
+                         split)
 
     @cute.jit
     def produce(self, loads, tiles, pipe, p_full, head: Int32, start: Int32,
-                first_chunk: Int32, chunks: Int32, split: Int32):
+                first_chunk: Int32, chunks: Int32, updates: Int32, split: Int32):
         """The chunks' packed P (into sM, first: unpack_ring splits it while the rest
-        lands), q, k (raw rows), factor row and this CTA's do columns, last chunk first."""
+        lands), q, k (raw rows), factor row and this CTA's do columns, last chunk first,
+        for the last ``updates`` chunks."""
         K, C, Vc = self.k_dim, CHUNK, self.v_rows
         (tma_q, mQ), (tma_k, mK), (tma_blk, mW_blk), (tma_do, mDO), (tma_f, mF) = loads
         sQ, sK, _, sM, sDO, sF = tiles  # (T, tiles[2], is made from P by unpack_ring)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                              self.stages)
-        for i in cutlass.range(chunks, unroll=1):
+        for i in cutlass.range(updates, unroll=1):
             c = chunks - 1 - i
             pipe.producer_acquire(state)
             load_packed(tma_blk, mW_blk[None, None, head, first_chunk + c], sM, state.index,
@@ -229,7 +237,7 @@ class GdnStateGradSm90:
 
     @cute.jit
     def consume(self, mmas, tiles, sDS, store, pipe, unpacked, mDFinal, mDInit,
-                batch: Int32, head: Int32, first_chunk: Int32, chunks: Int32,
+                batch: Int32, head: Int32, first_chunk: Int32, chunks: Int32, updates: Int32,
                 consumer_tidx: Int32, split: Int32):
         mma_tok, mma_tok_ss, mma_state, mma_state_ss, mma_t = mmas
         sQ, sK, sT, sM, sDO, sF = tiles
@@ -272,7 +280,7 @@ class GdnStateGradSm90:
                 acc_state[e] = src[e]
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                              self.stages)
-        for i in cutlass.range(chunks, unroll=1):
+        for i in cutlass.range(updates, unroll=1):
             c = chunks - 1 - i
             chunk = first_chunk + c
             s = state.index
@@ -324,6 +332,22 @@ class GdnStateGradSm90:
             cute.arch.sync_warp()
             pipe.consumer_release(state)
             state = advanced(state)
+        if const_expr(not self.init_grad):
+            # the first chunk's dS' (no step made the gradient entering it); in a one-chunk
+            # sequence without dfinal it is zero and not stored (the chunk kernel makes
+            # the last chunk's dS' tile zero without loading it)
+            if chunks > int(not self.final_grad):
+                if issuer:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                self.consumer_sync()
+                state16.store(acc_state.load().to(self.dtype))
+                store_stmatrix(state16, mma_state, sDS[None, None, 0], consumer_tidx)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                self.consumer_sync()
+                if issuer:
+                    tma_store_tile(store_ds, sDS, cute.local_tile(
+                        mDS_t[None, None, head, first_chunk], (rows, K), (split, 0)))
+                    cute.arch.cp_async_bulk_commit_group()
         if issuer:  # the last store has read the staging tile before the CTA exits
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         if const_expr(self.init_grad):

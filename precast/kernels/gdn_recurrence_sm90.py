@@ -163,6 +163,11 @@ class GdnChunkRecurrenceSm90:
         self.overlap_products = overlap_products
         self.initial_state, self.pool = initial_state, pool
         self.final_state, self.checkpoints = final_state, checkpoints
+        assert not (states_only and final_state)  # (its last update is skipped)
+        # the states pass from zeros: the state entering a one-chunk sequence is not
+        # written (it is zero: the backward's chunk kernel makes the first chunk's state
+        # tile zero without loading it)
+        self.zero_first = states_only and not initial_state
         assert v_dim % (64 * v_splits) == 0
         self.v_splits = v_splits
         self.v_rows = v_dim // v_splits  # state rows (V) of one CTA
@@ -324,8 +329,9 @@ class GdnChunkRecurrenceSm90:
             length = mCuSeqlens[batch + 1] - start
             first_chunk = packed_chunk_start(mCuSeqlens, batch, mSeqTable)
         chunks = (length + CHUNK - 1) // CHUNK
-        # chunk updates: a segment's last one would only make the next checkpoint
-        updates = cutlass.max(chunks - 1, 0) if const_expr(self.from_checkpoints) else chunks
+        # chunk updates: without o, a sequence's (or segment's) last one would only make the
+        # state leaving it, which nothing reads (at 1024 x 64 every update was such a one)
+        updates = cutlass.max(chunks - 1, 0) if const_expr(self.states_only) else chunks
         if warp == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mQ, mK, mW_blk, mW_u, tma_q, tma_kr, tma_blk, tma_u, sQ, sK,
@@ -474,8 +480,10 @@ class GdnChunkRecurrenceSm90:
             if updates > 0:
                 o16.store(parts.acc_o.load().to(self.dtype))
                 self.store_o(parts, mO, start, length, updates - 1, head, staged_o, o16)
-        if const_expr(self.from_checkpoints):
-            if chunks > 0:  # the state entering the segment's last chunk
+        if const_expr(self.states_only):
+            # the state entering the last chunk (every = CHUNK without o), but for a
+            # one-chunk sequence's zero state
+            if chunks > int(self.zero_first):
                 self.save_state_staged(parts, ckpt_stage, ckpt_row + updates, head)
         if consumer_tidx < cute.arch.WARP_SIZE:  # the staging tile's last store has read it
             cute.arch.cp_async_bulk_wait_group(0, read=True)

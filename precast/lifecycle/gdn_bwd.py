@@ -287,7 +287,8 @@ class GdnBwdSm90(Op):
             io, tokens, chunks = _cute_type(s.dtype), cute.sym_int(), cute.sym_int()
             kernel = GdnChunkGradSm90(io, s.K, s.V, s.HQ, s.HK, s.HV,
                                       s.use_qk_l2norm_in_kernel, _cute_type(s.g_dtype),
-                                      _cute_type(s.beta_dtype))
+                                      _cute_type(s.beta_dtype), initial_state=init_grad,
+                                      final_grad=final_grad)
             args = (fake_tokens(io, tokens, s.HQ, s.K), fake_tokens(io, tokens, s.HK, s.K),
                     fake_tokens(io, tokens, s.HV, s.V), _fake_gate(s.g_dtype, tokens, s.HO),
                     _fake_gate(s.beta_dtype, tokens, s.HO), _fake_offsets(), _fake_offsets(),
