@@ -1121,8 +1121,9 @@ def test_default_plan_has_the_backward_of_every_planned_forward_shape():
 def test_zero_state_tiles_follow_the_configuration(state_dtype, final_grad):
     """Without an initial state the state entering a sequence's first chunk is zero, and
     without dfinal so is dS' of its last: the chunk kernel then neither loads that tile
-    nor issues the products that read it, the states pass writes no state for a one-chunk sequence, and state_grad
-    makes no first-chunk step unless the initial state's gradient needs it."""
+    nor issues the products that read it, the states pass writes no state for a one-chunk
+    sequence, and state_grad makes no first-chunk step unless the initial state's gradient
+    needs it."""
     op = GdnBwdSm90.from_config(state_dtype=state_dtype,
                                 final_state_grad=final_grad).check_support()
     builders = op._kernel_builders()

@@ -816,18 +816,17 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
 
     # ---------------------------------------------------------------- helpers
     @cute.jit
-    def product_unless(self, zero, mma, acc, a, sB):
-        """acc = A B^T (A from shared memory, or from registers where ``a`` is a register
-        fragment: ss, rs), not issued where ``zero`` (an operand is zero, kernel's flags;
+    def product_unless(self, zero, mma, acc, sA, sB):
+        """acc = A B^T (ss), not issued where ``zero`` (an operand is zero, kernel's flags;
         None: never) is 1: acc is then undefined, so its readers take unless_zero and the
         next product into it overwrites (made). No register of it is written here: ptxas
         serializes every wgmma of a kernel where other instructions write an accumulator
         while a wgmma is in flight."""
         if const_expr(zero is None):
-            self.ss_or_rs(mma, acc, a, sB)
+            self.ss(mma, acc, sA, sB, False)
         else:
             if zero == 0:
-                self.ss_or_rs(mma, acc, a, sB)
+                self.ss(mma, acc, sA, sB, False)
 
     def unless_zero(self, zero, value):
         """``value``, or 0 where ``zero`` is 1 (value read a product_unless not issued)."""
@@ -839,13 +838,6 @@ class GdnChunkGradSm90(GdnChunkPrepareSm90):
         """Whether the product_unless guarded by ``zero`` was issued: the next product's
         accumulate flag (a wgmma's scale-d predicate may be dynamic)."""
         return True if const_expr(zero is None) else zero == 0
-
-    @cute.jit
-    def ss_or_rs(self, mma, acc, a, sB):
-        if const_expr(a.memspace == cute.AddressSpace.rmem):
-            self.rs(mma, acc, a, sB, False)
-        else:
-            self.ss(mma, acc, a, sB, False)
 
     @cute.jit
     def ss(self, mma, acc, sA, sB, accumulate):
