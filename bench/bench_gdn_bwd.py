@@ -2,7 +2,9 @@
 the kernel; g float32, beta bfloat16; the loss on o only, so no final-state gradient):
 - B = 4 sequences of 8192 tokens, 64 heads (the target: backward <= 3x our forward);
 - one sequence of 32768 tokens, 16 q/k heads and 32 v heads (the target: <= 2.3 ms);
-- 64 sequences of 512 tokens, 64 heads.
+- 64 sequences of 512 tokens, 64 heads;
+- 1024 sequences of 64 tokens, 64 heads; 128 of 300 tokens with 16 q / k and 32 v heads
+  (each sequence's last chunk partial: its dq and dk rows are added by atomics).
 
     python bench/bench_gdn_bwd.py [--case NAME ...] [--no-peer] [--stages]
                                   [--checkpoints N] [--no-keep]
@@ -40,6 +42,9 @@ CASES = {  # name: (sequences, tokens each, q/k heads, v heads)
     "64x512": (64, 512, 64, 64),
     # many short sequences: the per-sequence table's case (bench_gdn.py has it too)
     "1024x64": (1024, 64, 64, 64),
+    # every sequence ends in a partial chunk (300 = 4 x 64 + 44), whose dq and dk rows two
+    # output heads add into by atomics
+    "128x300-hv32": (128, 300, 16, 32),
 }
 
 
