@@ -42,9 +42,7 @@ CASES = {  # name: (sequences, tokens each, q/k heads, v heads)
     "64x512": (64, 512, 64, 64),
     # many short sequences: the per-sequence table's case (bench_gdn.py has it too)
     "1024x64": (1024, 64, 64, 64),
-    # every sequence ends in a partial chunk (300 = 4 x 64 + 44), whose dq and dk rows two
-    # output heads add into by atomics
-    "128x300-hv32": (128, 300, 16, 32),
+    "128x300-hv32": (128, 300, 16, 32),  # 300 = 4 x 64 + 44: a partial chunk each
 }
 
 
